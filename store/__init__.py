@@ -1,0 +1,1 @@
+"""The event log and everything that reads or writes PostgreSQL."""

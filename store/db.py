@@ -1,0 +1,109 @@
+"""The one module that talks to psycopg: connections, transactions and error translation.
+
+Every driver error leaves this module as one of ``store.errors``: connection loss,
+serialization failures, deadlocks and server shutdowns become ``TransientError`` (the only
+kind worth retrying); unique violations become ``DuplicateKeyError`` naming the constraint;
+privilege and trigger refusals become ``RefusedError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import ConnectionPool
+
+from store import errors
+
+__all__ = ["Database", "translate_errors", "connect"]
+
+_TRANSIENT = (
+    psycopg.OperationalError,
+    pg_errors.SerializationFailure,
+    pg_errors.DeadlockDetected,
+    pg_errors.AdminShutdown,
+    pg_errors.CannotConnectNow,
+    pg_errors.QueryCanceled,
+)
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Re-raise psycopg errors raised inside the block as ``store.errors``."""
+    try:
+        yield
+    except errors.StoreError:
+        raise
+    except pg_errors.UniqueViolation as exc:
+        constraint = exc.diag.constraint_name
+        raise errors.DuplicateKeyError(constraint, str(exc).strip()) from exc
+    except (pg_errors.InsufficientPrivilege, pg_errors.RaiseException) as exc:
+        raise errors.RefusedError(str(exc).strip()) from exc
+    except _TRANSIENT as exc:
+        raise errors.TransientError(f"database unavailable: {str(exc).strip()}") from exc
+    except pg_errors.UndefinedTable as exc:
+        raise errors.StoreError(
+            f"{str(exc).strip()} (is the schema migrated? run `trajstore migrate`)"
+        ) from exc
+    except psycopg.Error as exc:
+        raise errors.StoreError(str(exc).strip()) from exc
+
+
+def connect(url: str, **kwargs: Any) -> psycopg.Connection:
+    """A single connection to ``url`` (errors translated)."""
+    with translate_errors():
+        return psycopg.connect(url, **kwargs)
+
+
+class Database:
+    """A pool of connections to one PostgreSQL database."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 8,
+        statement_timeout_ms: int = 60_000,
+    ) -> None:
+        self.url = url
+        options = f"-c statement_timeout={int(statement_timeout_ms)}"
+        self._pool = ConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"options": options},
+            open=False,
+            check=ConnectionPool.check_connection,
+        )
+        with translate_errors():
+            self._pool.open(wait=True, timeout=30)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection]:
+        """A pooled connection inside one transaction: committed when the block ends,
+        rolled back when it raises."""
+        with translate_errors():
+            with self._pool.connection() as conn:
+                with conn.transaction():
+                    yield conn
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A pooled connection in autocommit-per-statement use (each statement its own
+        transaction unless the caller opens one)."""
+        with translate_errors():
+            with self._pool.connection() as conn:
+                yield conn
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,80 @@
+"""The store's small error tree. Driver errors are translated into it in ``store.db`` only.
+
+``TransientError`` is the one kind worth retrying; everything else is the caller's to fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "StoreError",
+    "ValidationError",
+    "ConflictError",
+    "IdempotencyError",
+    "NotFoundError",
+    "TransientError",
+    "DuplicateKeyError",
+    "RefusedError",
+]
+
+
+class StoreError(Exception):
+    """Base of every error the store raises on purpose."""
+
+
+class ValidationError(StoreError, ValueError):
+    """An event or argument is invalid. ``event_index`` and ``field`` name what is wrong."""
+
+    def __init__(self, message: str, *, event_index: int | None = None, field: str | None = None):
+        self.event_index = event_index
+        self.field = field
+        self.reason = message
+        where = []
+        if event_index is not None:
+            where.append(f"event {event_index}")
+        if field:
+            where.append(f"field {field!r}")
+        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+
+
+class ConflictError(StoreError):
+    """The stream is not at the version the append expected. Nothing was stored."""
+
+    def __init__(self, stream_id: str, *, expected: object, actual: int):
+        self.stream_id = stream_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"stream {stream_id!r} is at version {actual}, the append expected {expected}"
+        )
+
+
+class IdempotencyError(StoreError):
+    """An event id was appended before with different content. Nothing was stored."""
+
+    def __init__(self, event_id: object, *, position: int):
+        self.event_id = event_id
+        self.position = position
+        super().__init__(
+            f"event id {event_id} is already stored at position {position} with different content"
+        )
+
+
+class NotFoundError(StoreError, LookupError):
+    """A stream, run or episode does not exist."""
+
+
+class TransientError(StoreError):
+    """The database is unreachable or the transaction was aborted by the server; retry."""
+
+
+class DuplicateKeyError(StoreError):
+    """A unique constraint refused a row; ``constraint`` names it. The event log turns this
+    into a ``ConflictError`` or ``IdempotencyError``; other callers report it as is."""
+
+    def __init__(self, constraint: str | None, message: str):
+        self.constraint = constraint
+        super().__init__(message)
+
+
+class RefusedError(StoreError, PermissionError):
+    """The database refused the statement (for example an UPDATE of an immutable event)."""

@@ -1,0 +1,637 @@
+"""The event log: append, read a stream, read everything in commit order, subscribe.
+
+This is the store's core. The hard parts, each commented where it happens:
+- gap-free reading in commit order (``read_all``),
+- idempotent append keyed by ``event_id`` (``append``),
+- optimistic concurrency on stream versions (``append``),
+- prompt delta encoding (``store.rows.encode_llm_call``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from psycopg.rows import dict_row
+
+from store import errors
+from store.db import Database
+from store.events import EpisodeStarted, Event, LLMCalled, RunCreated
+from store.rows import (
+    ROW_COLUMNS,
+    START,
+    Decoder,
+    EventRow,
+    LLMCallMemory,
+    LogPosition,
+    RecordedEvent,
+    content_hash,
+    encode_llm_call,
+)
+from store.settings import Settings
+from store.validation import validate_batch
+
+__all__ = [
+    "EventStore",
+    "AppendResult",
+    "ExpectedVersion",
+    "ANY",
+    "NO_STREAM",
+    "LogPosition",
+    "RecordedEvent",
+    "START",
+    "run_stream_id",
+]
+
+ANY: Literal["any"] = "any"
+NO_STREAM: Literal["no_stream"] = "no_stream"
+ExpectedVersion = int | Literal["any", "no_stream"]
+
+NOTIFY_CHANNEL = "trajstore_events"
+
+
+def run_stream_id(run_id: str) -> str:
+    """The stream that holds a run's own events (``run_created``, ``policy_updated``)."""
+    return f"run-{run_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Where an append's events sit. ``duplicate`` is True when every event id was already
+    stored (an idempotent retry): nothing new was written and the original positions are
+    returned."""
+
+    stream_id: str
+    positions: tuple[int, ...]
+    version: int
+    duplicate: bool = False
+
+
+_INSERT = """
+INSERT INTO events (event_id, stream_id, stream_version, type, schema_version, run_id,
+                    group_id, agent, data, content_hash, prompt_ids, prompt_base_version,
+                    prompt_prefix_len, prompt_len, response_ids, logprobs, occurred_at)
+SELECT * FROM unnest(%b::uuid[], %b::text[], %b::int4[], %b::text[], %b::int2[], %b::text[],
+                     %b::text[], %b::text[], %b::jsonb[], %b::bytea[], %b::bytea[],
+                     %b::int4[], %b::int4[], %b::int4[], %b::bytea[], %b::bytea[],
+                     %b::timestamptz[])
+-- Idempotency: a concurrent append of the same event ids makes these rows conflict on
+-- event_id. Naming the column (not a bare ON CONFLICT DO NOTHING) keeps a clash on
+-- (stream_id, stream_version), a genuine version conflict, an error.
+ON CONFLICT (event_id) DO NOTHING
+RETURNING event_id, position
+"""
+
+
+class EventStore:
+    """Append-only event log on one PostgreSQL database.
+
+    Thread-safe: connections come from a pool. Open with ``EventStore.open()`` (settings and
+    the embedded default) or ``EventStore(Database(url))``.
+    """
+
+    def __init__(self, database: Database, settings: Settings | None = None) -> None:
+        self.db = database
+        self.settings = settings or Settings()
+        self._calls: OrderedDict[str, list[LLMCallMemory]] = OrderedDict()
+        self._stream_meta: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, settings: Settings | None = None, *, migrate: bool | None = None) -> EventStore:
+        """Connect as the settings say. With no database URL, start the embedded server and
+        migrate it; with a URL, migrate only when ``migrate`` is True and otherwise refuse a
+        database that is not at the newest revision, naming the command that fixes it."""
+        from store import embedded
+        from store import migrate as migrations
+
+        settings = settings or Settings()
+        url = embedded.database_url(settings)
+        if migrate is None:
+            migrate = settings.database_url is None
+        if migrate:
+            migrations.upgrade(url)
+        else:
+            current, head = migrations.current_revision(url), migrations.head_revision()
+            if current != head:
+                raise errors.StoreError(
+                    f"database schema is at revision {current}, this code needs {head}: "
+                    "run `trajstore migrate`"
+                )
+        db = Database(
+            url,
+            min_size=settings.pool_min_size,
+            max_size=settings.pool_max_size,
+            statement_timeout_ms=settings.statement_timeout_ms,
+        )
+        return cls(db, settings)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> EventStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- append ----------------------------------------------------------------------------
+
+    def append(
+        self,
+        stream_id: str,
+        events: Sequence[Event],
+        expected_version: ExpectedVersion = ANY,
+    ) -> AppendResult:
+        """Append ``events`` to ``stream_id`` atomically, all or nothing.
+
+        ``expected_version`` is the version the stream must be at (0 or ``NO_STREAM``: the
+        stream must not exist; ``ANY``: no check). A stale one raises ``ConflictError`` with
+        the current version. Events without an ``event_id`` get a new one. Appending event
+        ids that are all stored already with the same content is an idempotent retry: nothing
+        is written and the original positions come back (``duplicate=True``), whatever
+        ``expected_version`` says. The same id with other content raises
+        ``IdempotencyError``; a batch mixing stored and new ids raises ``ValidationError``.
+        Invalid events raise ``ValidationError`` naming the event index and field.
+        """
+        if not isinstance(stream_id, str) or not stream_id or len(stream_id) > 200:
+            raise errors.ValidationError(
+                f"stream id must be a non-empty string of at most 200 characters, "
+                f"got {stream_id!r}",
+                field="stream_id",
+            )
+        expected = _check_expected(expected_version)
+        events = validate_batch(events, self.settings)
+        events = [
+            e if e.event_id is not None else e.model_copy(update={"event_id": uuid.uuid4()})
+            for e in events
+        ]
+        hashes = [content_hash(stream_id, e) for e in events]
+        for attempt in range(5):
+            try:
+                return self._append_once(stream_id, events, hashes, expected)
+            except _Retry:
+                if attempt == 4:
+                    raise errors.TransientError(
+                        f"append to {stream_id!r} kept racing with concurrent appends"
+                    ) from None
+        raise AssertionError("unreachable")
+
+    def _append_once(
+        self,
+        stream_id: str,
+        events: list[Event],
+        hashes: list[bytes],
+        expected: int | None,
+    ) -> AppendResult:
+        ids = [e.event_id for e in events]
+        with self.db.transaction() as conn:
+            stored = conn.execute(
+                "SELECT event_id, position, content_hash, stream_id, stream_version"
+                " FROM events WHERE event_id = ANY(%s)",
+                (ids,),
+            ).fetchall()
+            if stored:
+                return _idempotent_result(stream_id, ids, hashes, stored)
+
+            current = conn.execute(
+                "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = %s",
+                (stream_id,),
+            ).fetchone()[0]
+            if expected is not None and current != expected:
+                raise errors.ConflictError(stream_id, expected=expected, actual=current)
+
+            rows, calls = self._rows(conn, stream_id, current, events, hashes)
+            try:
+                with conn.transaction():  # savepoint: a clash must not poison the outer tx
+                    returned = conn.execute(_INSERT, _columns(rows)).fetchall()
+            except errors.DuplicateKeyError as exc:
+                if exc.constraint == "events_stream_version_key":
+                    # Another append to this stream committed between our version read and
+                    # our insert. With a specific expected version that is a conflict; with
+                    # ANY, try again on top of it.
+                    if expected is None:
+                        raise _Retry() from exc
+                    actual = conn.execute(
+                        "SELECT coalesce(max(stream_version), 0) FROM events"
+                        " WHERE stream_id = %s",
+                        (stream_id,),
+                    ).fetchone()[0]
+                    raise errors.ConflictError(
+                        stream_id, expected=expected, actual=actual
+                    ) from exc
+                raise
+            if len(returned) != len(rows):
+                # A concurrent append of some of these event ids committed first and our rows
+                # were skipped: undo ours and answer as for a retry.
+                raise _Retry()
+            by_id = dict(returned)
+            positions = tuple(by_id[r.event_id] for r in rows)
+        self._remember(stream_id, calls)
+        return AppendResult(stream_id, positions, current + len(events))
+
+    def _rows(
+        self,
+        conn: Any,
+        stream_id: str,
+        current: int,
+        events: list[Event],
+        hashes: list[bytes],
+    ) -> tuple[list[EventRow], list[LLMCallMemory]]:
+        """The rows to insert, and the stream's recent LLM calls including the new ones."""
+        run_id, group_id = self._stream_identity(conn, stream_id, current, events)
+        calls = self._recent_calls(conn, stream_id, current) if current else []
+        rows: list[EventRow] = []
+        for i, (event, digest) in enumerate(zip(events, hashes, strict=True)):
+            data = event.to_data()
+            row = EventRow(
+                event_id=event.event_id,  # type: ignore[arg-type]
+                stream_id=stream_id,
+                stream_version=current + i + 1,
+                type=event.type,
+                schema_version=event.schema_version,
+                run_id=getattr(event, "run_id", None) or run_id,
+                group_id=getattr(event, "group_id", None) or group_id,
+                agent=getattr(event, "agent", None),
+                data=data,
+                content_hash=digest,
+                occurred_at=event.occurred_at or dt.datetime.now(dt.UTC),
+            )
+            if isinstance(event, LLMCalled):
+                memory = encode_llm_call(
+                    row,
+                    event,
+                    calls[-self.settings.delta_candidates :],
+                    min_prefix=self.settings.delta_min_prefix,
+                )
+                calls = [*calls, memory]
+            rows.append(row)
+        return rows, calls
+
+    def _remember(self, stream_id: str, calls: list[LLMCallMemory]) -> None:
+        keep = calls[-self.settings.delta_candidates :]
+        with self._cache_lock:
+            self._calls[stream_id] = keep
+            self._calls.move_to_end(stream_id)
+            while len(self._calls) > 256:
+                self._calls.popitem(last=False)
+
+    def _stream_identity(
+        self, conn: Any, stream_id: str, current: int, events: list[Event]
+    ) -> tuple[str | None, str | None]:
+        """run_id and group_id denormalised onto every row of a stream, taken from the
+        stream's opening event (``run_created`` or ``episode_started``)."""
+        for e in events:
+            if isinstance(e, EpisodeStarted):
+                return e.run_id, e.group_id
+            if isinstance(e, RunCreated):
+                return e.run_id, None
+        if current == 0:
+            return None, None
+        with self._cache_lock:
+            known = self._stream_meta.get(stream_id)
+        if known is None:
+            row = conn.execute(
+                "SELECT run_id, group_id FROM events WHERE stream_id = %s AND stream_version = 1",
+                (stream_id,),
+            ).fetchone()
+            known = (row[0], row[1]) if row else (None, None)
+            with self._cache_lock:
+                self._stream_meta[stream_id] = known
+                while len(self._stream_meta) > 4096:
+                    self._stream_meta.popitem(last=False)
+        return known
+
+    def _recent_calls(self, conn: Any, stream_id: str, current: int) -> list[LLMCallMemory]:
+        """Recent ``llm_called`` of the stream as delta candidates, from the cache when it is
+        there and from the log otherwise (events never change, so a cached call stays valid;
+        a stale cache only misses a better base)."""
+        with self._cache_lock:
+            cached = self._calls.get(stream_id)
+        if cached is not None:
+            return list(cached)
+        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = %s AND type = 'llm_called'"
+            " ORDER BY stream_version",
+            (stream_id,),
+        ).fetchall()
+        decoder = Decoder()
+        for row in rows:
+            decoder.remember(row)
+        memories = [decoder.memory(stream_id, r["stream_version"]) for r in rows]
+        return memories[-self.settings.delta_candidates :]
+
+    # --- read ------------------------------------------------------------------------------
+
+    def stream_version(self, stream_id: str) -> int:
+        """The stream's current version (0 when it does not exist)."""
+        with self.db.connection() as conn:
+            return conn.execute(
+                "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = %s",
+                (stream_id,),
+            ).fetchone()[0]
+
+    def read_stream(
+        self, stream_id: str, *, from_version: int = 1, to_version: int | None = None
+    ) -> list[RecordedEvent]:
+        """The stream's events from ``from_version`` to ``to_version`` (inclusive), in
+        version order, with token payloads decoded into numpy arrays. An unknown stream
+        gives an empty list."""
+        if from_version < 1:
+            raise errors.ValidationError(f"from_version must be >= 1, got {from_version}")
+        upper = to_version if to_version is not None else 2**31 - 1
+        with self.db.connection() as conn:
+            # Delta bases may lie before from_version: read the stream's llm_called rows
+            # from its start, decode them all, and hand back only the asked range.
+            rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+                f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = %s"
+                " AND stream_version <= %s AND (stream_version >= %s OR type = 'llm_called')"
+                " ORDER BY stream_version",
+                (stream_id, upper, from_version),
+            ).fetchall()
+        decoder = Decoder()
+        out = []
+        for row in rows:
+            decoded = decoder.decode(row)
+            if row["stream_version"] >= from_version:
+                out.append(decoded)
+        return out
+
+    def read_all(
+        self,
+        after: LogPosition | None = None,
+        *,
+        limit: int = 1000,
+        types: Sequence[str] | None = None,
+    ) -> list[RecordedEvent]:
+        """Up to ``limit`` events after the checkpoint ``after`` in commit order.
+
+        Gap-free: every event is returned exactly once across successive calls that pass the
+        last returned event's ``log_position``, even with many concurrent writers. Filtering
+        by ``types`` keeps that guarantee for the types asked.
+        """
+        if limit < 1:
+            raise errors.ValidationError(f"limit must be >= 1, got {limit}")
+        after = after or START
+        # Why not "position > last seen": positions are handed out when a row is inserted,
+        # but rows become visible when their transaction commits. A transaction that took
+        # position 10 and commits after one that took 11 would be skipped by a reader that
+        # already saw 11. Instead: read only rows written by transactions older than the
+        # oldest transaction still running (xmin of the current snapshot: all of those have
+        # ended, so no row can ever appear below that line again), and order by the writing
+        # transaction first. The checkpoint is the (tx_id, position) pair.
+        type_filter = "AND type = ANY(%(types)s)" if types else ""
+        sql = f"""
+            SELECT {ROW_COLUMNS} FROM events
+            WHERE (tx_id, position) > (%(tx)s::text::xid8, %(pos)s)
+              AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
+              {type_filter}
+            ORDER BY tx_id, position
+            LIMIT %(limit)s
+        """
+        params = {"tx": after.tx_id, "pos": after.position, "limit": limit,
+                  "types": list(types) if types else None}
+        with self.db.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row, binary=True)
+            rows = cur.execute(sql, params).fetchall()
+            return self._decode_with_bases(cur, rows)
+
+    def _decode_with_bases(self, cur: Any, rows: list[dict[str, Any]]) -> list[RecordedEvent]:
+        decoder = Decoder()
+        missing = decoder.missing_bases(rows)
+        if missing:
+            streams = [s for s, _ in missing]
+            versions = [v for _, v in missing]
+            # Fetch each missing base and, recursively, the bases it needs.
+            bases = cur.execute(
+                f"""
+                WITH RECURSIVE chain(stream_id, stream_version) AS (
+                    SELECT * FROM unnest(%s::text[], %s::int4[])
+                    UNION
+                    SELECT e.stream_id, e.prompt_base_version FROM events e
+                    JOIN chain c ON e.stream_id = c.stream_id
+                                AND e.stream_version = c.stream_version
+                    WHERE e.prompt_base_version IS NOT NULL
+                )
+                SELECT {ROW_COLUMNS} FROM events
+                WHERE (stream_id, stream_version) IN (SELECT * FROM chain)
+                ORDER BY stream_id, stream_version
+                """,
+                (streams, versions),
+            ).fetchall()
+            for row in bases:
+                decoder.remember(row)
+        # Within one stream, bases precede dependents in version order.
+        order = sorted(range(len(rows)), key=lambda i: (rows[i]["stream_id"],
+                                                        rows[i]["stream_version"]))
+        decoded: list[RecordedEvent | None] = [None] * len(rows)
+        for i in order:
+            decoded[i] = decoder.decode(rows[i])
+        return decoded  # type: ignore[return-value]
+
+    def subscribe(
+        self,
+        after: LogPosition | None = None,
+        *,
+        types: Sequence[str] | None = None,
+        batch_size: int = 500,
+        poll_interval: float = 1.0,
+        stop: threading.Event | None = None,
+    ) -> Iterator[list[RecordedEvent]]:
+        """Yield batches of new events forever (until ``stop`` is set), in commit order.
+
+        LISTEN/NOTIFY wakes the reader as soon as an append commits; polling every
+        ``poll_interval`` seconds is the fallback (a missed notification, or a row held back
+        behind a transaction still running, delays reading but never loses an event).
+        """
+        position = after or START
+        listener = self._listener()
+        try:
+            while stop is None or not stop.is_set():
+                batch = self.read_all(position, limit=batch_size, types=types)
+                if batch:
+                    position = batch[-1].log_position
+                    yield batch
+                    if len(batch) == batch_size:
+                        continue
+                listener.wait(poll_interval)
+        finally:
+            listener.close()
+
+    def _listener(self) -> _Listener:
+        return _Listener(self.db.url)
+
+    # --- lookups ---------------------------------------------------------------------------
+
+    def counts_by_type(self) -> dict[str, int]:
+        """Number of stored events of each type."""
+        with self.db.connection() as conn:
+            rows = conn.execute("SELECT type, count(*) FROM events GROUP BY type").fetchall()
+        return {t: n for t, n in rows}
+
+    def get_run(self, run_id: str) -> RunCreated:
+        """The ``run_created`` event of a run; ``NotFoundError`` when there is none."""
+        events = self.read_stream(run_stream_id(run_id), to_version=1)
+        if not events or not isinstance(events[0].event, RunCreated):
+            raise errors.NotFoundError(f"no run {run_id!r}")
+        return events[0].event
+
+    def list_runs(self) -> list[RecordedEvent]:
+        """Every run's ``run_created`` event, oldest first."""
+        with self.db.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row, binary=True)
+            rows = cur.execute(
+                f"SELECT {ROW_COLUMNS} FROM events WHERE type = 'run_created' ORDER BY position"
+            ).fetchall()
+        decoder = Decoder()
+        return [decoder.decode(r) for r in rows]
+
+    def list_episodes(self, run_id: str, *, group_id: str | None = None) -> list[EpisodeSummary]:
+        """The episodes of a run (optionally one group) with their status and reward as the
+        log says so far (``running`` until ``episode_finished``)."""
+        with self.db.connection() as conn:
+            rows = conn.execute(
+                """
+                SELECT s.stream_id, s.group_id, s.recorded_at,
+                       (SELECT f.data->>'status' FROM events f
+                         WHERE f.stream_id = s.stream_id AND f.type = 'episode_finished'
+                         ORDER BY f.stream_version DESC LIMIT 1),
+                       (SELECT (r.data->>'value')::float8 FROM events r
+                         WHERE r.stream_id = s.stream_id AND r.type = 'reward_assigned'
+                         ORDER BY r.stream_version DESC LIMIT 1),
+                       (SELECT max(v.stream_version) FROM events v
+                         WHERE v.stream_id = s.stream_id)
+                FROM events s
+                WHERE s.run_id = %s AND s.type = 'episode_started'
+                  AND (%s::text IS NULL OR s.group_id = %s)
+                ORDER BY s.position
+                """,
+                (run_id, group_id, group_id),
+            ).fetchall()
+        return [
+            EpisodeSummary(
+                episode_id=r[0], run_id=run_id, group_id=r[1], started_at=r[2],
+                status=r[3] or "running", reward=r[4], events=r[5],
+            )
+            for r in rows
+        ]
+
+    def get_episode(self, episode_id: str) -> list[RecordedEvent]:
+        """Every event of an episode; ``NotFoundError`` when the stream is empty or is not
+        an episode."""
+        events = self.read_stream(episode_id)
+        if not events or not isinstance(events[0].event, EpisodeStarted):
+            raise errors.NotFoundError(f"no episode {episode_id!r}")
+        return events
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeSummary:
+    episode_id: str
+    run_id: str
+    group_id: str | None
+    started_at: dt.datetime
+    status: str
+    reward: float | None
+    events: int
+
+
+class _Retry(Exception):
+    pass
+
+
+class _Listener:
+    """A dedicated autocommit connection LISTENing for append notifications."""
+
+    def __init__(self, url: str) -> None:
+        from store.db import connect
+
+        self._conn = None
+        try:
+            self._conn = connect(url, autocommit=True)
+            self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except errors.StoreError:
+            self._conn = None  # polling only
+
+    def wait(self, timeout: float) -> None:
+        if self._conn is None:
+            time.sleep(timeout)
+            return
+        try:
+            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+                pass
+        except Exception:  # the connection died: keep polling on a timer
+            self._conn = None
+            time.sleep(timeout)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
+def _check_expected(expected: object) -> int | None:
+    if expected == ANY:
+        return None
+    if expected == NO_STREAM:
+        return 0
+    if isinstance(expected, bool) or not isinstance(expected, int) or expected < 0:
+        raise errors.ValidationError(
+            f"expected_version must be an integer >= 0, 'any' or 'no_stream', got {expected!r}",
+            field="expected_version",
+        )
+    return expected
+
+
+def _idempotent_result(
+    stream_id: str, ids: list[Any], hashes: list[bytes], stored: list[Any]
+) -> AppendResult:
+    by_id = {row[0]: row for row in stored}
+    for event_id, digest in zip(ids, hashes, strict=True):
+        row = by_id.get(event_id)
+        if row is not None and (bytes(row[2]) != digest or row[3] != stream_id):
+            raise errors.IdempotencyError(event_id, position=row[1])
+    if len(by_id) != len(ids):
+        new = [i for i, event_id in enumerate(ids) if event_id not in by_id]
+        raise errors.ValidationError(
+            f"the batch mixes {len(by_id)} events already stored with {len(new)} new ones "
+            f"(first new: event {new[0]}); retry the original batch unchanged, or send the "
+            "new events in a batch of their own",
+            event_index=new[0],
+            field="event_id",
+        )
+    return AppendResult(
+        stream_id,
+        tuple(by_id[i][1] for i in ids),
+        max(by_id[i][4] for i in ids),
+        duplicate=True,
+    )
+
+
+def _columns(rows: list[EventRow]) -> tuple[list[Any], ...]:
+    from psycopg.types.json import Jsonb
+
+    return (
+        [r.event_id for r in rows],
+        [r.stream_id for r in rows],
+        [r.stream_version for r in rows],
+        [r.type for r in rows],
+        [r.schema_version for r in rows],
+        [r.run_id for r in rows],
+        [r.group_id for r in rows],
+        [r.agent for r in rows],
+        [Jsonb(r.data) for r in rows],
+        [r.content_hash for r in rows],
+        [r.prompt_ids for r in rows],
+        [r.prompt_base_version for r in rows],
+        [r.prompt_prefix_len for r in rows],
+        [r.prompt_len for r in rows],
+        [r.response_ids for r in rows],
+        [r.logprobs for r in rows],
+        [r.occurred_at for r in rows],
+    )

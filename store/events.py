@@ -1,0 +1,363 @@
+"""Event types: plain immutable data with no database imports.
+
+Every event is a frozen pydantic model with a ``type`` name and a ``schema_version``.
+Token payloads (``prompt_ids``, ``response_ids``, ``logprobs``) are numpy arrays (int32 /
+float32) that the store keeps in binary columns, never in JSON. ``parse_event`` builds the
+model of a stored or submitted ``(type, data)`` pair and upcasts older schema versions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    model_validator,
+)
+
+__all__ = [
+    "Event",
+    "EVENT_TYPES",
+    "TOKEN_FIELDS",
+    "EgpoConfig",
+    "MergeConfig",
+    "RollbackConfig",
+    "NegativeConfig",
+    "RunConfig",
+    "RunCreated",
+    "EpisodeStarted",
+    "LLMCalled",
+    "ToolReturned",
+    "CheckpointCreated",
+    "AttemptFailed",
+    "RolledBack",
+    "RewardAssigned",
+    "EpisodeFinished",
+    "PolicyUpdated",
+    "parse_event",
+    "event_type",
+    "DEFAULT_ROLLBACK_ERRORS",
+    "EPISODE_STATUSES",
+]
+
+INT32_MAX = 2**31 - 1
+
+#: Names of the token payload fields; the store keeps them in binary columns.
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "logprobs")
+
+
+def _as_token_ids(value: Any) -> np.ndarray:
+    """Token ids as a read-only int32 array; refuses floats, negatives and values past int32."""
+    if isinstance(value, np.ndarray):
+        arr = value
+    else:
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"token ids must be a list of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        arr = arr.astype(np.int32)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ValueError(f"token ids must be non-negative, got {lo}")
+        if hi > INT32_MAX:
+            raise ValueError(f"token ids must fit in int32, got {hi}")
+    out = np.ascontiguousarray(arr, dtype=np.int32)
+    out.flags.writeable = False
+    return out
+
+
+def _as_logprobs(value: Any) -> np.ndarray:
+    """Log-probabilities as a read-only float32 array; refuses NaN and positive values."""
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"logprobs must be a list of numbers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"logprobs must be one-dimensional, got shape {arr.shape}")
+    if arr.size:
+        if np.isnan(arr).any():
+            raise ValueError("logprobs must not contain NaN")
+        if (arr > 1e-4).any():
+            raise ValueError(f"logprobs must be <= 0, got {float(arr.max())}")
+    out = np.ascontiguousarray(arr, dtype=np.float32)
+    out.flags.writeable = False
+    return out
+
+
+TokenIds = Annotated[
+    np.ndarray,
+    BeforeValidator(_as_token_ids),
+    PlainSerializer(lambda a: a.tolist(), return_type=list),
+]
+Logprobs = Annotated[
+    np.ndarray,
+    BeforeValidator(_as_logprobs),
+    PlainSerializer(lambda a: a.tolist(), return_type=list),
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class Event(_Frozen):
+    """Base of every event. ``event_id`` is the idempotency key (generated when absent)."""
+
+    type: ClassVar[str] = ""
+    schema_version: ClassVar[int] = 1
+
+    event_id: uuid.UUID | None = None
+    occurred_at: dt.datetime | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        """The JSON part of the event: every field but the id, time and token payloads."""
+        return self.model_dump(
+            mode="json", exclude={"event_id", "occurred_at", *TOKEN_FIELDS}
+        )
+
+    def token_payloads(self) -> dict[str, np.ndarray]:
+        """The binary payloads this event carries (empty for most types)."""
+        return {}
+
+
+EVENT_TYPES: dict[str, type[Event]] = {}
+
+
+def event_type(cls: type[Event]) -> type[Event]:
+    """Register an event class under its ``type``; refuses a name registered twice."""
+    if not cls.type:
+        raise TypeError(f"{cls.__name__} has no type name")
+    if cls.type in EVENT_TYPES:
+        raise TypeError(f"event type {cls.type!r} is already registered")
+    EVENT_TYPES[cls.type] = cls
+    return cls
+
+
+# --- run configuration -------------------------------------------------------------------
+
+DEFAULT_ROLLBACK_ERRORS = (
+    "ImportError",
+    "ModuleNotFoundError",
+    "SyntaxError",
+    "IndentationError",
+    "NameError",
+    "tool call format is wrong",
+)
+
+
+class EgpoConfig(_Frozen):
+    lam: float = Field(default=0.4, ge=0)
+    alpha: float = Field(default=2.0, gt=0)
+    variant: Literal["clip", "paper"] = "clip"
+
+
+class MergeConfig(_Frozen):
+    compare_level: Literal["text", "token"] = "text"
+    ignore_tools: bool = True
+
+
+class RollbackConfig(_Frozen):
+    enable_tool_rollback: bool = True
+    max_tool_retries: int = Field(default=3, ge=0)
+    rollback_on_errors: tuple[str, ...] = DEFAULT_ROLLBACK_ERRORS
+    save_negative_samples: bool = True
+
+
+class NegativeConfig(_Frozen):
+    negative_reward: float = -1.0
+    max_negative_samples_per_group: int = Field(default=1, ge=0)
+
+
+class RunConfig(_Frozen):
+    group_size: int = Field(default=8, ge=1)
+    egpo: EgpoConfig = EgpoConfig()
+    merge: MergeConfig = MergeConfig()
+    rollback: RollbackConfig = RollbackConfig()
+    negatives: NegativeConfig = NegativeConfig()
+    model: str | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+
+
+# --- events ------------------------------------------------------------------------------
+
+
+@event_type
+class RunCreated(Event):
+    type: ClassVar[str] = "run_created"
+    run_id: str = Field(min_length=1, max_length=200)
+    project: str = Field(default="default", min_length=1, max_length=200)
+    config: RunConfig = RunConfig()
+
+
+@event_type
+class EpisodeStarted(Event):
+    type: ClassVar[str] = "episode_started"
+    run_id: str = Field(min_length=1, max_length=200)
+    group_id: str = Field(min_length=1, max_length=200)
+    task_id: str | None = None
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    policy_version: int = Field(default=0, ge=0)
+
+
+@event_type
+class LLMCalled(Event):
+    type: ClassVar[str] = "llm_called"
+    agent: str = Field(default="main", min_length=1, max_length=200)
+    call_id: str = Field(min_length=1, max_length=200)
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    logprobs: Logprobs
+    response: dict[str, Any] = Field(default_factory=dict)
+    finish_reason: str | None = None
+    policy_version: int = Field(default=0, ge=0)
+    latency_ms: float | None = None
+    usage: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> LLMCalled:
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries but response_ids has "
+                f"{len(self.response_ids)}; they must be of equal length"
+            )
+        return self
+
+    def token_payloads(self) -> dict[str, np.ndarray]:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "logprobs": self.logprobs,
+        }
+
+
+@event_type
+class ToolReturned(Event):
+    type: ClassVar[str] = "tool_returned"
+    agent: str = Field(default="main", min_length=1, max_length=200)
+    tool_call_id: str | None = None
+    name: str = Field(min_length=1, max_length=200)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    output: str = ""
+    is_error: bool = False
+    error_type: str | None = None
+    error_message: str | None = None
+    duration_ms: float | None = None
+
+
+@event_type
+class CheckpointCreated(Event):
+    type: ClassVar[str] = "checkpoint_created"
+    agent: str = Field(default="main", min_length=1, max_length=200)
+    checkpoint_id: str = Field(min_length=1, max_length=200)
+    position_key: str = Field(pattern=r"^turn_\d+$")
+    retry_count: int = Field(default=0, ge=0)
+
+
+@event_type
+class AttemptFailed(Event):
+    type: ClassVar[str] = "attempt_failed"
+    agent: str = Field(default="main", min_length=1, max_length=200)
+    checkpoint_id: str = Field(min_length=1, max_length=200)
+    position_key: str = Field(pattern=r"^turn_\d+$")
+    retry_index: int = Field(ge=0)
+    error_messages: list[str] = Field(default_factory=list)
+    error_types: list[str] = Field(default_factory=list)
+    failed_tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    failed_call_id: str | None = None
+
+
+@event_type
+class RolledBack(Event):
+    type: ClassVar[str] = "rolled_back"
+    agent: str = Field(default="main", min_length=1, max_length=200)
+    checkpoint_id: str = Field(min_length=1, max_length=200)
+    discarded_call_ids: list[str] = Field(default_factory=list)
+
+
+@event_type
+class RewardAssigned(Event):
+    type: ClassVar[str] = "reward_assigned"
+    value: float = Field(allow_inf_nan=False)
+    components: dict[str, float] = Field(default_factory=dict)
+    source: str = "task"
+
+
+EPISODE_STATUSES = ("completed", "terminated", "truncated", "error", "aborted")
+
+
+@event_type
+class EpisodeFinished(Event):
+    type: ClassVar[str] = "episode_finished"
+    status: Literal["completed", "terminated", "truncated", "error", "aborted"]
+    reason: str | None = None
+
+
+@event_type
+class PolicyUpdated(Event):
+    type: ClassVar[str] = "policy_updated"
+    version: int = Field(ge=0)
+    step: int = Field(ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    checkpoint: str | None = None
+
+
+# --- upcasting ---------------------------------------------------------------------------
+
+#: (type, stored schema version) -> function turning that version's data into the next one's.
+UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def parse_event(
+    type_name: str,
+    data: dict[str, Any],
+    *,
+    schema_version: int | None = None,
+    tokens: dict[str, Any] | None = None,
+    event_id: uuid.UUID | str | None = None,
+    occurred_at: dt.datetime | None = None,
+) -> Event:
+    """Build the event model of ``type_name`` from its JSON ``data`` (and token payloads).
+
+    Raises ``KeyError`` naming the type when it is unknown and pydantic's
+    ``ValidationError`` when the data does not fit the schema. Data stored under an older
+    ``schema_version`` is upcast step by step to the current one first.
+    """
+    cls = EVENT_TYPES.get(type_name)
+    if cls is None:
+        raise KeyError(f"unknown event type {type_name!r}; known: {sorted(EVENT_TYPES)}")
+    version = cls.schema_version if schema_version is None else schema_version
+    if version > cls.schema_version:
+        raise ValueError(
+            f"{type_name} schema version {version} is newer than this code's "
+            f"{cls.schema_version}"
+        )
+    while version < cls.schema_version:
+        data = UPCASTERS[(type_name, version)](dict(data))
+        version += 1
+    fields: dict[str, Any] = dict(data)
+    if tokens:
+        fields.update(tokens)
+    if event_id is not None:
+        fields["event_id"] = event_id
+    if occurred_at is not None:
+        fields["occurred_at"] = occurred_at
+    return cls.model_validate(fields)

@@ -1,0 +1,281 @@
+"""Mapping between event models and ``events`` rows: hashing, delta encoding, decoding.
+
+No database access here: ``store.eventlog`` fetches and writes the rows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from store import codec
+from store.events import Event, LLMCalled, parse_event
+
+__all__ = [
+    "LogPosition",
+    "RecordedEvent",
+    "EventRow",
+    "content_hash",
+    "encoded_size",
+    "LLMCallMemory",
+    "encode_llm_call",
+    "Decoder",
+    "ROW_COLUMNS",
+]
+
+#: Columns selected by every reader, in this order (see ``Decoder.decode``).
+ROW_COLUMNS = (
+    "position, tx_id::text::bigint AS tx_id, event_id, stream_id, stream_version, type,"
+    " schema_version, run_id, group_id, agent, data, prompt_ids, prompt_base_version,"
+    " prompt_prefix_len, response_ids, logprobs, occurred_at, recorded_at"
+)
+
+# Key in a stored llm_called's JSON data that says its messages are a delta.
+MESSAGES_BASE_KEY = "messages_base"
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class LogPosition:
+    """A reading checkpoint in the global log: the writing transaction, then the position.
+
+    Readers read in (tx_id, position) order, which is commit order for every transaction
+    older than the oldest one still running. ``str()`` gives ``"tx:position"``.
+    """
+
+    tx_id: int
+    position: int
+
+    def __str__(self) -> str:
+        return f"{self.tx_id}:{self.position}"
+
+    @classmethod
+    def parse(cls, text: str) -> LogPosition:
+        """Parse ``"tx:position"``; raises ``ValueError`` naming the bad text."""
+        try:
+            tx, pos = text.split(":")
+            return cls(int(tx), int(pos))
+        except ValueError:
+            raise ValueError(f"not a log position (want 'tx:position'): {text!r}") from None
+
+
+START = LogPosition(0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedEvent:
+    """An event as stored: where it sits in the log and in its stream, and the event."""
+
+    position: int
+    tx_id: int
+    stream_id: str
+    stream_version: int
+    event: Event
+    run_id: str | None
+    group_id: str | None
+    agent: str | None
+    recorded_at: dt.datetime
+
+    @property
+    def type(self) -> str:
+        return self.event.type
+
+    @property
+    def log_position(self) -> LogPosition:
+        return LogPosition(self.tx_id, self.position)
+
+
+def _canonical(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def content_hash(stream_id: str, event: Event) -> bytes:
+    """sha256 of everything an idempotent retry must repeat: stream, type, data, tokens."""
+    h = hashlib.sha256()
+    h.update(_canonical([stream_id, event.type, event.schema_version, event.to_data()]))
+    for name, arr in event.token_payloads().items():
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.digest()
+
+
+def encoded_size(event: Event) -> int:
+    """Bytes of an event's JSON data plus token payloads (what the size limit counts)."""
+    size = len(_canonical(event.to_data()))
+    for arr in event.token_payloads().values():
+        size += arr.nbytes
+    return size
+
+
+@dataclass(slots=True)
+class LLMCallMemory:
+    """What later calls of a stream may use as a delta base: an earlier ``llm_called``'s
+    prompt followed by its generation, and its messages followed by its response."""
+
+    version: int
+    sequence: np.ndarray
+    messages: list[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class EventRow:
+    """One row to insert (everything but position, tx_id and recorded_at)."""
+
+    event_id: uuid.UUID
+    stream_id: str
+    stream_version: int
+    type: str
+    schema_version: int
+    run_id: str | None
+    group_id: str | None
+    agent: str | None
+    data: dict[str, Any]
+    content_hash: bytes
+    prompt_ids: bytes | None = None
+    prompt_base_version: int | None = None
+    prompt_prefix_len: int | None = None
+    prompt_len: int | None = None
+    response_ids: bytes | None = None
+    logprobs: bytes | None = None
+    occurred_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+
+
+def _common_messages(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode_llm_call(
+    row: EventRow,
+    event: LLMCalled,
+    candidates: Sequence[LLMCallMemory],
+    *,
+    min_prefix: int,
+) -> LLMCallMemory:
+    """Fill the token columns of ``row`` from ``event``, as a delta of the best candidate
+    when one shares at least ``min_prefix`` prompt tokens. Returns what later calls of the
+    stream may use as their base."""
+    prompt = event.prompt_ids
+    delta = codec.choose_delta(
+        prompt, [(c.version, c.sequence) for c in candidates], min_prefix=min_prefix
+    )
+    messages = row.data["messages"]
+    if delta is None:
+        row.prompt_ids = codec.pack_ids(prompt)
+    else:
+        base = next(c for c in candidates if c.version == delta.base_version)
+        row.prompt_ids = codec.pack_ids(delta.suffix)
+        row.prompt_base_version = delta.base_version
+        row.prompt_prefix_len = delta.prefix_len
+        shared = _common_messages(messages, base.messages)
+        if shared:
+            data = dict(row.data)
+            data["messages"] = messages[shared:]
+            data[MESSAGES_BASE_KEY] = {"version": delta.base_version, "count": shared}
+            row.data = data
+    row.prompt_len = len(prompt)
+    row.response_ids = codec.pack_ids(event.response_ids)
+    row.logprobs = codec.pack_logprobs(event.logprobs)
+    sequence = np.concatenate([prompt, event.response_ids]).astype(np.int32, copy=False)
+    full_messages = list(messages) + ([event.response] if event.response else [])
+    return LLMCallMemory(row.stream_version, sequence, full_messages)
+
+
+class Decoder:
+    """Turns fetched rows back into events, expanding prompt and message deltas.
+
+    Rows must be fed so that a delta's base comes first (stream version order within a
+    stream); bases fetched only to decode others are fed with ``remember``.
+    """
+
+    def __init__(self) -> None:
+        self._memory: dict[tuple[str, int], LLMCallMemory] = {}
+
+    def missing_bases(self, rows: Iterable[Any]) -> set[tuple[str, int]]:
+        """(stream, version) of delta bases that these rows need and the decoder lacks."""
+        wanted: set[tuple[str, int]] = set()
+        present = {(r["stream_id"], r["stream_version"]) for r in rows}
+        for r in rows:
+            base = r["prompt_base_version"]
+            if base is not None:
+                key = (r["stream_id"], base)
+                if key not in self._memory and key not in present:
+                    wanted.add(key)
+        return wanted
+
+    def memory(self, stream_id: str, version: int) -> LLMCallMemory:
+        """The decoded prompt+response of an ``llm_called`` fed earlier."""
+        return self._memory[(stream_id, version)]
+
+    def remember(self, row: Any) -> None:
+        """Decode a base row only for its token memory."""
+        self.decode(row)
+
+    def decode(self, row: Any) -> RecordedEvent:
+        """The ``RecordedEvent`` of one fetched row (a mapping with ``ROW_COLUMNS``)."""
+        data = dict(row["data"])
+        tokens: dict[str, Any] | None = None
+        if row["type"] == LLMCalled.type:
+            stream = row["stream_id"]
+            suffix = codec.unpack_ids(row["prompt_ids"])
+            base_version = row["prompt_base_version"]
+            base = None
+            if base_version is not None:
+                base = self._memory.get((stream, base_version))
+                if base is None:
+                    raise ValueError(
+                        f"event {stream}@{row['stream_version']} is a delta of version "
+                        f"{base_version}, which was not loaded"
+                    )
+                prompt = codec.expand_prompt(base.sequence, row["prompt_prefix_len"], suffix)
+            else:
+                prompt = suffix
+            msg_base = data.pop(MESSAGES_BASE_KEY, None)
+            if msg_base is not None:
+                if base is None or base.version != msg_base["version"]:
+                    raise ValueError(f"event {stream}@{row['stream_version']}: bad message base")
+                data["messages"] = base.messages[: msg_base["count"]] + data["messages"]
+            response = codec.unpack_ids(row["response_ids"])
+            tokens = {
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "logprobs": codec.unpack_logprobs(row["logprobs"]),
+            }
+            full_messages = list(data["messages"]) + (
+                [data["response"]] if data.get("response") else []
+            )
+            self._memory[(stream, row["stream_version"])] = LLMCallMemory(
+                row["stream_version"],
+                np.concatenate([prompt, response]).astype(np.int32, copy=False),
+                full_messages,
+            )
+        event = parse_event(
+            row["type"],
+            data,
+            schema_version=row["schema_version"],
+            tokens=tokens,
+            event_id=row["event_id"],
+            occurred_at=row["occurred_at"],
+        )
+        return RecordedEvent(
+            position=row["position"],
+            tx_id=row["tx_id"],
+            stream_id=row["stream_id"],
+            stream_version=row["stream_version"],
+            event=event,
+            run_id=row["run_id"],
+            group_id=row["group_id"],
+            agent=row["agent"],
+            recorded_at=row["recorded_at"],
+        )
+

