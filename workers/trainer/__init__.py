@@ -1,0 +1,15 @@
+"""Training: GRPO/EGPO advantages, the PPO policy loss, and chunked log-probs and entropies.
+
+The pure-math modules need only torch (and numpy) and can be imported on their own by other
+trainers, verl included:
+
+- :mod:`workers.trainer.egpo`: ``grpo_advantages``, ``egpo_advantages``, ``cot_mask``
+- :mod:`workers.trainer.losses`: ``ppo_policy_loss``, ``agg_loss``, ``kl_penalty`` and the
+  entropy and KL loss terms
+- :mod:`workers.trainer.logits`: per-token log-probs and entropies without materialising the
+  full logits
+
+This package module imports none of them, so importing one never pulls in the others' needs.
+"""
+
+__all__: list[str] = []

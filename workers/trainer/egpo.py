@@ -1,0 +1,234 @@
+"""GRPO and EGPO outcome advantages.
+
+GRPO (as verl 0.9.1 ``compute_grpo_outcome_advantage``): each response's score is the sum of its
+token-level rewards; within a group (responses sharing a uid) the advantage is
+``(score - mean) / (std + epsilon)`` with the unbiased std, or ``score - mean`` without std
+normalisation; a group of one has mean 0 and std 1. The scalar is broadcast over the response
+and multiplied by the response mask.
+
+EGPO (Hao et al. 2025, arXiv 2508.05118) adds an entropy bonus from ``H_i``, the mean token
+entropy over the chain-of-thought tokens of response ``i`` (see :mod:`workers.trainer.cot`).
+Two published forms are registered in :data:`EGPO_VARIANTS`:
+
+- ``clip`` (the reference implementation): ``A + lam * clip(H, -|A|/alpha, |A|/alpha)``
+- ``paper`` (arXiv v4, Eq. 5): ``A + min(lam * H, |A|/alpha)``
+
+Both keep the sign of every nonzero advantage and give zero advantages no bonus; a response with
+no CoT tokens gets no bonus.
+
+This module needs only torch and numpy, so other trainers (verl included) can import it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from workers.trainer.checks import (
+    require_2d,
+    require_finite_number,
+    require_floating,
+    require_same_shape,
+)
+from workers.trainer.cot import cot_mask
+from workers.trainer.groups import group_codes, group_mean_std
+from workers.trainer.registry import Registry
+
+__all__ = [
+    "EGPO_VARIANTS",
+    "EntropyBonus",
+    "cot_mask",
+    "egpo_advantages",
+    "grpo_advantages",
+    "grpo_scalar_advantages",
+    "mean_cot_entropy",
+]
+
+EntropyBonus = Callable[..., torch.Tensor]
+"""``bonus(advantages (bs,), entropy (bs,), *, lam, alpha) -> bonus (bs,)``."""
+
+EGPO_VARIANTS: Registry[EntropyBonus] = Registry("EGPO variant")
+
+# Entropies are nonnegative; values slightly below zero are rounding in the entropy computation.
+_NEGATIVE_ENTROPY_TOLERANCE = 1e-3
+
+
+@EGPO_VARIANTS.register("clip")
+def clip_bonus(
+    advantages: torch.Tensor, entropy: torch.Tensor, *, lam: float, alpha: float
+) -> torch.Tensor:
+    """``lam * clip(H, -|A|/alpha, |A|/alpha)``, ``(bs,)``.
+
+    The bonus lies in ``[0, lam*|A|/alpha]`` for ``H >= 0``, so the sign of ``A`` is kept exactly
+    when ``lam < alpha``; ValueError otherwise.
+    """
+    if not lam < alpha:
+        raise ValueError(
+            f"EGPO variant 'clip' needs lam < alpha so the bonus never flips a negative "
+            f"advantage, got lam={lam}, alpha={alpha}"
+        )
+    bound = advantages.abs() / alpha
+    return lam * torch.minimum(torch.maximum(entropy, -bound), bound)
+
+
+@EGPO_VARIANTS.register("paper")
+def paper_bonus(
+    advantages: torch.Tensor, entropy: torch.Tensor, *, lam: float, alpha: float
+) -> torch.Tensor:
+    """``min(lam * H, |A|/alpha)``, ``(bs,)`` (arXiv 2508.05118 v4, Eq. 5).
+
+    The bonus lies in ``[0, |A|/alpha]`` for ``H >= 0``, so the sign of ``A`` is kept when
+    ``alpha > 1``; ValueError otherwise.
+    """
+    if not alpha > 1.0:
+        raise ValueError(
+            f"EGPO variant 'paper' needs alpha > 1 so the bonus never flips a negative "
+            f"advantage, got alpha={alpha}"
+        )
+    return torch.minimum(lam * entropy, advantages.abs() / alpha)
+
+
+def _check_rewards(
+    token_level_rewards: object, response_mask: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rewards = require_2d("token_level_rewards", token_level_rewards)
+    require_floating("token_level_rewards", rewards)
+    require_same_shape("token_level_rewards", rewards, response_mask=response_mask)
+    assert isinstance(response_mask, torch.Tensor)
+    return rewards, response_mask
+
+
+def grpo_scalar_advantages(
+    token_level_rewards: torch.Tensor,
+    index: object,
+    *,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """One GRPO advantage per response, ``(bs,)``, before broadcasting over tokens.
+
+    ``token_level_rewards`` is ``(bs, response_length)``; its row sums are the scores (all
+    positions, as verl does). ``index`` holds one group id per response.
+
+    Raises TypeError/ValueError for a non-tensor or non-float reward tensor, an ``index`` of the
+    wrong length or kind, a negative or non-finite ``epsilon``, and non-finite scores (the row
+    numbers are named).
+    """
+    rewards = require_2d("token_level_rewards", token_level_rewards)
+    require_floating("token_level_rewards", rewards)
+    eps = require_finite_number("epsilon", epsilon, minimum=0.0)
+    if not isinstance(norm_adv_by_std, bool):
+        raise TypeError(f"norm_adv_by_std must be a bool, got {norm_adv_by_std!r}")
+    codes = group_codes(index, size=rewards.shape[0], device=rewards.device)
+    scores = rewards.detach().sum(dim=-1)
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten()[:10].tolist()
+        raise ValueError(f"token_level_rewards has non-finite row sums at rows {rows}")
+    if scores.numel() == 0:
+        return scores
+    means, stds = group_mean_std(scores, codes)
+    if norm_adv_by_std:
+        return (scores - means) / (stds + eps)
+    return scores - means
+
+
+def grpo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: object,
+    *,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantages ``(bs, response_length)``; returns equal the advantages.
+
+    ``token_level_rewards`` and ``response_mask`` are ``(bs, response_length)``; ``index`` is a
+    sequence (list, numpy array, tensor) of ``bs`` hashable group ids. Identical to verl 0.9.1's
+    ``compute_grpo_outcome_advantage`` (with ``norm_adv_by_std`` for its
+    ``norm_adv_by_std_in_grpo``), vectorised. No gradient flows through the result.
+
+    Raises TypeError/ValueError (naming the argument) for shape mismatches, tensors that are not
+    2-D, non-float rewards, an ``index`` of the wrong length or with unhashable or NaN ids, a bad
+    ``epsilon``, and non-finite reward sums.
+    """
+    rewards, mask = _check_rewards(token_level_rewards, response_mask)
+    with torch.no_grad():
+        scalars = grpo_scalar_advantages(
+            rewards, index, norm_adv_by_std=norm_adv_by_std, epsilon=epsilon
+        )
+        advantages = scalars.unsqueeze(-1) * mask
+    return advantages, advantages
+
+
+def mean_cot_entropy(
+    entropies: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean entropy over the CoT tokens of each response and whether it has any, both ``(bs,)``.
+
+    ``entropies`` is ``(bs, response_length)`` float, ``mask`` the boolean output of
+    :func:`cot_mask`. Rows with no CoT tokens get entropy 0 and ``False``. Entropies on CoT
+    tokens must be finite and nonnegative (tiny negative rounding is clamped to 0); ValueError
+    naming the rows otherwise. The mean is taken in float32 (or float64 for float64 input).
+    """
+    work_dtype = torch.float64 if entropies.dtype == torch.float64 else torch.float32
+    values = entropies.detach().to(work_dtype)
+    bad = mask & ~(torch.isfinite(values) & (values >= -_NEGATIVE_ENTROPY_TOLERANCE))
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.any(dim=1)).flatten()[:10].tolist()
+        raise ValueError(
+            f"entropies must be finite and nonnegative on CoT tokens; rows {rows} are not"
+        )
+    counts = mask.sum(dim=1)
+    sums = torch.where(mask, values, torch.zeros_like(values)).sum(dim=1)
+    has_cot = counts > 0
+    mean = sums / counts.clamp(min=1).to(work_dtype)
+    return mean.clamp(min=0.0), has_cot
+
+
+def egpo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: object,
+    entropies: torch.Tensor,
+    responses: torch.Tensor,
+    *,
+    cot_start_id: int,
+    cot_end_id: int,
+    lam: float = 0.4,
+    alpha: float = 2.0,
+    variant: str = "clip",
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EGPO advantages ``(bs, response_length)``: GRPO plus a bounded CoT-entropy bonus.
+
+    ``token_level_rewards``, ``response_mask``, ``entropies`` (token entropies of the current
+    policy) and ``responses`` (token ids) are ``(bs, response_length)``; ``index`` holds ``bs``
+    group ids. ``variant`` names an entry of :data:`EGPO_VARIANTS` (``clip`` or ``paper``). The
+    scalar ``A_i + bonus_i`` is broadcast over the response and multiplied by the mask; returns
+    equal the advantages. No gradient flows through the result.
+
+    Raises TypeError/ValueError (naming the argument) for everything :func:`grpo_advantages` and
+    :func:`workers.trainer.cot.cot_mask` refuse, an unknown ``variant`` (the known ones are
+    listed), negative or non-finite ``lam``, non-positive ``alpha``, parameters under which the
+    variant could flip an advantage's sign, and negative or non-finite CoT entropies.
+    """
+    rewards, mask = _check_rewards(token_level_rewards, response_mask)
+    require_same_shape("token_level_rewards", rewards, entropies=entropies, responses=responses)
+    require_floating("entropies", entropies)
+    bonus_fn = EGPO_VARIANTS.get(variant)
+    lam_value = require_finite_number("lam", lam, minimum=0.0)
+    alpha_value = require_finite_number("alpha", alpha, minimum=0.0, minimum_inclusive=False)
+    thought = cot_mask(responses, mask, cot_start_id=cot_start_id, cot_end_id=cot_end_id)
+    with torch.no_grad():
+        scalars = grpo_scalar_advantages(
+            rewards, index, norm_adv_by_std=norm_adv_by_std, epsilon=epsilon
+        )
+        entropy, has_cot = mean_cot_entropy(entropies, thought)
+        entropy = entropy.to(scalars.dtype)
+        bonus = bonus_fn(scalars, entropy, lam=lam_value, alpha=alpha_value)
+        bonus = torch.where(has_cot & (scalars != 0), bonus, torch.zeros_like(bonus))
+        advantages = (scalars + bonus).unsqueeze(-1) * mask
+    return advantages, advantages

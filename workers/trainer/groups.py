@@ -1,0 +1,102 @@
+"""GRPO groups: map group ids (uids) to integer codes and compute per-group statistics.
+
+A group is every response that shares one uid (one task prompt at one policy version, plus the
+negative samples attached to it). Group ids may be any hashable values (strings, ints, UUIDs);
+they are mapped to integer codes once and every statistic is then a scatter over those codes,
+with no Python loop over samples or groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["group_codes", "group_mean_std"]
+
+
+def group_codes(index: object, *, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Integer codes ``(bs,)`` (int64, values ``0..G-1``) with equal codes for equal group ids.
+
+    ``index`` may be a 1-D torch tensor, a 1-D numpy array, or any sequence (list, tuple) of
+    hashable values; strings are compared as strings, numbers as numbers. Codes are assigned in
+    order of first appearance for sequences and object arrays, and in sorted order for numeric
+    arrays and tensors; only equality matters to callers.
+
+    Raises TypeError when ``index`` is a plain string, not a sequence, or holds unhashable items;
+    ValueError when its length differs from ``size``, it is not one-dimensional, or it holds NaN.
+    """
+    if isinstance(index, str | bytes):
+        raise TypeError(
+            "index must be a sequence of group ids, one per response, "
+            f"got a single {type(index).__name__}"
+        )
+    if isinstance(index, torch.Tensor):
+        if index.dim() != 1:
+            raise ValueError(f"index must be one-dimensional, got shape {tuple(index.shape)}")
+        _check_length(len(index), size)
+        if index.is_floating_point() and bool(torch.isnan(index).any()):
+            raise ValueError("index holds NaN group ids; NaN never equals itself")
+        _, codes = torch.unique(index, return_inverse=True)
+        return codes.to(device=device if device is not None else index.device, dtype=torch.long)
+    if isinstance(index, np.ndarray):
+        if index.ndim != 1:
+            raise ValueError(f"index must be one-dimensional, got shape {index.shape}")
+        _check_length(len(index), size)
+        if index.dtype != object:
+            if np.issubdtype(index.dtype, np.floating) and bool(np.isnan(index).any()):
+                raise ValueError("index holds NaN group ids; NaN never equals itself")
+            _, inverse = np.unique(index, return_inverse=True)
+            return torch.from_numpy(inverse.reshape(-1).astype(np.int64)).to(device=device)
+        items: list[object] = index.tolist()
+    elif isinstance(index, Sequence):
+        items = list(index)
+    else:
+        raise TypeError(
+            "index must be a sequence, numpy array or tensor of group ids, "
+            f"got {type(index).__name__}"
+        )
+    _check_length(len(items), size)
+    try:
+        # dict.fromkeys keeps first-appearance order; both passes run inside the interpreter's C
+        # code (no per-sample bytecode), which beats sorting strings with np.unique.
+        uniques = dict.fromkeys(items)
+    except TypeError as exc:
+        raise TypeError(f"index holds an unhashable group id: {exc}") from None
+    if any(isinstance(u, float) and u != u for u in uniques):
+        raise ValueError("index holds NaN group ids; NaN never equals itself")
+    lookup = dict(zip(uniques, range(len(uniques)), strict=True))
+    codes = np.fromiter(map(lookup.__getitem__, items), dtype=np.int64, count=len(items))
+    return torch.from_numpy(codes).to(device=device)
+
+
+def _check_length(length: int, size: int) -> None:
+    if length != size:
+        raise ValueError(
+            f"index has {length} group ids but the batch has {size} responses; "
+            "give exactly one group id per response"
+        )
+
+
+def group_mean_std(scores: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-response mean and unbiased std of its group's scores, both ``(bs,)``.
+
+    ``scores`` is ``(bs,)``, ``codes`` the ``(bs,)`` int64 output of :func:`group_codes`. A group
+    of one response gets mean 0 and std 1 (so its advantage is its own score, as in verl). The
+    statistics are accumulated in float64 with a two-pass (centred) variance and returned in the
+    dtype of ``scores``. Inputs are trusted (internal helper): callers validate them.
+    """
+    work = scores.detach().to(torch.float64)
+    num_groups = int(codes.max().item()) + 1 if codes.numel() else 0
+    counts = torch.bincount(codes, minlength=num_groups).to(torch.float64)
+    sums = torch.zeros(num_groups, dtype=torch.float64, device=work.device)
+    sums.index_add_(0, codes, work)
+    means = sums / counts
+    centred = work - means[codes]
+    squares = torch.zeros_like(sums).index_add_(0, codes, centred * centred)
+    stds = torch.sqrt(squares / (counts - 1).clamp(min=1.0))
+    singleton = counts == 1
+    means = torch.where(singleton, torch.zeros_like(means), means)
+    stds = torch.where(singleton, torch.ones_like(stds), stds)
+    return means[codes].to(scores.dtype), stds[codes].to(scores.dtype)
