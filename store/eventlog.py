@@ -21,7 +21,7 @@ from typing import Any, Literal
 from psycopg.rows import dict_row
 
 from store import errors
-from store.db import Database
+from store.db import Database, translate_errors
 from store.events import EpisodeStarted, Event, LLMCalled, RunCreated
 from store.rows import (
     ROW_COLUMNS,
@@ -192,6 +192,13 @@ class EventStore:
     ) -> AppendResult:
         ids = [e.event_id for e in events]
         with self.db.transaction() as conn:
+            # Appends to one stream take turns: under this lock the version read below stays
+            # current until commit, so concurrent appends with ANY never collide and a stale
+            # expected version is reported, not raced. (The unique (stream_id,
+            # stream_version) constraint still guards clients that bypass this code.) It is
+            # its own statement because in READ COMMITTED each statement takes its snapshot
+            # when it starts: reads after it see every append committed before we got the lock.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (stream_id,))
             stored = conn.execute(
                 "SELECT event_id, position, content_hash, stream_id, stream_version"
                 " FROM events WHERE event_id = ANY(%s)",
@@ -209,7 +216,8 @@ class EventStore:
 
             rows, calls = self._rows(conn, stream_id, current, events, hashes)
             try:
-                with conn.transaction():  # savepoint: a clash must not poison the outer tx
+                # A savepoint, so that a clash does not poison the outer transaction.
+                with translate_errors(), conn.transaction():
                     returned = conn.execute(_INSERT, _columns(rows)).fetchall()
             except errors.DuplicateKeyError as exc:
                 if exc.constraint == "events_stream_version_key":
@@ -460,7 +468,12 @@ class EventStore:
                     yield batch
                     if len(batch) == batch_size:
                         continue
-                listener.wait(poll_interval)
+                # Wait in short slices so that setting ``stop`` ends the loop promptly.
+                waited = 0.0
+                while waited < poll_interval and not (stop is not None and stop.is_set()):
+                    if listener.wait(min(1.0, poll_interval - waited)):
+                        break
+                    waited += min(1.0, poll_interval - waited)
         finally:
             listener.close()
 
@@ -559,16 +572,18 @@ class _Listener:
         except errors.StoreError:
             self._conn = None  # polling only
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float) -> bool:
+        """Block until a notification or ``timeout`` seconds; True when notified."""
         if self._conn is None:
             time.sleep(timeout)
-            return
+            return False
         try:
             for _ in self._conn.notifies(timeout=timeout, stop_after=1):
-                pass
+                return True
         except Exception:  # the connection died: keep polling on a timer
             self._conn = None
             time.sleep(timeout)
+        return False
 
     def close(self) -> None:
         if self._conn is not None:

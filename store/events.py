@@ -20,7 +20,8 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
-    model_validator,
+    ValidationInfo,
+    field_validator,
 )
 
 __all__ = [
@@ -232,14 +233,16 @@ class LLMCalled(Event):
     latency_ms: float | None = None
     usage: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _lengths_agree(self) -> LLMCalled:
-        if len(self.logprobs) != len(self.response_ids):
+    @field_validator("logprobs")
+    @classmethod
+    def _lengths_agree(cls, logprobs: np.ndarray, info: ValidationInfo) -> np.ndarray:
+        response = info.data.get("response_ids")
+        if response is not None and len(logprobs) != len(response):
             raise ValueError(
-                f"logprobs has {len(self.logprobs)} entries but response_ids has "
-                f"{len(self.response_ids)}; they must be of equal length"
+                f"logprobs has {len(logprobs)} entries but response_ids has "
+                f"{len(response)}; they must be of equal length"
             )
-        return self
+        return logprobs
 
     def token_payloads(self) -> dict[str, np.ndarray]:
         return {

@@ -1,0 +1,199 @@
+"""The ``trajstore`` command line.
+
+Commands of the store live here; later parts (workers, API) add theirs with lazy imports so
+that ``trajstore status`` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import uuid
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from store import errors
+from store.settings import Settings, get_settings
+
+__all__ = ["app"]
+
+app = typer.Typer(
+    name="trajstore",
+    help="An event-sourced trajectory store for agentic reinforcement learning.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(soft_wrap=True)
+
+
+def _redact(url: str) -> str:
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+
+def _open_store(settings: Settings) -> Any:
+    from store.eventlog import EventStore
+
+    try:
+        return EventStore.open(settings)
+    except errors.StoreError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def migrate(
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+    down: Annotated[bool, typer.Option("--down", help="Downgrade to --revision.")] = False,
+) -> None:
+    """Apply schema migrations to the configured database (or the embedded one)."""
+    from store import embedded
+    from store import migrate as migrations
+
+    settings = get_settings()
+    url = embedded.database_url(settings)
+    if down:
+        migrations.downgrade(url, revision if revision != "head" else "base")
+    else:
+        migrations.upgrade(url, revision)
+    console.print(f"database at revision {migrations.current_revision(url)} ({_redact(url)})")
+
+
+@app.command()
+def status() -> None:
+    """Where the data lives, the schema revision and the number of events of each type."""
+    from store import embedded
+    from store import migrate as migrations
+
+    settings = get_settings()
+    store = _open_store(settings)
+    try:
+        url = embedded.database_url(settings)
+        where = "embedded" if settings.database_url is None else "server"
+        console.print(f"database: {_redact(url)} ({where})")
+        if settings.database_url is None:
+            console.print(f"data directory: {settings.data_dir}")
+        console.print(f"schema revision: {migrations.current_revision(url)}")
+        counts = store.counts_by_type()
+        table = Table("event type", "events")
+        for name, n in sorted(counts.items()):
+            table.add_row(name, str(n))
+        table.add_row("[bold]total[/bold]", str(sum(counts.values())))
+        console.print(table)
+    finally:
+        store.close()
+
+
+def _event_json(r: Any) -> dict[str, Any]:
+    event = r.event
+    body = event.model_dump(mode="json", exclude={"prompt_ids", "response_ids", "logprobs"})
+    for name, arr in event.token_payloads().items():
+        body[name] = arr.tolist()
+    return {
+        "position": r.position,
+        "checkpoint": str(r.log_position),
+        "stream_id": r.stream_id,
+        "stream_version": r.stream_version,
+        "type": r.type,
+        "run_id": r.run_id,
+        "group_id": r.group_id,
+        "recorded_at": r.recorded_at.isoformat(),
+        "event": body,
+    }
+
+
+def _event_line(r: Any) -> str:
+    event = r.event
+    detail = ""
+    tokens = event.token_payloads()
+    if tokens:
+        detail = (
+            f" prompt={len(tokens['prompt_ids'])} tokens response="
+            f"{len(tokens['response_ids'])} tokens"
+        )
+    data = event.to_data()
+    brief = {k: v for k, v in data.items() if k not in ("messages", "tools", "response")}
+    text = json.dumps(brief, default=str)
+    if len(text) > 160:
+        text = text[:157] + "..."
+    return f"{r.log_position!s:>14} {r.stream_id}@{r.stream_version} {r.type}{detail} {text}"
+
+
+@app.command()
+def events(
+    stream: Annotated[str | None, typer.Argument(help="Stream to read; omit to read the log.")] = None,
+    after: Annotated[str | None, typer.Option(help="Checkpoint 'tx:position' to read after.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Events to print from the log.")] = 50,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep tailing the log.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Print one stream, or the global log in commit order (``--follow`` to tail it)."""
+    from store.eventlog import LogPosition
+
+    settings = get_settings()
+    store = _open_store(settings)
+    show = (lambda r: print(json.dumps(_event_json(r)))) if as_json else (
+        lambda r: console.print(_event_line(r), markup=False, highlight=False))
+    try:
+        if stream is not None:
+            recorded = store.read_stream(stream)
+            if not recorded:
+                console.print(f"[red]error:[/red] no stream {stream!r}")
+                raise typer.Exit(1)
+            for r in recorded:
+                show(r)
+            return
+        try:
+            position = LogPosition.parse(after) if after else None
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--after") from None
+        if follow:
+            try:
+                for batch in store.subscribe(position):
+                    for r in batch:
+                        show(r)
+            except KeyboardInterrupt:
+                return
+        else:
+            for r in store.read_all(position, limit=limit):
+                show(r)
+    finally:
+        store.close()
+
+
+@app.command()
+def demo(
+    seed: Annotated[int, typer.Option(help="Random seed of the sample episode.")] = 0,
+) -> None:
+    """The main job. For now: record a sample tool-using episode and print it back."""
+    from store.demo import record_sample_episode
+
+    settings = get_settings()
+    store = _open_store(settings)
+    try:
+        run_id, episode_id = record_sample_episode(store, seed=seed, run_id=f"demo-{uuid.uuid4().hex[:8]}")
+        console.print(f"[bold]run[/bold] {run_id}  [bold]episode[/bold] {episode_id}")
+        for r in store.read_stream(episode_id):
+            console.print(_event_line(r), markup=False, highlight=False)
+        console.print(
+            f"\nstored in {'the embedded database under ' + str(settings.data_dir) if settings.database_url is None else _redact(settings.database_url)}"
+            f"\nread it again with: trajstore events {episode_id}"
+        )
+    finally:
+        store.close()
+
+
+def main() -> None:  # pragma: no cover - console entry for `python -m store.cli`
+    try:
+        app()
+    except errors.StoreError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

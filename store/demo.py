@@ -1,0 +1,100 @@
+"""A sample tool-using episode, recorded through the store API (the interim main job).
+
+Tokens are the UTF-8 bytes of a ChatML rendering, so the sample needs no tokenizer files;
+the full demo (rollouts with a tiny model, replay, EGPO training) replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from typing import Any
+
+import numpy as np
+
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import (
+    CheckpointCreated,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    LLMCalled,
+    RewardAssigned,
+    RunCreated,
+    ToolReturned,
+)
+
+__all__ = ["record_sample_episode"]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+
+
+def _render(messages: list[dict[str, Any]]) -> str:
+    parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def _ids(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
+
+
+def record_sample_episode(store: EventStore, *, seed: int = 0, run_id: str) -> tuple[str, str]:
+    """Record a run and one two-turn calculator episode in it; returns (run id, episode id)."""
+    rng = random.Random(seed)
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id)], NO_STREAM)
+    episode_id = f"{run_id}-ep-{uuid.uuid4().hex[:8]}"
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f"What is {a} * {b}? Use the calculator."}
+    ]
+    events: list[Event] = [
+        EpisodeStarted(run_id=run_id, group_id=f"{run_id}-g0", task_id=f"mul-{a}-{b}",
+                       messages=messages, tools=TOOLS, sampling_params={"temperature": 1.0})
+    ]
+    call = {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}
+    first = (
+        f"<think>I should multiply {a} by {b}.</think>"
+        f"<tool_call>{json.dumps(call)}</tool_call><|im_end|>"
+    )
+    answer = f"<think>The tool says {a * b}.</think>{a} * {b} = {a * b}<|im_end|>"
+    np_rng = np.random.default_rng(seed)
+    for turn, text in enumerate([first, answer]):
+        prompt = _ids(_render(messages))
+        out = _ids(text)
+        response = {"role": "assistant", "content": text.split("</think>")[1].removesuffix(
+            "<|im_end|>")}
+        if turn == 0:
+            response = {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call-0", "type": "function",
+                 "function": {"name": "calculator", "arguments": json.dumps(call["arguments"])}}]}
+        events.append(LLMCalled(
+            call_id=f"call-{turn}", messages=list(messages), tools=TOOLS, prompt_ids=prompt,
+            response_ids=out, logprobs=-np_rng.exponential(0.3, len(out)), response=response,
+            finish_reason="stop",
+        ))
+        if turn == 0:
+            events.append(CheckpointCreated(checkpoint_id="ckpt-0", position_key="turn_0"))
+            events.append(ToolReturned(tool_call_id="call-0", name="calculator",
+                                       arguments=call["arguments"], output=str(a * b)))
+            messages = messages + [{"role": "assistant", "content": text.removesuffix(
+                "<|im_end|>")}, {"role": "tool", "content": str(a * b)}]
+    events += [
+        RewardAssigned(value=1.0, components={"correct": 1.0}, source="exact_match"),
+        EpisodeFinished(status="completed"),
+    ]
+    store.append(episode_id, events, NO_STREAM)
+    return run_id, episode_id

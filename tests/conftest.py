@@ -1,0 +1,96 @@
+"""Shared fixtures: a real PostgreSQL database per test session, created and dropped here.
+
+With ``TRAJSTORE_TEST_DATABASE_URL`` set the databases are created on that server (servers
+keep data between runs, so every run makes its own database and drops it at the end);
+otherwise on an embedded PostgreSQL started in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from store import migrate
+from store.db import Database
+from store.eventlog import EventStore
+from store.settings import Settings
+
+
+def _with_dbname(url: str, name: str) -> str:
+    """``url`` (a postgresql:// URL) pointing at database ``name``."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + name))
+
+
+class PostgresServer:
+    """A PostgreSQL server on which tests create throwaway databases."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin_url = admin_url
+        self.created: list[str] = []
+
+    def create_database(self, prefix: str = "trajstore_test") -> str:
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        self.created.append(name)
+        return _with_dbname(self.admin_url, name)
+
+    def drop_database(self, url: str) -> None:
+        name = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if name in self.created:
+            self.created.remove(name)
+
+    def drop_all(self) -> None:
+        for name in list(self.created):
+            self.drop_database(_with_dbname(self.admin_url, name))
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    settings = Settings()
+    if settings.test_database_url:
+        server = PostgresServer(settings.test_database_url)
+        handle = None
+    else:
+        from store.embedded import embedded_postgres
+
+        handle = embedded_postgres(Path(tmp_path_factory.mktemp("pg")))
+        server = PostgresServer(str(handle.get_uri()))
+    yield server
+    server.drop_all()
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server: PostgresServer) -> str:
+    """A migrated database shared by the session's store tests."""
+    url = pg_server.create_database()
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def settings(tmp_path: Path, pg_url: str) -> Settings:
+    return Settings(database_url=pg_url, data_dir=tmp_path)
+
+
+@pytest.fixture
+def store(settings: Settings, pg_url: str) -> Iterator[EventStore]:
+    s = EventStore(Database(pg_url, max_size=4), settings)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def fresh_db(pg_server: PostgresServer) -> Iterator[str]:
+    """An empty, unmigrated database of its own."""
+    url = pg_server.create_database()
+    yield url
+    pg_server.drop_database(url)

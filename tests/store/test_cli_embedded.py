@@ -1,0 +1,79 @@
+"""The CLI on the embedded default and on a configured server, in real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "store.cli", *args],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.timeout(400)
+def test_embedded_default_starts_migrates_and_stops(tmp_path: Path) -> None:
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path))
+    demo = _run(["demo", "--seed", "3"], env)
+    assert demo.returncode == 0, demo.stderr
+    episode = demo.stdout.split("episode", 1)[1].split()[0]
+    status = _run(["status"], env)
+    assert status.returncode == 0, status.stderr
+    assert "(embedded)" in status.stdout and str(tmp_path) in status.stdout
+    assert "llm_called" in status.stdout
+    shown = _run(["events", episode, "--json"], env)
+    assert shown.returncode == 0, shown.stderr
+    lines = [json.loads(line) for line in shown.stdout.splitlines()]
+    assert [x["type"] for x in lines] == [
+        "episode_started", "llm_called", "checkpoint_created", "tool_returned", "llm_called",
+        "reward_assigned", "episode_finished",
+    ]
+    # The second call's prompt extends the first call's prompt + generation.
+    first, second = lines[1]["event"], lines[4]["event"]
+    assert second["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]
+    # The embedded server stops with the last process that used it.
+    pid_file = tmp_path / "postgres" / "postmaster.pid"
+    for _ in range(100):
+        if not pid_file.exists():
+            break
+        time.sleep(0.1)
+    assert not pid_file.exists(), "embedded PostgreSQL still running after the CLI exited"
+
+
+def test_configured_server_never_starts_an_embedded_one(tmp_path: Path, pg_url: str) -> None:
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path), TRAJSTORE_DATABASE_URL=pg_url)
+    status = _run(["status"], env)
+    assert status.returncode == 0, status.stderr
+    assert "(server)" in status.stdout
+    assert not (tmp_path / "postgres").exists()
+
+
+def test_unmigrated_server_is_refused_with_the_fix(tmp_path: Path, fresh_db: str) -> None:
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path), TRAJSTORE_DATABASE_URL=fresh_db)
+    status = _run(["status"], env)
+    assert status.returncode == 1
+    assert "trajstore migrate" in status.stdout
+    assert _run(["migrate"], env).returncode == 0
+    assert _run(["status"], env).returncode == 0
+
+
+def test_bad_arguments_are_named(tmp_path: Path, pg_url: str) -> None:
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path), TRAJSTORE_DATABASE_URL=pg_url)
+    bad = _run(["events", "--after", "nonsense"], env)
+    assert bad.returncode == 2 and "--after" in bad.stderr
+    missing = _run(["events", "no-such-stream"], env)
+    assert missing.returncode == 1 and "no stream" in missing.stdout
