@@ -52,6 +52,8 @@ def cot_mask(
     if cot_start_id == cot_end_id:
         raise ValueError(f"cot_start_id and cot_end_id must differ, both are {cot_start_id}")
 
+    if responses.numel() == 0:
+        return torch.zeros(responses.shape, dtype=torch.bool, device=responses.device)
     is_start = responses == cot_start_id
     is_end = responses == cot_end_id
     is_marker = is_start | is_end
