@@ -1,0 +1,197 @@
+"""Replaying one episode's events into timelines, samples and negative samples.
+
+``replay_episode`` is the pure core of the replay worker: it takes the events of one episode
+stream in order, the run's configuration and the tokenizer, and returns everything the
+projections store. It raises ``ReplayError`` (with a reason) for an episode that cannot be
+replayed; the worker records such episodes as ``invalid``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from store.events import (
+    AttemptFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    LLMCalled,
+    RewardAssigned,
+    RunConfig,
+)
+from workers.replay.errors import ReplayError
+from workers.replay.forks import ForkPoint, detect_forks
+from workers.replay.initial import build_initial_timeline
+from workers.replay.negatives import NegativeSample, build_negative, select_negatives
+from workers.replay.samples import Sample, build_sample
+from workers.replay.segment import Segmenter
+from workers.replay.timeline import MergePolicy, Timeline, plan_merge
+
+__all__ = ["ReplayResult", "merge_policy_of", "replay_episode"]
+
+#: Event types that belong to a run's own stream, never to an episode's.
+_RUN_STREAM_TYPES = ("run_created", "policy_updated")
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What one episode replays into.
+
+    ``timelines``: the initial timelines, one per ``llm_called`` in stream order, with
+    ``call_ids`` beside them. ``absorber[i]``: index of the timeline that absorbed timeline
+    ``i`` (``None`` for a survivor). ``survivors``: the merged surviving timelines in
+    recording order, ``survivor_indices`` their indices. ``samples``: one per survivor, with
+    the episode reward. ``failures``: every failed attempt as a negative sample;
+    ``negatives``: those kept under the run's cap for this episode (the cap holds per group,
+    so callers combining episodes of one group apply ``select_negatives`` to their
+    ``failures`` again). ``drifted_messages``: messages over all survivors whose text matched
+    an absorbed timeline's but whose token ids did not.
+    """
+
+    episode_id: str | None
+    run_id: str
+    group_id: str
+    status: str | None
+    reward: float | None
+    call_ids: list[str]
+    timelines: list[Timeline]
+    absorber: list[int | None]
+    survivor_indices: list[int]
+    survivors: list[Timeline]
+    forks: list[ForkPoint]
+    samples: list[Sample]
+    failures: list[NegativeSample]
+    negatives: list[NegativeSample]
+    drifted_messages: int
+
+
+def merge_policy_of(config: RunConfig) -> MergePolicy:
+    """The merge policy a run configures. Raises TypeError when ``config`` is not a
+    ``RunConfig``."""
+    if not isinstance(config, RunConfig):
+        raise TypeError(f"config must be a store.events.RunConfig, got {type(config).__name__}")
+    return MergePolicy(compare_level=config.merge.compare_level,
+                       ignore_tools=config.merge.ignore_tools)
+
+
+def _check_stream(events: Sequence[Event]) -> tuple[list[Event], EpisodeStarted]:
+    if isinstance(events, (str, bytes)) or not isinstance(events, Sequence):
+        raise TypeError(f"events must be a list of store.events.Event, got "
+                        f"{type(events).__name__}")
+    items = list(events)
+    for i, e in enumerate(items):
+        if not isinstance(e, Event):
+            raise TypeError(f"events[{i}] must be a store.events.Event, got {type(e).__name__}")
+    if not items or not isinstance(items[0], EpisodeStarted):
+        first = items[0].type if items else "nothing"
+        raise ReplayError(f"an episode stream must begin with episode_started, got {first}")
+    finished_at = None
+    for i, e in enumerate(items):
+        if i > 0 and isinstance(e, EpisodeStarted):
+            raise ReplayError(f"episode_started appears again at event {i}")
+        if e.type in _RUN_STREAM_TYPES:
+            raise ReplayError(f"event {i} is a {e.type}, which belongs to a run stream")
+        if finished_at is not None:
+            raise ReplayError(f"event {i} ({e.type}) comes after episode_finished at event "
+                              f"{finished_at}")
+        if isinstance(e, EpisodeFinished):
+            finished_at = i
+    return items, items[0]
+
+
+def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any,
+                   episode_id: str | None = None) -> ReplayResult:
+    """Replay one episode: initial timelines, merge, forks, samples, negative samples.
+
+    ``events``: the episode stream's events in stream order (``store.events`` models);
+    ``config``: the run's ``RunConfig`` (merge policy, negative samples, chat template
+    override); ``tokenizer``: a fast Hugging Face tokenizer for the run's model.
+    Raises TypeError for arguments of the wrong type and ReplayError when the events cannot
+    be replayed: a stream that does not begin with ``episode_started`` or has events after
+    ``episode_finished``, a repeated call id, prompt ids that are not a rendering of their
+    messages, an ``attempt_failed`` whose failed call is unknown.
+    """
+    policy = merge_policy_of(config)
+    items, started = _check_stream(events)
+    segmenter = Segmenter(tokenizer, chat_template=config.chat_template)
+    timelines: list[Timeline] = []
+    call_ids: list[str] = []
+    call_index: dict[str, int] = {}
+    attempts: list[tuple[int, AttemptFailed, int]] = []
+    reward: float | None = None
+    status: str | None = None
+    for position, event in enumerate(items):
+        if isinstance(event, LLMCalled):
+            if event.call_id in call_index:
+                raise ReplayError(f"call id {event.call_id!r} is recorded twice",
+                                  call_id=event.call_id)
+            timelines.append(build_initial_timeline(
+                agent=event.agent, messages=event.messages, tools=event.tools,
+                prompt_ids=event.prompt_ids, response_ids=event.response_ids,
+                logprobs=event.logprobs, response=event.response,
+                finish_reason=event.finish_reason, segmenter=segmenter,
+                call_id=event.call_id))
+            call_index[event.call_id] = len(timelines) - 1
+            call_ids.append(event.call_id)
+        elif isinstance(event, AttemptFailed):
+            attempts.append((position, event, _failed_call(event, call_index, call_ids,
+                                                          timelines, position)))
+        elif isinstance(event, RewardAssigned):
+            reward = float(event.value)
+        elif isinstance(event, EpisodeFinished):
+            status = event.status
+
+    outcome = plan_merge(timelines, policy)
+    samples = [
+        build_sample(outcome.merged[i], timeline_index=i,
+                     drifted_messages=len(outcome.drifted.get(i, ())), reward=reward)
+        for i in outcome.survivors
+    ]
+    negative_reward = config.negatives.negative_reward
+    failures = [
+        build_negative(
+            timelines[index], call_id=call_ids[index], checkpoint_id=attempt.checkpoint_id,
+            position_key=attempt.position_key, retry_index=attempt.retry_index,
+            error_messages=attempt.error_messages, error_types=attempt.error_types,
+            tool_calls=attempt.failed_tool_calls or timelines[index].messages[-1].tool_calls
+            or [],
+            reward=negative_reward, timeline_index=index, group_id=started.group_id,
+            episode_id=episode_id, occurred_at=attempt.occurred_at, failure_index=position)
+        for position, attempt, index in attempts
+    ]
+    negatives = select_negatives(
+        failures, max_per_group=config.negatives.max_negative_samples_per_group,
+        enabled=config.rollback.save_negative_samples)
+    return ReplayResult(
+        episode_id=episode_id, run_id=started.run_id, group_id=started.group_id,
+        status=status, reward=reward, call_ids=call_ids, timelines=timelines,
+        absorber=outcome.absorber, survivor_indices=outcome.survivors,
+        survivors=outcome.surviving_timelines(), forks=detect_forks(timelines, policy),
+        samples=samples, failures=failures, negatives=negatives,
+        drifted_messages=sum(len(v) for v in outcome.drifted.values()))
+
+
+def _failed_call(attempt: AttemptFailed, call_index: dict[str, int], call_ids: list[str],
+                 timelines: list[Timeline], position: int) -> int:
+    """Index of the timeline of the call whose output failed: the one ``failed_call_id``
+    names, or, when it names none, the agent's latest call before the attempt."""
+    if attempt.failed_call_id is not None:
+        index = call_index.get(attempt.failed_call_id)
+        if index is None:
+            raise ReplayError(f"attempt_failed at event {position} names failed call "
+                              f"{attempt.failed_call_id!r}, which no earlier llm_called "
+                              f"recorded", call_id=attempt.failed_call_id)
+    else:
+        index = next((i for i in range(len(timelines) - 1, -1, -1)
+                      if timelines[i].agent == attempt.agent), None)
+        if index is None:
+            raise ReplayError(f"attempt_failed at event {position} names no failed call and "
+                              f"agent {attempt.agent!r} made no call before it")
+    if timelines[index].agent != attempt.agent:
+        raise ReplayError(f"attempt_failed at event {position} is for agent "
+                          f"{attempt.agent!r} but its failed call {call_ids[index]!r} was "
+                          f"made by agent {timelines[index].agent!r}",
+                          call_id=call_ids[index])
+    return index

@@ -1,0 +1,167 @@
+"""Where each token of a token sequence starts in its decoded text.
+
+Segmenting a prompt into messages needs, for every prompt token, the character at which its
+text starts. Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen) map every id to a fixed byte
+string, so the offsets are a cumulative sum over a per-id byte-length table, computed with
+numpy in one pass; the table is checked against the tokenizer's own decoding of the sequence
+and is not used when the two disagree. Every other tokenizer is decoded incrementally with
+``tokenizers``' ``DecodeStream`` (linear, slower). A token that ends inside a multi-byte
+character starts at that character.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from workers.replay.errors import ReplayError
+
+__all__ = ["byte_level_alphabet", "decode_with_offsets"]
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet: the printable character that stands for each byte value
+    (printable Latin-1 bytes stand for themselves, the others for code points from 256 on),
+    as a map from character to byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class _ByteTable:
+    """Per-id byte strings of a byte-level tokenizer."""
+
+    def __init__(self, backend: Any) -> None:
+        alphabet = byte_level_alphabet()
+        vocab = backend.get_vocab(with_added_tokens=True)
+        size = max(vocab.values()) + 1 if vocab else 0
+        pieces: list[bytes] = [b""] * size
+        for token, idx in vocab.items():
+            try:
+                pieces[idx] = bytes(alphabet[c] for c in token)
+            except KeyError:
+                pieces[idx] = token.encode("utf-8")
+        for idx, added in backend.get_added_tokens_decoder().items():
+            if idx < size:
+                pieces[idx] = added.content.encode("utf-8")
+        self.pieces = pieces
+        self.lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
+
+
+_TABLES: weakref.WeakKeyDictionary[Any, _ByteTable] = weakref.WeakKeyDictionary()
+
+
+def _backend(tokenizer: Any) -> Any:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        backend = getattr(tokenizer, "_tokenizer", None)
+    return backend
+
+
+def _byte_table(backend: Any) -> _ByteTable | None:
+    decoder = backend.decoder
+    if decoder is None or type(decoder).__name__ != "ByteLevel":
+        return None
+    try:
+        table = _TABLES.get(backend)
+    except TypeError:
+        table = None
+    if table is None:
+        table = _ByteTable(backend)
+        try:
+            _TABLES[backend] = table
+        except TypeError:
+            pass
+    return table
+
+
+def _char_starts_of_bytes(text: str, byte_starts: np.ndarray) -> np.ndarray:
+    """Map byte offsets into ``text``'s UTF-8 encoding to character offsets."""
+    if not text.isascii():
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        widths = 1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000)
+        char_byte_start = np.cumsum(widths) - widths
+        return np.searchsorted(char_byte_start, byte_starts, side="right") - 1
+    return byte_starts
+
+
+def _by_table(backend: Any, table: _ByteTable, ids: np.ndarray, expected: str
+              ) -> tuple[str, np.ndarray] | None:
+    lengths = table.lengths[ids]
+    byte_starts = np.cumsum(lengths) - lengths
+    pieces = table.pieces
+    try:
+        text = b"".join([pieces[i] for i in ids.tolist()]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if text != expected:
+        return None
+    return text, _char_starts_of_bytes(text, byte_starts)
+
+
+def _by_stream(backend: Any, ids: np.ndarray) -> tuple[str, np.ndarray]:
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=False)
+    starts = np.empty(len(ids), dtype=np.int64)
+    chunks: list[str] = []
+    emitted = 0
+    pending: list[int] = []
+    for t, token in enumerate(ids.tolist()):
+        pending.append(t)
+        chunk = stream.step(backend, token)
+        if chunk is None:
+            continue
+        for p in pending:
+            starts[p] = emitted
+        pending.clear()
+        chunks.append(chunk)
+        emitted += len(chunk)
+    for p in pending:
+        starts[p] = emitted
+    return "".join(chunks), starts
+
+
+def decode_with_offsets(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
+                        ) -> tuple[str, np.ndarray]:
+    """Decode ``token_ids`` with ``tokenizer`` (special tokens kept, no clean-up) and give
+    each token's start character in the text: ``starts`` has shape ``(num_tokens,)`` and is
+    non-decreasing. Raises TypeError when ``tokenizer`` has no fast (``tokenizers``) backend
+    and ReplayError when an id lies outside the vocabulary or the incremental decoding does
+    not reproduce the tokenizer's own."""
+    backend = _backend(tokenizer)
+    if backend is None or not hasattr(backend, "decode"):
+        raise TypeError(f"tokenizer must be a fast tokenizer with a `tokenizers` backend, got "
+                        f"{type(tokenizer).__name__}")
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise TypeError(f"token_ids must be a 1-d sequence of integers, got shape {ids.shape} "
+                        f"dtype {ids.dtype}")
+    ids = ids.astype(np.int64, copy=False)
+    size = backend.get_vocab_size(with_added_tokens=True)
+    if ids.size:
+        bad = np.flatnonzero((ids < 0) | (ids >= size))
+        if bad.size:
+            p = int(bad[0])
+            raise ReplayError(f"token id {int(ids[p])} at position {p} is outside the "
+                              f"vocabulary of size {size}")
+    expected = backend.decode(ids.tolist(), skip_special_tokens=False)
+    table = _byte_table(backend)
+    if table is not None and table.lengths.size >= size:
+        found = _by_table(backend, table, ids, expected)
+        if found is not None:
+            return found
+    text, starts = _by_stream(backend, ids)
+    if text != expected:
+        raise ReplayError("incremental decoding of the token ids does not reproduce the "
+                          "tokenizer's decoding; cannot place tokens in the text")
+    return text, starts
