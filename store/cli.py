@@ -125,8 +125,12 @@ def _event_line(r: Any) -> str:
 
 @app.command()
 def events(
-    stream: Annotated[str | None, typer.Argument(help="Stream to read; omit to read the log.")] = None,
-    after: Annotated[str | None, typer.Option(help="Checkpoint 'tx:position' to read after.")] = None,
+    stream: Annotated[
+        str | None, typer.Argument(help="Stream to read; omit to read the log.")
+    ] = None,
+    after: Annotated[
+        str | None, typer.Option(help="Checkpoint 'tx:position' to read after.")
+    ] = None,
     limit: Annotated[int, typer.Option(min=1, help="Events to print from the log.")] = 50,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep tailing the log.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
@@ -175,14 +179,18 @@ def demo(
     settings = get_settings()
     store = _open_store(settings)
     try:
-        run_id, episode_id = record_sample_episode(store, seed=seed, run_id=f"demo-{uuid.uuid4().hex[:8]}")
+        run_id, episode_id = record_sample_episode(
+            store, seed=seed, run_id=f"demo-{uuid.uuid4().hex[:8]}"
+        )
         console.print(f"[bold]run[/bold] {run_id}  [bold]episode[/bold] {episode_id}")
         for r in store.read_stream(episode_id):
             console.print(_event_line(r), markup=False, highlight=False)
-        console.print(
-            f"\nstored in {'the embedded database under ' + str(settings.data_dir) if settings.database_url is None else _redact(settings.database_url)}"
-            f"\nread it again with: trajstore events {episode_id}"
+        where = (
+            f"the embedded database under {settings.data_dir}"
+            if settings.database_url is None
+            else _redact(settings.database_url)
         )
+        console.print(f"\nstored in {where}\nread it again with: trajstore events {episode_id}")
     finally:
         store.close()
 

@@ -94,9 +94,16 @@ def choose_delta(
     or None when no candidate shares at least ``min_prefix`` tokens. Ties keep the latest
     candidate, whose chain is the shortest to decode."""
     best: Delta | None = None
-    for version, sequence in candidates:
+    ordered = list(reversed(candidates))  # newest first: ties keep the newest
+    # longest[i]: the longest sequence among ordered[i:]; no candidate there can share more.
+    longest = [0] * (len(ordered) + 1)
+    for i in range(len(ordered) - 1, -1, -1):
+        longest[i] = max(longest[i + 1], len(ordered[i][1]))
+    for i, (version, sequence) in enumerate(ordered):
+        if best is not None and longest[i] <= best.prefix_len:
+            break
         shared = common_prefix_len(prompt, sequence)
-        if shared >= min_prefix and (best is None or shared >= best.prefix_len):
+        if shared >= min_prefix and (best is None or shared > best.prefix_len):
             best = Delta(version, shared, prompt[shared:])
     return best
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from psycopg.rows import dict_row
 
 from store import errors
-from store.db import Database, translate_errors
+from store.db import Database
 from store.events import EpisodeStarted, Event, LLMCalled, RunCreated
 from store.rows import (
     ROW_COLUMNS,
@@ -31,8 +31,10 @@ from store.rows import (
     LLMCallMemory,
     LogPosition,
     RecordedEvent,
-    content_hash,
+    data_json,
     encode_llm_call,
+    same_content,
+    stored_size,
 )
 from store.settings import Settings
 from store.validation import validate_batch
@@ -75,12 +77,18 @@ class AppendResult:
 
 _INSERT = """
 INSERT INTO events (event_id, stream_id, stream_version, type, schema_version, run_id,
-                    group_id, agent, data, content_hash, prompt_ids, prompt_base_version,
+                    group_id, agent, data, prompt_ids, prompt_base_version,
                     prompt_prefix_len, prompt_len, response_ids, logprobs, occurred_at)
-SELECT * FROM unnest(%b::uuid[], %b::text[], %b::int4[], %b::text[], %b::int2[], %b::text[],
-                     %b::text[], %b::text[], %b::jsonb[], %b::bytea[], %b::bytea[],
-                     %b::int4[], %b::int4[], %b::int4[], %b::bytea[], %b::bytea[],
-                     %b::timestamptz[])
+SELECT u.event_id, u.stream_id, u.stream_version, u.type, u.schema_version, u.run_id,
+       u.group_id, u.agent, u.data::jsonb, u.prompt_ids, u.prompt_base_version,
+       u.prompt_prefix_len, u.prompt_len, u.response_ids, u.logprobs, u.occurred_at
+FROM unnest(%b::uuid[], %b::text[], %b::int4[], %b::text[], %b::int2[], %b::text[],
+            %b::text[], %b::text[], %b::text[], %b::bytea[], %b::int4[], %b::int4[],
+            %b::int4[], %b::bytea[], %b::bytea[], %b::timestamptz[])
+     WITH ORDINALITY AS u(event_id, stream_id, stream_version, type, schema_version, run_id,
+                          group_id, agent, data, prompt_ids, prompt_base_version,
+                          prompt_prefix_len, prompt_len, response_ids, logprobs, occurred_at, n)
+ORDER BY u.n
 -- Idempotency: a concurrent append of the same event ids makes these rows conflict on
 -- event_id. Naming the column (not a bare ON CONFLICT DO NOTHING) keeps a clash on
 -- (stream_id, stream_version), a genuine version conflict, an error.
@@ -172,11 +180,10 @@ class EventStore:
             e if e.event_id is not None else e.model_copy(update={"event_id": uuid.uuid4()})
             for e in events
         ]
-        hashes = [content_hash(stream_id, e) for e in events]
         for attempt in range(5):
             try:
-                return self._append_once(stream_id, events, hashes, expected)
-            except _Retry:
+                return self._append_once(stream_id, events, expected)
+            except (_Retry, errors.DuplicateKeyError):
                 if attempt == 4:
                     raise errors.TransientError(
                         f"append to {stream_id!r} kept racing with concurrent appends"
@@ -187,54 +194,43 @@ class EventStore:
         self,
         stream_id: str,
         events: list[Event],
-        hashes: list[bytes],
         expected: int | None,
     ) -> AppendResult:
         ids = [e.event_id for e in events]
         with self.db.transaction() as conn:
-            # Appends to one stream take turns: under this lock the version read below stays
-            # current until commit, so concurrent appends with ANY never collide and a stale
-            # expected version is reported, not raced. (The unique (stream_id,
-            # stream_version) constraint still guards clients that bypass this code.) It is
-            # its own statement because in READ COMMITTED each statement takes its snapshot
-            # when it starts: reads after it see every append committed before we got the lock.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (stream_id,))
-            stored = conn.execute(
-                "SELECT event_id, position, content_hash, stream_id, stream_version"
-                " FROM events WHERE event_id = ANY(%s)",
-                (ids,),
-            ).fetchall()
+            # One round trip (pipeline) for three statements, run in order:
+            # 1. Appends to one stream take turns: under this lock the version read below
+            #    stays current until commit, so concurrent appends with ANY never collide and
+            #    a stale expected version is reported, not raced. (The unique (stream_id,
+            #    stream_version) constraint still guards clients that bypass this code.)
+            # 2./3. In READ COMMITTED each statement takes its snapshot when it starts, so
+            #    these reads, which start after the lock is granted, see every append that
+            #    committed before it.
+            with conn.pipeline():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                             (stream_id,))
+                stored_cur = conn.execute(
+                    "SELECT event_id, position, stream_id, stream_version"
+                    " FROM events WHERE event_id = ANY(%s)",
+                    (ids,),
+                )
+                version_cur = conn.execute(
+                    "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = %s",
+                    (stream_id,),
+                )
+            stored = stored_cur.fetchall()
             if stored:
-                return _idempotent_result(stream_id, ids, hashes, stored)
-
-            current = conn.execute(
-                "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = %s",
-                (stream_id,),
-            ).fetchone()[0]
+                return self._idempotent_result(conn, stream_id, events, stored)
+            current = version_cur.fetchone()[0]
             if expected is not None and current != expected:
                 raise errors.ConflictError(stream_id, expected=expected, actual=current)
 
-            rows, calls = self._rows(conn, stream_id, current, events, hashes)
-            try:
-                # A savepoint, so that a clash does not poison the outer transaction.
-                with translate_errors(), conn.transaction():
-                    returned = conn.execute(_INSERT, _columns(rows)).fetchall()
-            except errors.DuplicateKeyError as exc:
-                if exc.constraint == "events_stream_version_key":
-                    # Another append to this stream committed between our version read and
-                    # our insert. With a specific expected version that is a conflict; with
-                    # ANY, try again on top of it.
-                    if expected is None:
-                        raise _Retry() from exc
-                    actual = conn.execute(
-                        "SELECT coalesce(max(stream_version), 0) FROM events"
-                        " WHERE stream_id = %s",
-                        (stream_id,),
-                    ).fetchone()[0]
-                    raise errors.ConflictError(
-                        stream_id, expected=expected, actual=actual
-                    ) from exc
-                raise
+            rows, calls = self._rows(conn, stream_id, current, events)
+            # A unique violation here (the same event id committed meanwhile to another
+            # stream, or a version taken by a client that skipped the lock) aborts this
+            # transaction; ``append`` runs it again and the checks above then give the
+            # precise answer (IdempotencyError, ConflictError, or success under ANY).
+            returned = conn.execute(_INSERT, _columns(rows)).fetchall()
             if len(returned) != len(rows):
                 # A concurrent append of some of these event ids committed first and our rows
                 # were skipped: undo ours and answer as for a retry.
@@ -250,13 +246,12 @@ class EventStore:
         stream_id: str,
         current: int,
         events: list[Event],
-        hashes: list[bytes],
     ) -> tuple[list[EventRow], list[LLMCallMemory]]:
         """The rows to insert, and the stream's recent LLM calls including the new ones."""
         run_id, group_id = self._stream_identity(conn, stream_id, current, events)
         calls = self._recent_calls(conn, stream_id, current) if current else []
         rows: list[EventRow] = []
-        for i, (event, digest) in enumerate(zip(events, hashes, strict=True)):
+        for i, event in enumerate(events):
             data = event.to_data()
             row = EventRow(
                 event_id=event.event_id,  # type: ignore[arg-type]
@@ -268,7 +263,6 @@ class EventStore:
                 group_id=getattr(event, "group_id", None) or group_id,
                 agent=getattr(event, "agent", None),
                 data=data,
-                content_hash=digest,
                 occurred_at=event.occurred_at or dt.datetime.now(dt.UTC),
             )
             if isinstance(event, LLMCalled):
@@ -279,8 +273,55 @@ class EventStore:
                     min_prefix=self.settings.delta_min_prefix,
                 )
                 calls = [*calls, memory]
+            try:
+                row.data_json = data_json(row.data)
+            except ValueError as exc:
+                raise errors.ValidationError(str(exc), event_index=i) from None
+            size = stored_size(row)
+            if size > self.settings.max_event_bytes:
+                raise errors.ValidationError(
+                    f"event takes {size} bytes once stored, over the limit of "
+                    f"{self.settings.max_event_bytes}",
+                    event_index=i,
+                )
             rows.append(row)
         return rows, calls
+
+    def _idempotent_result(
+        self, conn: Any, stream_id: str, events: list[Event], stored: list[Any]
+    ) -> AppendResult:
+        """The answer to a batch some of whose event ids are stored already: the original
+        positions for a faithful retry, an error otherwise. Compares the stored events with
+        the submitted ones (rare, so no hash is kept on the hot path)."""
+        by_id = {row[0]: row for row in stored}
+        for event in events:
+            row = by_id.get(event.event_id)
+            if row is not None and row[2] != stream_id:
+                raise errors.IdempotencyError(event.event_id, position=row[1])
+        if len(by_id) != len(events):
+            new = [i for i, e in enumerate(events) if e.event_id not in by_id]
+            raise errors.ValidationError(
+                f"the batch mixes {len(by_id)} events already stored with {len(new)} new "
+                f"ones (first new: event {new[0]}); retry the original batch unchanged, or "
+                "send the new events in a batch of their own",
+                event_index=new[0],
+                field="event_id",
+            )
+        versions = {row[3] for row in stored}
+        decoded = {
+            r.stream_version: r
+            for r in self._read_stream_rows(conn, stream_id, min(versions), max(versions))
+        }
+        for event in events:
+            row = by_id[event.event_id]
+            if not same_content(decoded[row[3]].event, event):
+                raise errors.IdempotencyError(event.event_id, position=row[1])
+        return AppendResult(
+            stream_id,
+            tuple(by_id[e.event_id][1] for e in events),
+            max(versions),
+            duplicate=True,
+        )
 
     def _remember(self, stream_id: str, calls: list[LLMCallMemory]) -> None:
         keep = calls[-self.settings.delta_candidates :]
@@ -355,14 +396,19 @@ class EventStore:
             raise errors.ValidationError(f"from_version must be >= 1, got {from_version}")
         upper = to_version if to_version is not None else 2**31 - 1
         with self.db.connection() as conn:
-            # Delta bases may lie before from_version: read the stream's llm_called rows
-            # from its start, decode them all, and hand back only the asked range.
-            rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-                f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = %s"
-                " AND stream_version <= %s AND (stream_version >= %s OR type = 'llm_called')"
-                " ORDER BY stream_version",
-                (stream_id, upper, from_version),
-            ).fetchall()
+            return self._read_stream_rows(conn, stream_id, from_version, upper)
+
+    def _read_stream_rows(
+        self, conn: Any, stream_id: str, from_version: int, to_version: int
+    ) -> list[RecordedEvent]:
+        # Delta bases may lie before from_version: read the stream's llm_called rows from its
+        # start, decode them all, and hand back only the asked range.
+        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = %s"
+            " AND stream_version <= %s AND (stream_version >= %s OR type = 'llm_called')"
+            " ORDER BY stream_version",
+            (stream_id, to_version, from_version),
+        ).fetchall()
         decoder = Decoder()
         out = []
         for row in rows:
@@ -603,34 +649,7 @@ def _check_expected(expected: object) -> int | None:
     return expected
 
 
-def _idempotent_result(
-    stream_id: str, ids: list[Any], hashes: list[bytes], stored: list[Any]
-) -> AppendResult:
-    by_id = {row[0]: row for row in stored}
-    for event_id, digest in zip(ids, hashes, strict=True):
-        row = by_id.get(event_id)
-        if row is not None and (bytes(row[2]) != digest or row[3] != stream_id):
-            raise errors.IdempotencyError(event_id, position=row[1])
-    if len(by_id) != len(ids):
-        new = [i for i, event_id in enumerate(ids) if event_id not in by_id]
-        raise errors.ValidationError(
-            f"the batch mixes {len(by_id)} events already stored with {len(new)} new ones "
-            f"(first new: event {new[0]}); retry the original batch unchanged, or send the "
-            "new events in a batch of their own",
-            event_index=new[0],
-            field="event_id",
-        )
-    return AppendResult(
-        stream_id,
-        tuple(by_id[i][1] for i in ids),
-        max(by_id[i][4] for i in ids),
-        duplicate=True,
-    )
-
-
 def _columns(rows: list[EventRow]) -> tuple[list[Any], ...]:
-    from psycopg.types.json import Jsonb
-
     return (
         [r.event_id for r in rows],
         [r.stream_id for r in rows],
@@ -640,8 +659,7 @@ def _columns(rows: list[EventRow]) -> tuple[list[Any], ...]:
         [r.run_id for r in rows],
         [r.group_id for r in rows],
         [r.agent for r in rows],
-        [Jsonb(r.data) for r in rows],
-        [r.content_hash for r in rows],
+        [r.data_json for r in rows],
         [r.prompt_ids for r in rows],
         [r.prompt_base_version for r in rows],
         [r.prompt_prefix_len for r in rows],

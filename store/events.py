@@ -244,6 +244,21 @@ class LLMCalled(Event):
             )
         return logprobs
 
+    def to_data(self) -> dict[str, Any]:
+        # The request history is the bulk of this event and is already plain JSON data (it
+        # was validated as lists and dicts): hand it over as is instead of re-serialising it.
+        return {
+            "agent": self.agent,
+            "call_id": self.call_id,
+            "messages": self.messages,
+            "tools": self.tools,
+            "response": self.response,
+            "finish_reason": self.finish_reason,
+            "policy_version": self.policy_version,
+            "latency_ms": self.latency_ms,
+            "usage": self.usage,
+        }
+
     def token_payloads(self) -> dict[str, np.ndarray]:
         return {
             "prompt_ids": self.prompt_ids,

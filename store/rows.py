@@ -6,7 +6,6 @@ No database access here: ``store.eventlog`` fetches and writes the rows.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import uuid
 from collections.abc import Iterable, Sequence
@@ -22,8 +21,9 @@ __all__ = [
     "LogPosition",
     "RecordedEvent",
     "EventRow",
-    "content_hash",
-    "encoded_size",
+    "same_content",
+    "data_json",
+    "stored_size",
     "LLMCallMemory",
     "encode_llm_call",
     "Decoder",
@@ -95,22 +95,28 @@ def _canonical(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def content_hash(stream_id: str, event: Event) -> bytes:
-    """sha256 of everything an idempotent retry must repeat: stream, type, data, tokens."""
-    h = hashlib.sha256()
-    h.update(_canonical([stream_id, event.type, event.schema_version, event.to_data()]))
-    for name, arr in event.token_payloads().items():
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(arr).tobytes())
-    return h.digest()
+def same_content(a: Event, b: Event) -> bool:
+    """Whether two events carry the same content (ids and times aside): what an idempotent
+    retry must repeat. Dicts compare by value, so key order does not matter."""
+    if a.type != b.type or a.to_data() != b.to_data():
+        return False
+    pa, pb = a.token_payloads(), b.token_payloads()
+    return pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
 
 
-def encoded_size(event: Event) -> int:
-    """Bytes of an event's JSON data plus token payloads (what the size limit counts)."""
-    size = len(_canonical(event.to_data()))
-    for arr in event.token_payloads().values():
-        size += arr.nbytes
-    return size
+def data_json(data: dict[str, Any]) -> str:
+    """The JSON text stored for an event's data; ``ValueError`` when it is not JSON."""
+    try:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"data is not JSON-serialisable: {exc}") from None
+
+
+def stored_size(row: EventRow) -> int:
+    """Bytes an event takes in its row: JSON text plus token payloads as stored."""
+    return len(row.data_json.encode()) + sum(
+        len(b) for b in (row.prompt_ids, row.response_ids, row.logprobs) if b is not None
+    )
 
 
 @dataclass(slots=True)
@@ -136,7 +142,7 @@ class EventRow:
     group_id: str | None
     agent: str | None
     data: dict[str, Any]
-    content_hash: bytes
+    data_json: str = ""
     prompt_ids: bytes | None = None
     prompt_base_version: int | None = None
     prompt_prefix_len: int | None = None

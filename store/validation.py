@@ -13,7 +13,6 @@ import pydantic
 
 from store.errors import ValidationError
 from store.events import EVENT_TYPES, Event, parse_event
-from store.rows import encoded_size
 from store.settings import Settings
 
 __all__ = ["validate_batch", "coerce_event"]
@@ -66,8 +65,8 @@ def validate_batch(
 
     Returns the events as models. Raises ``ValidationError`` for an empty or oversized batch,
     an unknown type, a schema violation, a token array longer than
-    ``max_tokens_per_array``, an event larger than ``max_event_bytes``, or an event id used
-    twice in the batch.
+    ``max_tokens_per_array``, or an event id used twice in the batch. (The stored size of an
+    event, ``max_event_bytes``, is checked when it is encoded, see ``EventStore.append``.)
     """
     if isinstance(events, (str, bytes, Mapping)) or not isinstance(events, Sequence):
         raise ValidationError("events must be a list of events", field="events")
@@ -88,12 +87,6 @@ def validate_batch(
                     event_index=i,
                     field=name,
                 )
-        size = encoded_size(event)
-        if size > settings.max_event_bytes:
-            raise ValidationError(
-                f"event is {size} bytes, over the limit of {settings.max_event_bytes}",
-                event_index=i,
-            )
         if event.event_id is not None:
             if event.event_id in seen:
                 raise ValidationError(

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from store.events import EpisodeStarted, EpisodeFinished, LLMCalled, RewardAssigned, ToolReturned
+from store.events import EpisodeFinished, EpisodeStarted, LLMCalled, RewardAssigned, ToolReturned
 
 
 def episode_started(run_id: str = "run-a", group_id: str = "g0", **kw: Any) -> EpisodeStarted:

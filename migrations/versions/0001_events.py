@@ -32,8 +32,6 @@ CREATE TABLE events (
     group_id        text,
     agent           text,
     data            jsonb NOT NULL,
-    -- sha256 of the event's canonical content: an idempotent retry must carry the same.
-    content_hash    bytea NOT NULL,
     -- Token payloads, little-endian int32 / float32. When prompt_base_version is set,
     -- prompt_ids holds only the suffix: the full prompt is the first prompt_prefix_len
     -- tokens of (prompt + response ids) of the event at prompt_base_version in this stream.
@@ -62,7 +60,8 @@ ALTER TABLE events ALTER COLUMN logprobs SET STORAGE EXTERNAL;
 -- The reading cursor of read_all.
 CREATE INDEX events_tx_position_idx ON events (tx_id, position);
 CREATE INDEX events_run_type_idx ON events (run_id, type) WHERE run_id IS NOT NULL;
-CREATE INDEX events_type_position_idx ON events (type, position);
+-- Every index costs each append; this one only serves listing runs.
+CREATE INDEX events_runs_idx ON events (position) WHERE type = 'run_created';
 
 -- Events are immutable whatever the client: no UPDATE, DELETE or TRUNCATE.
 CREATE FUNCTION events_refuse_change() RETURNS trigger LANGUAGE plpgsql AS $$

@@ -10,7 +10,8 @@ import pytest
 
 from store import errors
 from store.eventlog import ANY, NO_STREAM, EventStore, run_stream_id
-from store.events import EpisodeFinished, RewardAssigned, RunCreated
+from store.events import EpisodeFinished, LLMCalled, RewardAssigned, RunCreated
+from store.rows import same_content
 from tests.factories import closing, episode_started, trajectory
 
 
@@ -32,13 +33,14 @@ def test_append_then_read_back_in_order(store: EventStore) -> None:
     assert [r.stream_version for r in back] == list(range(1, len(events) + 1))
     assert [r.type for r in back] == [e.type for e in events]
     assert [r.event.event_id for r in back][1:4] == [e.event_id for e in events[1:4]]
-    assert back[-2].event == events[-2].model_copy(update={"event_id": back[-2].event.event_id,
-                                                           "occurred_at": back[-2].event.occurred_at})
+    assert same_content(back[-2].event, events[-2])
+    assert all(same_content(r.event, e) for r, e in zip(back, events, strict=True))
 
 
 def test_idempotent_retry_returns_original_positions_and_stores_nothing(store: EventStore) -> None:
     stream = new_stream()
-    events = [e.model_copy(update={"event_id": uuid.uuid4()}) for e in [episode_started(), *closing()]]
+    events = [e.model_copy(update={"event_id": uuid.uuid4()})
+              for e in [episode_started(), *trajectory(2), *closing()]]
     first = store.append(stream, events, NO_STREAM)
     again = store.append(stream, events, NO_STREAM)  # stale version, but a pure retry
     assert again.duplicate and not first.duplicate
@@ -54,6 +56,23 @@ def test_same_id_different_content_is_an_error(store: EventStore) -> None:
     with pytest.raises(errors.IdempotencyError, match=str(eid)):
         store.append(stream, [RewardAssigned(event_id=eid, value=0.0)])
     assert _count(store, stream) == 2
+
+
+def test_retry_with_reordered_keys_is_still_a_retry(store: EventStore) -> None:
+    stream = new_stream()
+    call = trajectory(1)[0]
+    store.append(stream, [episode_started(), call])
+    reordered = LLMCalled.model_validate(
+        {**{k: v for k, v in reversed(list(call.model_dump().items()))},
+         "messages": [dict(reversed(list(m.items()))) for m in call.messages]}
+    )
+    assert reordered.event_id == call.event_id
+    assert store.append(stream, [reordered]).duplicate
+    # ...but a retry whose token ids differ is refused
+    changed = call.model_copy(update={"response_ids": call.response_ids[::-1].copy()})
+    with pytest.raises(errors.IdempotencyError):
+        store.append(stream, [changed])
+    assert store.stream_version(stream) == 2
 
 
 def test_same_id_in_another_stream_is_an_error(store: EventStore) -> None:

@@ -61,9 +61,12 @@ def _same(a: LLMCalled, b: LLMCalled) -> bool:
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(calls=agent_streams(), split=st.integers(1, 4))
-def test_delta_round_trips(store: EventStore, pg_url: str, calls: list[LLMCalled], split: int) -> None:
+def test_delta_round_trips(
+    store: EventStore, pg_url: str, calls: list[LLMCalled], split: int
+) -> None:
     stream = f"ep-{uuid.uuid4().hex}"
     store.append(stream, [episode_started()])
     for i in range(0, len(calls), split):

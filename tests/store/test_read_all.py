@@ -122,8 +122,8 @@ def test_reader_waits_for_a_transaction_that_commits_late(store: EventStore, pg_
     store.append(f"ep-{uuid.uuid4().hex}", [episode_started()])  # commits first
     assert store.read_all(start) == [], "rows behind a running transaction must wait"
     slow.execute(
-        "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version, data,"
-        " content_hash) VALUES (%s, %s, 1, 'reward_assigned', 1, %s, '\\x00')",
+        "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version, data)"
+        " VALUES (%s, %s, 1, 'reward_assigned', 1, %s)",
         (uuid.uuid4(), f"late-{uuid.uuid4().hex}", '{"value": 0.5}'),
     )
     slow.commit()
