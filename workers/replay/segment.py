@@ -125,6 +125,41 @@ def _body(rendered: str, pieces: list[str]) -> tuple[int, int] | None:
     return start, end + len(last)
 
 
+def _own_texts(message: Mapping[str, Any]) -> list[str]:
+    """The stripped content and tool call names of ``message``."""
+    texts = [content_text(message.get("content")).strip()]
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", call) if isinstance(call, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if isinstance(name, str):
+            texts.append(name)
+    return [t for t in texts if len(t) > 1]
+
+
+def _straddles(text: str, piece: str, cut: int) -> bool:
+    """Whether an occurrence of ``piece`` in ``text`` begins before ``cut`` and ends after."""
+    at = text.find(piece, max(0, cut - len(piece) + 1), cut + len(piece) - 1)
+    return 0 <= at < cut
+
+
+def _check_segment(text: str, start: int, end: int, message: Mapping[str, Any],
+                   pieces: list[str], index: int, call_id: str | None) -> None:
+    """Refuse a segment that misses its message's text or cuts through it."""
+    for piece in pieces:
+        if text.find(piece, start, end) < 0 and text.find(piece) >= 0:
+            raise SegmentationError(
+                f"message {index} ({message['role']}) text {piece[:60]!r} lies outside its "
+                f"segment {_snippet(text[:end], start)}; the template renders it in a way "
+                f"that cannot be segmented", message_index=index, call_id=call_id)
+    for piece in _own_texts(message):
+        for cut in (start, end):
+            if _straddles(text, piece, cut):
+                raise SegmentationError(
+                    f"a segment boundary at character {cut} cuts through message {index} "
+                    f"({message['role']}) text {piece[:60]!r}; the template renders it "
+                    f"differently as the last message", message_index=index, call_id=call_id)
+
+
 def _snippet(text: str, at: int) -> str:
     return repr(text[max(0, at - 30):at + 50])
 
@@ -231,13 +266,7 @@ class Segmenter:
                 relocated.append(k - 1)
             while end > previous_end and text[end - 1].isspace():
                 end -= 1
-            for piece in pieces:
-                if text.find(piece, previous_end, end) < 0 and text.find(piece) >= 0:
-                    raise SegmentationError(
-                        f"message {k - 1} ({messages[k - 1]['role']}) text {piece[:60]!r} "
-                        f"lies outside its segment {_snippet(text[:end], previous_end)}; the "
-                        f"template renders it in a way that cannot be segmented",
-                        message_index=k - 1, call_id=call_id)
+            _check_segment(text, previous_end, end, messages[k - 1], pieces, k - 1, call_id)
             ends.append(end)
             previous_end = end
         cuts = np.searchsorted(starts, np.asarray([0, *ends], dtype=np.int64), side="left")

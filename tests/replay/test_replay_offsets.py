@@ -1,0 +1,90 @@
+"""Token start offsets: the byte-table path and the streaming path against plain loops."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from workers.replay.errors import ReplayError
+from workers.replay.offsets import byte_level_alphabet, decode_with_offsets
+from workers.replay.segment import common_prefix_length
+
+_PIECES = list("ab xyz\n\t.,{}\"'") + ["🚀", "é", "ü", "—", "中文", "<|im_end|>", "<|eot_id|>",
+                                         "<s>", "  ", "\n\n", "<think>"]
+
+
+def _texts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 30)))
+            for _ in range(count)]
+
+
+def _prefix_decoding_reference(tokenizer, ids: list[int]) -> list[int]:
+    """A token starts where the decoding of the tokens before it stops agreeing with the
+    full decoding (an unfinished character decodes to a replacement mark, which disagrees)."""
+    backend = tokenizer.backend_tokenizer
+    full = backend.decode(ids, skip_special_tokens=False)
+    return [common_prefix_length(backend.decode(ids[:i], skip_special_tokens=False), full)
+            for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_byte_level_offsets_match_prefix_decoding(name: str, request) -> None:
+    tokenizer = request.getfixturevalue(name)
+    for text in _texts(3, 60):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        decoded, starts = decode_with_offsets(tokenizer, ids)
+        assert decoded == text
+        assert starts.tolist() == _prefix_decoding_reference(tokenizer, ids)
+
+
+def _metaspace_reference(tokenizer, ids: list[int]) -> list[int]:
+    """Byte string of each piece (byte-fallback pieces are their byte, the word marker a
+    space, the very first space stripped), then each token starts at the character holding
+    its first byte."""
+    pieces = []
+    for token in tokenizer.convert_ids_to_tokens(ids):
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            pieces.append(bytes([int(token[3:5], 16)]))
+        else:
+            pieces.append(token.replace("\u2581", " ").encode())
+    if pieces and pieces[0].startswith(b" "):
+        pieces[0] = pieces[0][1:]
+    text = b"".join(pieces).decode()
+    char_of_byte = []
+    for index, ch in enumerate(text):
+        char_of_byte.extend([index] * len(ch.encode()))
+    starts, at = [], 0
+    for p in pieces:
+        starts.append(char_of_byte[at] if at < len(char_of_byte) else len(text))
+        at += len(p)
+    return starts
+
+
+def test_streaming_offsets_match_piece_reference(metaspace) -> None:
+    assert type(metaspace.backend_tokenizer.decoder).__name__ != "ByteLevel"
+    for text in _texts(5, 60):
+        text = text.replace("<|im_end|>", "").replace("<|eot_id|>", "").lstrip(" ")
+        ids = metaspace(text, add_special_tokens=False)["input_ids"]
+        decoded, starts = decode_with_offsets(metaspace, ids)
+        assert decoded == metaspace.backend_tokenizer.decode(ids, skip_special_tokens=False)
+        assert starts.tolist() == _metaspace_reference(metaspace, ids)
+
+
+def test_alphabet_covers_every_byte_once() -> None:
+    alphabet = byte_level_alphabet()
+    assert sorted(alphabet.values()) == list(range(256))
+    assert alphabet["\u0120"] == ord(" ")  # the familiar 'Ġ'
+
+
+def test_empty_and_bad_ids(qwen3) -> None:
+    text, starts = decode_with_offsets(qwen3, [])
+    assert text == "" and starts.shape == (0,)
+    with pytest.raises(ReplayError, match="token id 999999 at position 1 is outside"):
+        decode_with_offsets(qwen3, [1, 999999])
+    with pytest.raises(TypeError, match="1-d sequence of integers"):
+        decode_with_offsets(qwen3, np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(TypeError, match="fast tokenizer"):
+        decode_with_offsets(object(), [1])
