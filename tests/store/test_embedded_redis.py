@@ -1,0 +1,67 @@
+"""The embedded Redis: started from the data directory when no URL is set, gone afterwards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+SCRIPT = """
+import sys
+from store import embedded
+from store.settings import Settings
+url = embedded.redis_url(Settings())
+print(url, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_embedded_redis_serves_and_stops_with_the_process(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env["TRAJSTORE_DATA_DIR"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("redis+socket://")
+        socket = url.removeprefix("redis+socket://")
+        assert Path(socket).exists()
+        client = redis.Redis(unix_socket_path=socket)
+        client.set("trajstore:probe", "1")
+        assert client.get("trajstore:probe") == b"1"
+        # Disconnect and wait until the server has noticed: a server with other clients
+        # connected stays up (by design: the last user stops it).
+        client.connection_pool.disconnect()
+        client.close()
+        probe = redis.Redis(unix_socket_path=socket)
+        for _ in range(50):
+            if len(probe.client_list()) <= 2:  # the owner's and this probe's
+                break
+            time.sleep(0.1)
+        probe.connection_pool.disconnect()
+    finally:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+    for _ in range(50):
+        try:
+            redis.Redis(unix_socket_path=socket, socket_connect_timeout=1).ping()
+        except (redis.ConnectionError, FileNotFoundError, OSError):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("embedded Redis still answering after its process exited")
+
+
+def test_configured_redis_url_is_used_as_is(tmp_path: Path) -> None:
+    from store import embedded
+    from store.settings import Settings
+
+    settings = Settings(data_dir=tmp_path, redis_url="redis://127.0.0.1:6379/9")
+    assert embedded.redis_url(settings) == "redis://127.0.0.1:6379/9"
+    assert not (tmp_path / "redis").exists()
