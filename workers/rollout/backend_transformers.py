@@ -1,0 +1,224 @@
+"""Generation with a plain ``transformers`` causal LM, on CPU or CUDA.
+
+Sampling runs through ``model.generate`` with an explicit generation config built from the
+request's :class:`~workers.rollout.backend.SamplingParams` only (temperature, top-p, no top-k,
+no repetition penalty: a model's own generation defaults are not merged in). The logprob of
+each sampled token is read from the processed scores ``generate`` sampled from
+(``output_scores``), i.e. the sampling distribution of :mod:`workers.rollout.logprobs`.
+
+:meth:`TransformersBackend.score` recomputes the same logprobs with one teacher-forced forward
+pass; it is also what the replay backend uses to score recorded responses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.rollout.logprobs import sampled_token_logprobs
+from workers.rollout.prompt import decode_response, end_of_turn_ids, render_prompt_ids
+
+__all__ = ["TransformersBackend"]
+
+#: Neutral settings of the truncating warpers (used only when sampling).
+_NEUTRAL_WARPERS: dict[str, Any] = {
+    "top_k": 0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+}
+#: Neutral settings of the processors that also act on greedy decoding.
+_NEUTRAL_PROCESSING: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "suppress_tokens": [],
+    "begin_suppress_tokens": [],
+    "renormalize_logits": False,
+}
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Seed torch's generators for the duration of the block without disturbing the caller's
+    random state; no-op when ``seed`` is None."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+class TransformersBackend:
+    """A :class:`~workers.rollout.backend.GenerationBackend` over a transformers causal LM.
+
+    ``model`` is a folder path or an already loaded ``PreTrainedModel``; ``tokenizer`` defaults
+    to the one saved beside a folder model (required when passing a loaded model). ``device``
+    is "cpu" or "cuda[:n]"; ``dtype`` the weight dtype when loading from a folder. One request at
+    a time (not thread-safe). Bad arguments raise ValueError/TypeError naming them.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | Any,
+        *,
+        tokenizer: Any | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        policy_version: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+        self.device = torch.device(device)
+        if isinstance(model, (str, os.PathLike)):
+            path = os.fspath(model)
+            if not os.path.isdir(path):
+                raise ValueError(f"model folder {path!r} does not exist")
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            self.tokenizer = tokenizer if tokenizer is not None else (
+                AutoTokenizer.from_pretrained(path))
+        elif isinstance(model, PreTrainedModel):
+            if tokenizer is None:
+                raise ValueError("tokenizer is required when model is a loaded PreTrainedModel")
+            self.model = model
+            self.tokenizer = tokenizer
+        else:
+            raise TypeError(f"model must be a folder path or a PreTrainedModel, "
+                            f"got {type(model).__name__}")
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+            raise TypeError(f"policy_version must be an integer, got {policy_version!r}")
+        self.model.to(self.device)
+        self.model.eval()
+        self.policy_version = policy_version
+        generation_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        self.stop_token_ids = end_of_turn_ids(self.tokenizer, generation_eos)
+        self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id
+                             is not None else self.stop_token_ids[0])
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The token ids this backend feeds the model for ``request`` (see
+        :func:`workers.rollout.prompt.render_prompt_ids`)."""
+        return render_prompt_ids(self.tokenizer, request)
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Sample one response. Raises ValueError when the prompt does not fit the model's
+        context (``max_position_embeddings``); ``max_tokens`` is capped to what fits."""
+        from transformers import GenerationConfig
+
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        params = request.sampling
+        prompt = self.prompt_ids(request)
+        room = self.max_positions - len(prompt)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model "
+                             f"context of {self.max_positions}")
+        max_new = min(params.max_tokens, room)
+        sampling: dict[str, Any] = {}
+        if not params.greedy:
+            sampling = {"temperature": params.temperature, "top_p": params.top_p,
+                        **_NEUTRAL_WARPERS}
+        # ``generate`` fills every None field from the model's own generation config; the
+        # neutral values below keep processors such as a checkpoint's top_k=20 or repetition
+        # penalty out, so sampling follows exactly the documented distribution.
+        config = GenerationConfig(
+            do_sample=not params.greedy,
+            **sampling,
+            **_NEUTRAL_PROCESSING,
+            max_new_tokens=max_new,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.pad_token_id,
+            stop_strings=list(params.stop) or None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        with torch.inference_mode(), _seeded(params.seed, self.device):
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                tokenizer=self.tokenizer if params.stop else None,
+            )
+        response = output.sequences[0, len(prompt):]
+        scores = torch.stack(output.scores, dim=1)[0, : response.shape[0]]  # (response_len, V)
+        logprobs = scores.float().log_softmax(dim=-1).gather(
+            -1, response.unsqueeze(-1)).squeeze(-1)
+        response_ids = response.tolist()
+        text, stopped_on_string = decode_response(self.tokenizer, response_ids, params.stop)
+        ended = bool(response_ids) and response_ids[-1] in self.stop_token_ids
+        finish = "stop" if ended or stopped_on_string else "length"
+        return GenerationResult(
+            prompt_ids=np.asarray(prompt, dtype=np.int32),
+            response_ids=np.asarray(response_ids, dtype=np.int32),
+            logprobs=logprobs.cpu().numpy().astype(np.float32),
+            text=text,
+            finish_reason=finish,
+            policy_version=self.policy_version,
+        )
+
+    def score(
+        self,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> np.ndarray:
+        """Teacher-forced logprobs ``(response_length,)`` float32 of ``response_ids`` after
+        ``prompt_ids`` under the sampling distribution for ``temperature``/``top_p``.
+        Raises ValueError for an empty prompt, ids outside the vocabulary or a sequence longer
+        than the model's context."""
+        prompt = [int(i) for i in prompt_ids]
+        response = [int(i) for i in response_ids]
+        if not prompt:
+            raise ValueError("prompt_ids must not be empty")
+        if len(prompt) + len(response) > self.max_positions:
+            raise ValueError(f"sequence of {len(prompt) + len(response)} tokens exceeds the "
+                             f"model context of {self.max_positions}")
+        if not response:
+            return np.zeros(0, dtype=np.float32)
+        vocab = self.model.config.vocab_size
+        bad = [i for i in prompt + response if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary of size {vocab}")
+        ids = torch.tensor([prompt + response], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids).logits[0]  # (seq_len, V)
+        predicting = logits[len(prompt) - 1 : len(prompt) + len(response) - 1]
+        targets = torch.tensor(response, dtype=torch.long, device=self.device)
+        logprobs = sampled_token_logprobs(predicting, targets, temperature=temperature,
+                                          top_p=top_p)
+        return logprobs.cpu().numpy().astype(np.float32)
+
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Copy ``(name, tensor)`` pairs into the model in place (names as in its state dict;
+        a subset is fine) and set ``policy_version`` to ``version``. Raises ValueError for an
+        unknown name or a shape mismatch, before any tensor is changed."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an integer, got {version!r}")
+        state = self.model.state_dict()
+        pending = list(weights)
+        for name, tensor in pending:
+            if name not in state:
+                raise ValueError(f"unknown weight name {name!r}")
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(state[name].shape)}")
+        with torch.no_grad():
+            for name, tensor in pending:
+                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+        self.policy_version = version
