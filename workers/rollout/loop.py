@@ -1,0 +1,411 @@
+"""The agent loop: multi-turn tool calling with checkpoint/rollback, every step an event.
+
+:func:`run_episode` plays one task against a generation backend and writes the episode's
+events to a sink (stream id = episode id), in this order::
+
+    episode_started
+    llm_called                      (turn 1: prompt ids, response ids, logprobs, parsed message)
+    checkpoint_created  turn_1      (before its tool calls run; retry_count so far)
+    tool_returned …                 (one per call)
+    ── when an output matches ``rollback_on_errors`` and rollback is enabled:
+    attempt_failed                  (when ``save_negative_samples``; failed_call_id = that call)
+    llm_called                      (regeneration; its request = context + failed turn + feedback)
+    rolled_back                     (discarded_call_ids = [the failed call])
+    checkpoint_created  turn_1      (retry_count + 1; the regenerated calls run) …
+    ── otherwise the tool results join the context and the next turn is generated
+    reward_assigned
+    episode_finished
+
+Semantics:
+
+- A checkpoint is an event, never a copy of state. Checkpoint ``ckpt_<turn>_<retry>`` stands for
+  the context *before* the assistant turn whose tool calls are about to run: rolling back to it
+  discards that turn (its ``llm_called``, listed in ``discarded_call_ids``), its tool results and
+  the error feedback; the regenerated turn takes the discarded turn's place in the context.
+- Retries are counted per position ``turn_N`` (N = assistant turns kept so far; regenerations
+  do not count as turns). Each failed attempt at a position increments its count; when the
+  count exceeds ``max_tool_retries`` the episode ends ``terminated`` without another
+  regeneration (so at most ``max_tool_retries`` regenerations per position, each of which gets
+  its tool calls run).
+- The whole turn rolls back when any of its outputs matches (see
+  :mod:`workers.rollout.rollback`). Without a match, or with rollback disabled, tool results are
+  appended as ``tool`` messages and the loop continues.
+- A turn that tries to call a tool but does not parse (:mod:`workers.rollout.toolcall`) runs no
+  tool; it yields one ``tool_returned`` with name ``invalid_tool_call``, error type
+  ``ToolCallFormatError`` and the "tool call format is wrong: …" text as output, which the
+  default rollback patterns match. Without rollback that text is appended as a user message.
+- Only the task's tools can be called; other names give ``ToolNotFoundError`` outcomes.
+- Ends: ``completed`` (a turn without tool calls, or well-formed calls of a
+  ``stop_at_tool_calls`` task), ``terminated`` (retries exhausted), ``truncated`` (``max_turns``
+  reached with tool calls pending, a response cut at ``max_tokens``, or ``max_total_tokens``
+  reached: each call's ``max_tokens`` is capped so that prompt + response fit in it, exactly
+  for backends that render prompts themselves (:class:`~workers.rollout.backend.PromptRenderer`)
+  and, for the others, by the room the previous call left), ``error`` (the backend, a tool
+  registry or the reward raised: reward 0 with source "error", the exception text as reason).
+- Sampling seeds: with ``sampling.seed`` set, the k-th call of the episode uses ``seed + k``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from store.events import (
+    AttemptFailed,
+    CheckpointCreated,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    LLMCalled,
+    RewardAssigned,
+    RollbackConfig,
+    RolledBack,
+    RunConfig,
+    ToolReturned,
+)
+from workers.rollout.backend import (
+    GenerationBackend,
+    GenerationRequest,
+    GenerationResult,
+    PromptRenderer,
+    SamplingParams,
+)
+from workers.rollout.rewards import Reward, Transcript
+from workers.rollout.rollback import format_error_feedback, matches_rollback, rollback_config
+from workers.rollout.sink import EventSink
+from workers.rollout.tasks import Task
+from workers.rollout.toolcall import ParsedResponse, parse_response
+from workers.rollout.tools import TOOL_NOT_FOUND_ERROR, ToolOutcome, ToolRegistry
+
+__all__ = [
+    "FORMAT_ERROR_TOOL_NAME",
+    "FORMAT_ERROR_TYPE",
+    "EpisodeResult",
+    "run_episode",
+]
+
+FORMAT_ERROR_TOOL_NAME = "invalid_tool_call"
+FORMAT_ERROR_TYPE = "ToolCallFormatError"
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """Summary of a played episode (the events in the sink are the full record)."""
+
+    episode_id: str
+    status: str
+    reason: str | None
+    reward: Reward
+    messages: tuple[dict[str, Any], ...]
+    llm_calls: int
+    tool_calls: int
+    generated_tokens: int
+    rollbacks: int
+
+
+class _Generation(NamedTuple):
+    call_id: str
+    result: GenerationResult
+    parsed: ParsedResponse
+
+
+class _SinkFailure(Exception):
+    """The sink refused events: the episode cannot be recorded, so it is not finished."""
+
+    def __init__(self, original: Exception) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+_Verdict = tuple[str, str | None]
+
+
+class _Episode:
+    """State of one episode while it is played; see :func:`run_episode`."""
+
+    def __init__(self, *, task: Task, backend: GenerationBackend, tools: ToolRegistry,
+                 sink: EventSink, run_id: str, group_id: str, episode_id: str,
+                 sampling: SamplingParams, rollback: RollbackConfig, max_turns: int,
+                 max_total_tokens: int, agent: str, policy_version: int) -> None:
+        self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
+        self.run_id, self.group_id, self.episode_id = run_id, group_id, episode_id
+        self.sampling, self.rollback, self.agent = sampling, rollback, agent
+        self.max_turns = task.max_turns if task.max_turns is not None else max_turns
+        self.max_total_tokens = max_total_tokens
+        self.policy_version = policy_version
+        self.offered = {schema["function"]["name"] for schema in task.tools}
+        self.context: list[dict[str, Any]] = [dict(m) for m in task.messages]
+        self.kept_texts: list[str] = []
+        self.retries: dict[str, int] = {}
+        self.calls = self.tool_calls = self.generated = self.rollbacks = 0
+        self.last_total = 0
+
+    # --- events ---------------------------------------------------------------------------
+
+    def emit(self, *events: Event) -> None:
+        try:
+            self.sink.append(self.episode_id, list(events))
+        except Exception as exc:
+            raise _SinkFailure(exc) from exc
+
+    def stamp(self) -> dict[str, Any]:
+        return {"event_id": uuid.uuid4(), "occurred_at": dt.datetime.now(dt.UTC)}
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def generate(self, messages: list[dict[str, Any]]) -> _Generation | None:
+        """One LLM call on ``messages``; None when no token budget is left."""
+        request = GenerationRequest(sampling=self.sampling,
+                                    messages=tuple(dict(m) for m in messages),
+                                    tools=self.task.tools or None)
+        if isinstance(self.backend, PromptRenderer):
+            used = len(self.backend.prompt_ids(request))
+        else:  # a lower bound: the previous call's prompt + response
+            used = self.last_total
+        room = self.max_total_tokens - used
+        if room < 1:
+            return None
+        seed = None if self.sampling.seed is None else self.sampling.seed + self.calls
+        params = self.sampling.replace(max_tokens=min(self.sampling.max_tokens, room),
+                                       seed=seed)
+        request = GenerationRequest(sampling=params, messages=request.messages,
+                                    tools=request.tools)
+        started = time.perf_counter()
+        result = self.backend.generate(request)
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        self.calls += 1
+        call_id = f"call_{self.calls}"
+        parsed = parse_response(result.text, call_id=call_id)
+        finish = ("tool_calls" if parsed.tool_calls and result.finish_reason == "stop"
+                  else result.finish_reason)
+        self.emit(LLMCalled(
+            **self.stamp(), agent=self.agent, call_id=call_id, messages=list(request.messages),
+            tools=list(self.task.tools) or None, prompt_ids=result.prompt_ids,
+            response_ids=result.response_ids, logprobs=result.logprobs,
+            response=parsed.to_message(), finish_reason=finish,
+            policy_version=result.policy_version, latency_ms=latency_ms,
+            usage={"prompt_tokens": int(result.prompt_ids.shape[0]),
+                   "completion_tokens": int(result.response_ids.shape[0])},
+        ))
+        self.last_total = int(result.prompt_ids.shape[0] + result.response_ids.shape[0])
+        self.generated += int(result.response_ids.shape[0])
+        return _Generation(call_id, result, parsed)
+
+    def verdict(self, turn: int, generation: _Generation) -> _Verdict | None:
+        """How the episode ends after ``generation`` (None: it goes on to the tools)."""
+        if generation.result.finish_reason == "length":
+            return "truncated", "the response reached max_tokens"
+        if self.last_total >= self.max_total_tokens:
+            return "truncated", f"max_total_tokens ({self.max_total_tokens}) reached"
+        parsed = generation.parsed
+        if not parsed.attempted_tool_call:
+            return "completed", None
+        if parsed.well_formed and self.task.stop_at_tool_calls:
+            return "completed", "the tool calls are the answer"
+        if parsed.well_formed and turn >= self.max_turns:
+            return "truncated", f"max_turns ({self.max_turns}) reached with tool calls pending"
+        return None
+
+    def run_tools(self, generation: _Generation) -> list[tuple[dict[str, Any], ToolOutcome]]:
+        """Run the turn's tool calls (or report its format errors) and emit the results."""
+        parsed = generation.parsed
+        if not parsed.well_formed:
+            text = "\n".join(parsed.format_errors)
+            outcome = ToolOutcome(output=text, is_error=True, error_type=FORMAT_ERROR_TYPE,
+                                  error_message=text)
+            call = {"id": f"{generation.call_id}-invalid", "name": FORMAT_ERROR_TOOL_NAME,
+                    "arguments": {}, "raw": "\n".join(parsed.malformed_calls)}
+            self.emit(ToolReturned(
+                **self.stamp(), agent=self.agent, tool_call_id=call["id"],
+                name=FORMAT_ERROR_TOOL_NAME, arguments={"raw": call["raw"]}, output=text,
+                is_error=True, error_type=FORMAT_ERROR_TYPE, error_message=text,
+                duration_ms=0.0))
+            return [(call, outcome)]
+        results = []
+        events: list[Event] = []
+        for tool_call in parsed.tool_calls:
+            started = time.perf_counter()
+            if tool_call.name in self.offered:
+                outcome = self.tools.call(tool_call.name, tool_call.arguments)
+            else:
+                outcome = ToolOutcome.error(
+                    TOOL_NOT_FOUND_ERROR,
+                    f"no tool named {tool_call.name!r}; available: {sorted(self.offered)}")
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            self.tool_calls += 1
+            call = {"id": tool_call.id, "name": tool_call.name,
+                    "arguments": tool_call.arguments}
+            results.append((call, outcome))
+            events.append(ToolReturned(
+                **self.stamp(), agent=self.agent, tool_call_id=tool_call.id, name=tool_call.name,
+                arguments=tool_call.arguments, output=outcome.output, is_error=outcome.is_error,
+                error_type=outcome.error_type, error_message=outcome.error_message,
+                duration_ms=duration_ms))
+        self.emit(*events)
+        return results
+
+    def append_results(self, generation: _Generation,
+                       results: list[tuple[dict[str, Any], ToolOutcome]]) -> None:
+        if not generation.parsed.well_formed:
+            self.context.append({"role": "user", "content": results[0][1].output})
+            return
+        for call, outcome in results:
+            self.context.append({"role": "tool", "tool_call_id": call["id"],
+                                 "name": call["name"], "content": outcome.output})
+
+    def process_tools(self, turn: int, generation: _Generation) -> _Verdict | None:
+        """Checkpoint, run tools, roll back and retry on matching errors (module docstring)."""
+        key = f"turn_{turn}"
+        while True:
+            retry = self.retries.get(key, 0)
+            checkpoint_id = f"ckpt_{turn}_{retry}"
+            self.emit(CheckpointCreated(**self.stamp(), agent=self.agent,
+                                        checkpoint_id=checkpoint_id, position_key=key,
+                                        retry_count=retry))
+            results = self.run_tools(generation)
+            failing = [(call, outcome) for call, outcome in results
+                       if matches_rollback(outcome, self.rollback.rollback_on_errors)]
+            if not (self.rollback.enable_tool_rollback and failing):
+                self.append_results(generation, results)
+                return None
+            self.retries[key] = retry + 1
+            if self.rollback.save_negative_samples:
+                self.emit(AttemptFailed(
+                    **self.stamp(), agent=self.agent, checkpoint_id=checkpoint_id,
+                    position_key=key, retry_index=retry,
+                    error_messages=[outcome.output for _, outcome in failing],
+                    error_types=[outcome.error_type or "" for _, outcome in failing],
+                    failed_tool_calls=[call for call, _ in failing],
+                    failed_call_id=generation.call_id))
+            if self.retries[key] > self.rollback.max_tool_retries:
+                kinds = sorted({outcome.error_type or "error" for _, outcome in failing})
+                return ("terminated", f"tool calls at {key} still failed after "
+                        f"{self.rollback.max_tool_retries} retries ({', '.join(kinds)})")
+            feedback = format_error_feedback([outcome.output for _, outcome in failing])
+            regenerated = self.generate(self.context + [{"role": "user", "content": feedback}])
+            if regenerated is None:
+                return "truncated", f"max_total_tokens ({self.max_total_tokens}) reached"
+            self.emit(RolledBack(**self.stamp(), agent=self.agent, checkpoint_id=checkpoint_id,
+                                 discarded_call_ids=[generation.call_id]))
+            self.rollbacks += 1
+            self.context[-1] = regenerated.parsed.to_message()
+            self.kept_texts[-1] = regenerated.result.text
+            generation = regenerated
+            verdict = self.verdict(turn, generation)
+            if verdict is not None:
+                return verdict
+
+    def play(self) -> _Verdict:
+        turn = 0
+        while True:
+            if turn >= self.max_turns:
+                return "truncated", f"max_turns ({self.max_turns}) reached"
+            generation = self.generate(self.context)
+            if generation is None:
+                return "truncated", f"max_total_tokens ({self.max_total_tokens}) reached"
+            turn += 1
+            self.context.append(generation.parsed.to_message())
+            self.kept_texts.append(generation.result.text)
+            verdict = self.verdict(turn, generation)
+            if verdict is None:
+                verdict = self.process_tools(turn, generation)
+            if verdict is not None:
+                return verdict
+
+    def run(self) -> EpisodeResult:
+        try:
+            return self._run()
+        except _SinkFailure as failure:
+            raise failure.original from None
+
+    def _run(self) -> EpisodeResult:
+        self.emit(EpisodeStarted(
+            **self.stamp(), run_id=self.run_id, group_id=self.group_id,
+            task_id=self.task.task_id, messages=[dict(m) for m in self.task.messages],
+            tools=[dict(t) for t in self.task.tools], sampling_params=self.sampling.to_dict(),
+            policy_version=self.policy_version))
+        try:
+            status, reason = self.play()
+            reward = self.task.score(Transcript(messages=tuple(self.context),
+                                                assistant_texts=tuple(self.kept_texts),
+                                                status=status))
+        except _SinkFailure:
+            raise
+        except Exception as exc:  # recorded as the episode's end, not lost
+            status, reason = "error", f"{type(exc).__name__}: {exc}"
+            reward = Reward(0.0, {}, source="error")
+        self.emit(
+            RewardAssigned(**self.stamp(), value=reward.value, components=reward.components,
+                           source=reward.source),
+            EpisodeFinished(**self.stamp(), status=status, reason=reason),
+        )
+        return EpisodeResult(
+            episode_id=self.episode_id, status=status, reason=reason, reward=reward,
+            messages=tuple(self.context), llm_calls=self.calls, tool_calls=self.tool_calls,
+            generated_tokens=self.generated, rollbacks=self.rollbacks)
+
+
+def run_episode(
+    *,
+    task: Task,
+    backend: GenerationBackend,
+    tools: ToolRegistry,
+    sink: EventSink,
+    run_id: str,
+    sampling: SamplingParams | None = None,
+    rollback: RollbackConfig | RunConfig | Mapping[str, Any] | None = None,
+    group_id: str | None = None,
+    episode_id: str | None = None,
+    max_turns: int = 8,
+    max_total_tokens: int = 4096,
+    agent: str = "main",
+    policy_version: int | None = None,
+) -> EpisodeResult:
+    """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
+    ``episode_id`` (a new UUID string when None); see the module docstring for the event
+    sequence and the rollback rules.
+
+    ``group_id`` is the GRPO group (default ``"<run_id>:<task_id>:v<policy_version>"``);
+    ``policy_version`` defaults to the backend's ``policy_version`` attribute (0 without one);
+    ``rollback`` accepts the run config, its rollback part, a dict of its fields or None for
+    the defaults; ``task.max_turns`` overrides ``max_turns``. Failures of the backend, tools or
+    reward end the episode with status ``error``; failures of the sink propagate (the episode
+    cannot be recorded). Invalid arguments raise ValueError/TypeError naming them.
+    """
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a Task, got {type(task).__name__}")
+    if not isinstance(backend, GenerationBackend):
+        raise TypeError(f"backend must have a generate(request) method, "
+                        f"got {type(backend).__name__}")
+    if not isinstance(tools, ToolRegistry):
+        raise TypeError(f"tools must be a ToolRegistry, got {type(tools).__name__}")
+    if not isinstance(sink, EventSink):
+        raise TypeError(f"sink must have an append(stream_id, events) method, "
+                        f"got {type(sink).__name__}")
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+    for name, value in (("max_turns", max_turns), ("max_total_tokens", max_total_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if sampling is None:
+        sampling = SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    if policy_version is None:
+        policy_version = int(getattr(backend, "policy_version", 0))
+    if episode_id is None:
+        episode_id = str(uuid.uuid4())
+    if not isinstance(episode_id, str) or not episode_id:
+        raise ValueError(f"episode_id must be a non-empty string, got {episode_id!r}")
+    if group_id is None:
+        group_id = f"{run_id}:{task.task_id}:v{policy_version}"
+    episode = _Episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
+                       group_id=group_id, episode_id=episode_id, sampling=sampling,
+                       rollback=rollback_config(rollback), max_turns=max_turns,
+                       max_total_tokens=max_total_tokens, agent=agent,
+                       policy_version=policy_version)
+    return episode.run()
