@@ -11,7 +11,6 @@ lookup per message.
 from __future__ import annotations
 
 import json
-from array import array
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -95,9 +94,9 @@ def text_key(message: Message) -> tuple[str, str, tuple[tuple[str, str], ...]]:
     return (message.role, message.text, tool_calls_key(message.tool_calls))
 
 
-def token_key(message: Message) -> bytes:
-    """The token ids as packed int64 bytes: equal keys mean equal messages at token level."""
-    return array("q", message.token_ids).tobytes()
+def token_key(message: Message) -> tuple[int, ...]:
+    """The token ids as a tuple: equal keys mean equal messages at token level."""
+    return tuple(message.token_ids)
 
 
 def message_key(message: Message, level: CompareLevel) -> Hashable:

@@ -279,15 +279,17 @@ def prefix_ids(timeline: Timeline, policy: MergePolicy, interner: PrefixInterner
     return ids
 
 
-def _absorb(survivor: Timeline, absorbed: list[Timeline]) -> tuple[Timeline, list[int]]:
-    """Copy the model's messages of ``absorbed`` (later ones first) into ``survivor``."""
+def _absorb(survivor: Timeline, absorbed: list[Timeline], *, track_drift: bool
+            ) -> tuple[Timeline, list[int]]:
+    """Copy the model's messages of ``absorbed`` (later ones first) into ``survivor``; with
+    ``track_drift``, also list the positions whose token ids differ from an absorbed one."""
     original = survivor.messages
     merged = list(original)
-    original_keys = [token_key(m) for m in original]
+    original_keys = [token_key(m) for m in original] if track_drift else []
     drifted: set[int] = set()
     for other in reversed(absorbed):
         for k, m in enumerate(other.messages):
-            if token_key(m) != original_keys[k]:
+            if track_drift and k not in drifted and token_key(m) != original_keys[k]:
                 drifted.add(k)
             if m.is_llm and not merged[k].is_llm:
                 merged[k] = dataclasses.replace(
@@ -332,7 +334,8 @@ def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLI
     drifted: dict[int, list[int]] = {}
     for i in survivors:
         if groups[i]:
-            merged[i], drifted[i] = _absorb(items[i], groups[i])
+            merged[i], drifted[i] = _absorb(items[i], groups[i],
+                                            track_drift=policy.compare_level == "text")
         else:
             merged[i], drifted[i] = items[i], []
     return MergeOutcome(absorber=absorber, survivors=survivors, merged=merged, drifted=drifted)

@@ -1,0 +1,21 @@
+"""The merge benchmark runs at a tiny size and its two implementations agree."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "merge.py"
+
+
+def test_merge_benchmark_runs_and_agrees(capsys) -> None:
+    spec = importlib.util.spec_from_file_location("bench_merge", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ratios = module.main(["--turns", "16", "--tokens", "4"])  # asserts identical outputs
+    assert set(ratios) == {"text", "token"}
+    out = capsys.readouterr().out
+    assert "16 turns" in out and "ratio" in out
+    timelines = module.build_episode(16, 4)
+    assert len(timelines) == 16 + 2 * 2  # one per turn, plus a failed call and a retry twice
