@@ -1,0 +1,196 @@
+"""vLLM backends (offline engine and OpenAI-compatible server) against the transformers backend.
+
+Skipped when ``vllm`` is not importable. The offline engine runs in process on CPU
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager mode, float32) on the tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from workers.rollout.backend import GenerationRequest, SamplingParams
+from workers.rollout.backend_openai import OpenAIServerBackend, ServerResponseError
+from workers.rollout.backend_transformers import TransformersBackend
+from workers.rollout.backend_vllm import VLLMBackend, cpu_engine_environment, vllm_available
+from workers.rollout.calculator import Calculator
+from workers.rollout.loop import run_episode
+from workers.rollout.sink import ListSink
+from workers.rollout.tasks import arithmetic_tasks
+from workers.rollout.tools import ToolRegistry
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vllm is not importable"),
+]
+
+MESSAGES = ({"role": "user", "content": "What is 12 * 7?"},)
+
+
+def _request(**sampling: object) -> GenerationRequest:
+    return GenerationRequest(sampling=SamplingParams(**sampling), messages=MESSAGES,
+                             tools=(Calculator.schema,))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[VLLMBackend]:
+    environment = cpu_engine_environment(tmp_path_factory.mktemp("vllm-cache"))
+    saved = {key: os.environ.get(key) for key in environment}
+    os.environ.update(environment)
+    try:
+        yield VLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
+                          enforce_eager=True, dtype="float32", max_model_len=2048, seed=0)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (0.9, 0.8),
+                                                    (0.0, 1.0)])
+def test_offline_engine_matches_transformers(engine: VLLMBackend,
+                                             hf_backend: TransformersBackend,
+                                             temperature: float, top_p: float) -> None:
+    request = _request(temperature=temperature, top_p=top_p, max_tokens=24, seed=3)
+    result = engine.generate(request)
+    assert result.prompt_ids.tolist() == hf_backend.prompt_ids(request)
+    assert result.response_ids.shape == result.logprobs.shape
+    recomputed = hf_backend.score(result.prompt_ids, result.response_ids,
+                                  temperature=temperature, top_p=top_p)
+    np.testing.assert_allclose(result.logprobs, recomputed, atol=1e-4)
+    if temperature == 0.0:
+        greedy = hf_backend.generate(request)
+        assert np.array_equal(greedy.response_ids, result.response_ids)
+        assert greedy.text == result.text
+
+
+def test_offline_seed_and_batch(engine: VLLMBackend) -> None:
+    first = engine.generate(_request(max_tokens=16, seed=21))
+    again = engine.generate(_request(max_tokens=16, seed=21))
+    assert np.array_equal(first.response_ids, again.response_ids)
+    batch = engine.generate_batch([_request(temperature=0.0, max_tokens=8),
+                                   GenerationRequest(sampling=SamplingParams(temperature=0.0,
+                                                                             max_tokens=8),
+                                                     prompt_ids=(1, 2, 3))])
+    assert np.array_equal(batch[0].response_ids,
+                          engine.generate(_request(temperature=0.0, max_tokens=8)).response_ids)
+    assert batch[1].prompt_ids.tolist() == [1, 2, 3]
+
+
+def test_offline_episode_records_engine_tokens(engine: VLLMBackend,
+                                               hf_backend: TransformersBackend,
+                                               registry: ToolRegistry) -> None:
+    sink = ListSink()
+    result = run_episode(task=arithmetic_tasks(1)[0], backend=engine, tools=registry,
+                         sink=sink, run_id="r", episode_id="e",
+                         sampling=SamplingParams(temperature=1.0, max_tokens=20, seed=0))
+    assert result.status in ("completed", "truncated")
+    for call in [e for e in sink.events("e") if e.type == "llm_called"]:
+        np.testing.assert_allclose(
+            call.logprobs, hf_backend.score(call.prompt_ids, call.response_ids), atol=1e-4)
+
+
+def test_offline_weight_update(engine: VLLMBackend, tiny_model_dir: Path) -> None:
+    reference = TransformersBackend(tiny_model_dir)
+    weights = [(name, tensor * 3) for name, tensor in reference.model.state_dict().items()]
+    engine.update_weights(weights, version=2)
+    reference.update_weights(weights, version=2)
+    request = _request(temperature=0.0, max_tokens=12)
+    updated, expected = engine.generate(request), reference.generate(request)
+    assert updated.policy_version == 2
+    assert np.array_equal(updated.response_ids, expected.response_ids)
+    np.testing.assert_allclose(updated.logprobs, expected.logprobs, atol=1e-4)
+    original = TransformersBackend(tiny_model_dir).model.state_dict().items()
+    engine.update_weights(list(original), version=3)  # restore for other tests
+    with pytest.raises(TypeError, match="version"):
+        engine.update_weights([], version="4")  # type: ignore[arg-type]
+
+
+def test_offline_bad_arguments(tmp_path: Path, engine: VLLMBackend) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        VLLMBackend(tmp_path / "missing")
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        VLLMBackend(tmp_path, logprobs_mode="raw_logprobs")
+    with pytest.raises(ValueError, match="leaves no room"):
+        engine.generate(GenerationRequest(sampling=SamplingParams(), prompt_ids=(5,) * 2048))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[str]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_CACHE_ROOT": str(log.parent / "cache")}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(tiny_model_dir), "--served-model-name", "tiny",
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+               "--host", "127.0.0.1", "--port", str(port),
+               "--logprobs-mode", "processed_logprobs"]
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                   env=environment)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vLLM server exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("vLLM server did not start within 300 s")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+def test_server_chat_and_completions_return_engine_tokens(
+        server: str, hf_backend: TransformersBackend) -> None:
+    client = OpenAIServerBackend(server, model="tiny")
+    chat = _request(temperature=0.8, top_p=0.9, max_tokens=20, seed=4)
+    rendered = tuple(hf_backend.prompt_ids(chat))
+    completion = GenerationRequest(sampling=chat.sampling, prompt_ids=rendered)
+    try:
+        for request in (chat, completion):
+            result = client.generate(request)
+            assert result.prompt_ids.tolist() == list(rendered)
+            assert result.response_ids.shape == result.logprobs.shape == (20,)
+            recomputed = hf_backend.score(result.prompt_ids, result.response_ids,
+                                          temperature=0.8, top_p=0.9)
+            np.testing.assert_allclose(result.logprobs, recomputed, atol=1e-4)
+        wrong = OpenAIServerBackend(server, model="not-served")
+        with pytest.raises(ServerResponseError, match="returned 404"):
+            wrong.generate(chat)
+        wrong.close()
+    finally:
+        client.close()
+

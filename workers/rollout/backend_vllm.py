@@ -1,0 +1,152 @@
+"""Generation with vLLM's offline engine (``vllm.LLM``), in process.
+
+Prompts are rendered here with the model's tokenizer and chat template and handed to the
+engine as token ids (``TokensPrompt``), so ``prompt_ids`` are exactly what the engine consumed.
+The engine is created with ``logprobs_mode="processed_logprobs"``: the logprob of a sampled
+token is taken after temperature scaling and top-p truncation, i.e. under the sampling
+distribution defined in :mod:`workers.rollout.backend`, the same quantity the transformers
+backend reports. Weights are replaced in place with the worker's ``reload_weights`` followed by
+a prefix-cache reset (cached key/values of the old weights must not be reused).
+
+:func:`cpu_engine_environment` gives the environment for a small in-process CPU engine (no
+engine subprocess, eager mode, a bounded KV cache); it must be applied before ``vllm`` is first
+imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.rollout.prompt import end_of_turn_ids, render_prompt_ids
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["VLLMBackend", "cpu_engine_environment", "vllm_available"]
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package can be imported."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # a broken install counts as unavailable
+        return False
+    return True
+
+
+def cpu_engine_environment(cache_root: str | os.PathLike[str], *, kv_cache_gib: int = 1
+                           ) -> dict[str, str]:
+    """Environment variables for an in-process vLLM CPU engine: single process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a KV cache of ``kv_cache_gib`` GiB and vLLM's
+    compile/cache files under ``cache_root``. Raises ValueError when ``kv_cache_gib`` < 1."""
+    if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
+        raise ValueError(f"kv_cache_gib must be a positive integer, got {kv_cache_gib!r}")
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CACHE_ROOT": os.fspath(cache_root),
+    }
+
+
+class VLLMBackend:
+    """A :class:`~workers.rollout.backend.GenerationBackend` over ``vllm.LLM``.
+
+    ``model`` is a model folder; ``engine_kwargs`` go to ``vllm.LLM`` (e.g.
+    ``distributed_executor_backend="uni", enforce_eager=True, dtype="float32",
+    max_model_len=2048``); ``logprobs_mode`` is fixed to "processed_logprobs". Raises
+    ValueError when the folder does not exist or ``engine_kwargs`` sets ``logprobs_mode``.
+    """
+
+    def __init__(self, model: str | os.PathLike[str], *, policy_version: int = 0,
+                 **engine_kwargs: Any) -> None:
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise ValueError(f"model folder {path!r} does not exist")
+        if "logprobs_mode" in engine_kwargs:
+            raise ValueError("logprobs_mode is fixed to 'processed_logprobs' by this backend")
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+            raise TypeError(f"policy_version must be an integer, got {policy_version!r}")
+        from vllm import LLM
+
+        self.llm = LLM(model=path, tokenizer=path, logprobs_mode="processed_logprobs",
+                       **engine_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.stop_token_ids = end_of_turn_ids(self.tokenizer)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.policy_version = policy_version
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The token ids this backend sends the engine for ``request``."""
+        return render_prompt_ids(self.tokenizer, request)
+
+    def _sampling(self, request: GenerationRequest, prompt_length: int) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        params = request.sampling
+        room = self.max_model_len - prompt_length
+        if room < 1:
+            raise ValueError(f"prompt of {prompt_length} tokens leaves no room in the model "
+                             f"context of {self.max_model_len}")
+        return VllmSamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            max_tokens=min(params.max_tokens, room),
+            seed=params.seed,
+            stop=list(params.stop) or None,
+            stop_token_ids=self.stop_token_ids,
+            logprobs=0,
+            skip_special_tokens=True,
+        )
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Sample one response (see :meth:`generate_batch`)."""
+        return self.generate_batch([request])[0]
+
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Sample one response per request in one engine step loop (continuous batching).
+        Raises ValueError when a prompt does not fit the model context."""
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        for request in requests:
+            if not isinstance(request, GenerationRequest):
+                raise TypeError(f"request must be a GenerationRequest, "
+                                f"got {type(request).__name__}")
+            ids = self.prompt_ids(request)
+            prompts.append(TokensPrompt(prompt_token_ids=ids))
+            params.append(self._sampling(request, len(ids)))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            completion = output.outputs[0]
+            token_ids = [int(t) for t in completion.token_ids]
+            logprobs = [float(completion.logprobs[i][token].logprob)
+                        for i, token in enumerate(token_ids)]
+            finish = "length" if completion.finish_reason == "length" else "stop"
+            results.append(GenerationResult(
+                prompt_ids=np.asarray(prompt["prompt_token_ids"], dtype=np.int32),
+                response_ids=np.asarray(token_ids, dtype=np.int32),
+                logprobs=np.asarray(logprobs, dtype=np.float32),
+                text=completion.text,
+                finish_reason=finish,
+                policy_version=self.policy_version,
+            ))
+        return results
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int
+                       ) -> None:
+        """Load ``(name, tensor)`` pairs (checkpoint names) into the engine in place, reset the
+        prefix cache and set ``policy_version``. Raises TypeError for a non-integer
+        ``version``; the engine raises for names it does not know."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an integer, got {version!r}")
+        pending = list(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pending)})
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
