@@ -36,8 +36,8 @@ def cot_mask(
     ``responses`` holds token ids ``(bs, response_length)`` (an integer tensor);
     ``response_mask`` has the same shape, nonzero where a token is trained on.
 
-    Vectorised: the state at each position is decided by the last marker at or before it,
-    found with a cumulative maximum over marker positions.
+    Vectorised: the state machine runs over the (sparse) list of markers, and the state of every
+    position is the parity of a cumulative sum of the markers that change it.
 
     Raises TypeError when ``responses`` is not an integer tensor or a marker id is not an int;
     ValueError when shapes differ, a tensor is not 2-D, or the two marker ids are equal.
@@ -54,19 +54,30 @@ def cot_mask(
 
     if responses.numel() == 0:
         return torch.zeros(responses.shape, dtype=torch.bool, device=responses.device)
-    is_start = responses == cot_start_id
-    is_end = responses == cot_end_id
-    is_marker = is_start | is_end
-    length = responses.shape[1]
-    positions = torch.arange(length, device=responses.device).expand_as(responses)
-    # (bs, response_length): position of the last marker at or before each position, -1 if none.
-    last_marker = torch.where(is_marker, positions, torch.full_like(positions, -1))
-    last_marker = torch.cummax(last_marker, dim=1).values
-    after_start = is_start.gather(1, last_marker.clamp(min=0)) & (last_marker >= 0)
-    # Before any marker a row is inside a block only if its first marker is a closing one.
-    has_marker = is_marker.any(dim=1)
-    first_marker = is_marker.to(torch.uint8).argmax(dim=1)
-    opens_inside = has_marker & is_end.gather(1, first_marker.unsqueeze(1)).squeeze(1)
-    before_any = (last_marker < 0) & opens_inside.unsqueeze(1)
-    inside = after_start | before_any
+    bs, length = responses.shape
+    is_marker = (responses == cot_start_id) | (responses == cot_end_id)
+    # Markers are sparse (a few per row), so the state machine runs on their list: (k,) each.
+    rows, cols = is_marker.nonzero(as_tuple=True)
+    opens = responses[rows, cols] == cot_start_id
+    new_row = torch.ones_like(rows, dtype=torch.bool)
+    new_row[1:] = rows[1:] != rows[:-1]
+    # A marker changes the state unless it repeats the previous marker of its row (a second
+    # opener inside a block, a second closer outside one). The first marker of a row always
+    # changes it: a row whose first marker is a closer starts inside a block.
+    changes = new_row.clone()
+    changes[1:] |= opens[1:] != opens[:-1]
+    # (bs, response_length): number of state changes at or before each position; a row that
+    # starts inside a block gets one extra change at position 0. Only the parity matters, so a
+    # uint8 cumsum (which wraps at 256) is enough.
+    flips = torch.zeros((bs, length), dtype=torch.uint8, device=responses.device)
+    flips.index_put_(
+        (rows[changes], cols[changes]), torch.ones_like(cols[changes], dtype=torch.uint8)
+    )
+    first_rows = rows[new_row & ~opens]
+    flips.index_put_(
+        (first_rows, torch.zeros_like(first_rows)),
+        torch.ones_like(first_rows, dtype=torch.uint8),
+        accumulate=True,
+    )
+    inside = torch.cumsum(flips, dim=1, dtype=torch.uint8).bitwise_and_(1).bool()
     return inside & ~is_marker & (response_mask != 0)

@@ -52,6 +52,7 @@ EGPO_VARIANTS: Registry[EntropyBonus] = Registry("EGPO variant")
 
 # Entropies are nonnegative; values slightly below zero are rounding in the entropy computation.
 _NEGATIVE_ENTROPY_TOLERANCE = 1e-3
+_BLOCK_TOKENS = 1 << 20
 
 
 @EGPO_VARIANTS.register("clip")
@@ -173,17 +174,28 @@ def mean_cot_entropy(
     naming the rows otherwise. The mean is taken in float32 (or float64 for float64 input).
     """
     work_dtype = torch.float64 if entropies.dtype == torch.float64 else torch.float32
-    values = entropies.detach().to(work_dtype)
-    bad = mask & ~(torch.isfinite(values) & (values >= -_NEGATIVE_ENTROPY_TOLERANCE))
+    bs, length = entropies.shape
+    sums = torch.zeros(bs, dtype=work_dtype, device=entropies.device)
+    counts = torch.zeros(bs, dtype=work_dtype, device=entropies.device)
+    lowest = torch.zeros(bs, dtype=work_dtype, device=entropies.device)
+    # Row blocks of about a million tokens keep the float temporaries small (no second
+    # (bs, response_length) float tensor; on CPU small blocks also reuse freed memory).
+    rows_per_block = max(1, _BLOCK_TOKENS // max(length, 1))
+    for start in range(0, bs if length else 0, rows_per_block):
+        block = slice(start, start + rows_per_block)
+        values = torch.where(mask[block], entropies[block].detach().to(work_dtype), 0.0)
+        sums[block] = values.sum(dim=1)
+        lowest[block] = values.amin(dim=1)
+        counts[block] = mask[block].sum(dim=1, dtype=work_dtype)
+    # A NaN or infinity on a CoT token makes its row sum non-finite; other values are zeroed.
+    bad = ~torch.isfinite(sums) | (lowest < -_NEGATIVE_ENTROPY_TOLERANCE)
     if bool(bad.any()):
-        rows = torch.nonzero(bad.any(dim=1)).flatten()[:10].tolist()
+        rows = torch.nonzero(bad).flatten()[:10].tolist()
         raise ValueError(
             f"entropies must be finite and nonnegative on CoT tokens; rows {rows} are not"
         )
-    counts = mask.sum(dim=1)
-    sums = torch.where(mask, values, torch.zeros_like(values)).sum(dim=1)
     has_cot = counts > 0
-    mean = sums / counts.clamp(min=1).to(work_dtype)
+    mean = sums / counts.clamp(min=1)
     return mean.clamp(min=0.0), has_cot
 
 

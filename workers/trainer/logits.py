@@ -41,15 +41,14 @@ def _upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-def _reduce_chunk(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(n, vocab)`` float32 logits (already temperature-scaled) -> ``(n,)`` log-probs, entropies.
+def _token_stats(
+    log_probs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n, vocab)`` log-softmax output -> ``(n,)`` target log-probs and entropies.
 
-    The caller passes a tensor nobody else references, so it is freed right after the
-    log-softmax; without autograd the entropy is formed in place, so at most two
-    ``(n, vocab)`` tensors are alive at once.
+    Without autograd the entropy terms are formed in place, so together with ``log_probs`` at
+    most two ``(n, vocab)`` tensors are alive.
     """
-    log_probs = torch.log_softmax(logits, dim=-1)
-    del logits
     target_log_probs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if torch.is_grad_enabled() and log_probs.requires_grad:
         entropies = -(log_probs.exp() * log_probs).sum(dim=-1)
@@ -72,7 +71,9 @@ def _hidden_chunk(
         # The matmul/upcast output is a fresh tensor that no backward formula needs, so it may be
         # scaled in place even under autograd.
         logits = logits.div_(temperature)
-    return _reduce_chunk(logits, targets)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    del logits  # log_softmax keeps its output, not its input: free the logits now
+    return _token_stats(log_probs, targets)
 
 
 def _logits_chunk(
@@ -80,7 +81,9 @@ def _logits_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The upcast returns the caller's own tensor when it is float32 already: never in place.
     scaled = _upcast(logits) if temperature == 1.0 else _upcast(logits) / temperature
-    return _reduce_chunk(scaled, targets)
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    del scaled
+    return _token_stats(log_probs, targets)
 
 
 def _run_chunked(
