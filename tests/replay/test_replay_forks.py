@@ -78,9 +78,9 @@ def test_extensions_prefixes_and_other_agents_are_not_forks() -> None:
 def test_fork_reason_rejects_bad_indices_and_identical_messages() -> None:
     t1 = tl(U, A1)
     with pytest.raises(IndexError, match="message index 5"):
-        fork_reason(t1, t1, 5)
+        fork_reason(t1, t1, index=5)
     with pytest.raises(ValueError, match="identical"):
-        fork_reason(t1, t1, 0)
+        fork_reason(t1, t1, index=0)
     with pytest.raises(TypeError, match="policy must be a MergePolicy"):
         detect_forks([t1], policy=None)  # type: ignore[arg-type]
 
@@ -114,7 +114,7 @@ def reference_forks(timelines: list[Timeline], policy: MergePolicy) -> list[Fork
             out.append(ForkPoint(t.agent, i, j, 0, "tools"))
         else:
             k = depth - offset
-            out.append(ForkPoint(t.agent, i, j, k, fork_reason(t, timelines[j], k)))
+            out.append(ForkPoint(t.agent, i, j, k, fork_reason(t, timelines[j], index=k)))
     return out
 
 

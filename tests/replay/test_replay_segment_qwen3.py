@@ -139,6 +139,14 @@ def test_prompt_of_other_messages_is_refused(qwen3) -> None:
         Segmenter(qwen3).segment(messages, prompt_ids=ids, call_id="c-9")
 
 
+def test_prompt_with_an_unrecorded_message_is_refused(qwen3) -> None:
+    messages = [{"role": "user", "content": "Find x."}]
+    ids = prompt_ids(qwen3, [*messages, {"role": "assistant", "content": "Sure."},
+                             {"role": "user", "content": "Now."}], tools=None)
+    with pytest.raises(PromptMismatchError, match="not a rendering"):
+        Segmenter(qwen3).segment(messages, prompt_ids=ids)
+
+
 def test_template_that_cuts_through_a_message_is_reported(qwen3) -> None:
     # Rewrites part of the last message's text: the prefix rendering disagrees inside it.
     rewriting = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"

@@ -39,7 +39,7 @@ class ForkPoint:
     reason: ForkReason
 
 
-def fork_reason(a: Timeline, b: Timeline, index: int) -> ForkReason:
+def fork_reason(a: Timeline, b: Timeline, *, index: int) -> ForkReason:
     """Why message ``index`` of ``a`` and ``b`` differ: ``content`` (role or text),
     ``tool_calls`` or ``token_drift`` (same text, different tokens). Raises IndexError when
     either timeline is shorter than ``index + 1`` and ValueError when the two messages are
@@ -88,7 +88,7 @@ def detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_PO
 
 def _path(t: Timeline, policy: MergePolicy, interner: PrefixInterner) -> list[int]:
     ids = prefix_ids(t, MergePolicy(compare_level=policy.compare_level, ignore_tools=True),
-                     interner)
+                     interner=interner)
     if policy.ignore_tools:
         return ids
     # Insert the tool list as its own step so that a tools difference is a fork at the root.
@@ -105,7 +105,7 @@ def _fork_point(t: Timeline, parent: Timeline, index: int, parent_index: int, de
         if depth == 0:
             return ForkPoint(t.agent, index, parent_index, 0, "tools")
         depth -= 1
-    reason = fork_reason(t, parent, depth)
+    reason = fork_reason(t, parent, index=depth)
     if policy.compare_level == "text" and reason == "token_drift":  # pragma: no cover
         raise AssertionError("text-equal messages cannot fork at text level")
     return ForkPoint(t.agent, index, parent_index, depth, reason)

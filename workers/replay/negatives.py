@@ -108,9 +108,9 @@ def build_negative(
     if not isinstance(position_key, str) or not position_key.startswith("turn_") \
             or not position_key[5:].isdigit():
         raise ValueError(f"position_key must look like 'turn_N', got {position_key!r}")
-    for name, value in (("retry_index", retry_index), ("failure_index", failure_index)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    for label, number in (("retry_index", retry_index), ("failure_index", failure_index)):
+        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+            raise ValueError(f"{label} must be a non-negative integer, got {number!r}")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
             or not math.isfinite(reward):
         raise ValueError(f"reward must be a finite number, got {reward!r}")

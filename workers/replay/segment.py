@@ -4,10 +4,11 @@ Works with any Hugging Face chat template, by rendering the template on message 
 (``apply_chat_template(..., tokenize=False)``) and comparing with the decoded prompt:
 
 1. The prompt ids are decoded (``offsets.decode_with_offsets``); the text must be the
-   rendering of all messages with the generation prompt, or at least start with the rendering
-   of all messages without it (a generation prompt changed by template options such as
-   Qwen3's ``enable_thinking=False``). Otherwise the prompt is not a rendering of its
-   messages: ``PromptMismatchError``.
+   rendering of all messages followed by the template's generation prompt, or by a
+   generation prompt that extends it without a special token (template options such as
+   Qwen3's ``enable_thinking=False`` prefill an empty think block). Otherwise the prompt is not a
+   rendering of its messages (an unrecorded message, another template, other tokens):
+   ``PromptMismatchError``.
 2. Message ``k`` ends where the rendering of messages ``1..k`` stops agreeing with the prompt
    text (their longest common prefix). Text a template writes only after a final message
    (a tool turn's closing ``<|im_end|>`` that continues with another ``<tool_response>``
@@ -50,7 +51,7 @@ from workers.replay.offsets import decode_with_offsets
 __all__ = ["Segmentation", "Segmenter", "common_prefix_length"]
 
 
-def common_prefix_length(a: str, b: str, a_start: int = 0, b_start: int = 0) -> int:
+def common_prefix_length(a: str, b: str, *, a_start: int = 0, b_start: int = 0) -> int:
     """Length of the longest common prefix of ``a[a_start:]`` and ``b[b_start:]``, found by
     comparing slices of doubling size (C-speed comparisons, no per-character Python loop)."""
     n = min(len(a) - a_start, len(b) - b_start)
@@ -179,9 +180,11 @@ class Segmenter:
         self._interner = PrefixInterner()
         self._renders: dict[int, str] = {0: ""}
         self._parent_agreement: dict[int, int] = {}
+        self._generation_prompts: set[str] = set()
+        self._special_tokens: list[str] | None = None
 
-    def render(self, messages: Sequence[Mapping[str, Any]],
-               tools: Sequence[Mapping[str, Any]] | None, *, generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], *,
+               tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> str:
         """The template's text for ``messages`` and ``tools``. Raises SegmentationError
         (naming the last message) when the template refuses them."""
         try:
@@ -212,7 +215,7 @@ class Segmenter:
             node = self._interner.child(node, _message_key(messages[k - 1]))
             text = self._renders.get(node)
             if text is None:
-                text = self.render(messages[:k], tools, generation_prompt=False)
+                text = self.render(messages[:k], tools=tools, generation_prompt=False)
                 self._renders[node] = text
                 self._parent_agreement[node] = common_prefix_length(renders[-1], text)
             renders.append(text)
@@ -237,13 +240,7 @@ class Segmenter:
                                 f"{m!r:.80}")
         text, starts = decode_with_offsets(self.tokenizer, prompt_ids)
         renders, agreement = self._prefix_renders(messages, tools)
-        with_prompt = self.render(messages, tools, generation_prompt=True)
-        if text != with_prompt and not text.startswith(renders[-1]):
-            at = common_prefix_length(text, with_prompt)
-            raise PromptMismatchError(
-                f"the prompt ids are not a rendering of the request messages: they decode "
-                f"to {_snippet(text, at)} where the chat template gives "
-                f"{_snippet(with_prompt, at)} (character {at})", call_id=call_id)
+        self._check_rendering(text, renders[-1], messages, tools, call_id)
         ends: list[int] = []
         relocated: list[int] = []
         previous_end = 0
@@ -256,7 +253,7 @@ class Segmenter:
             elif q < agreed:
                 agreed = q
             else:
-                agreed = q + common_prefix_length(rendered, text, q, q)
+                agreed = q + common_prefix_length(rendered, text, a_start=q, b_start=q)
             pieces = _anchor_pieces(messages[k - 1], rendered)
             body = _body(rendered, pieces)
             if agreed >= previous_end and (body is None or body[1] <= agreed):
@@ -275,6 +272,39 @@ class Segmenter:
         return Segmentation(text=text, ends=ends, message_ids=message_ids,
                             generation_prompt_ids=ids[int(cuts[-1]):], relocated=relocated)
 
+    def _check_rendering(self, text: str, rendered: str,
+                         messages: Sequence[Mapping[str, Any]],
+                         tools: Sequence[Mapping[str, Any]] | None, call_id: str | None) -> None:
+        """Refuse prompt text that is not ``rendered`` followed by a generation prompt: the
+        template's own, or one that extends it (template options such as Qwen3's
+        ``enable_thinking=False`` prefill a block after it). Generation prompts accepted once
+        are remembered, so most calls need no extra rendering."""
+        suffix = text[len(rendered):] if text.startswith(rendered) else None
+        if suffix is not None and suffix in self._generation_prompts:
+            return
+        with_prompt = self.render(messages, tools=tools, generation_prompt=True)
+        expected = with_prompt[len(rendered):] if with_prompt.startswith(rendered) else None
+        if text == with_prompt or (suffix is not None and expected is not None
+                                   and suffix.startswith(expected)
+                                   and not self._has_special_token(suffix[len(expected):])):
+            if suffix is not None:
+                self._generation_prompts.add(suffix)
+            return
+        at = common_prefix_length(text, with_prompt)
+        raise PromptMismatchError(
+            f"the prompt ids are not a rendering of the request messages: they decode to "
+            f"{_snippet(text, at)} where the chat template gives {_snippet(with_prompt, at)} "
+            f"(character {at})", call_id=call_id)
+
+    def _has_special_token(self, text: str) -> bool:
+        """Whether ``text`` holds one of the tokenizer's special tokens (turn delimiters such
+        as ``<|im_start|>``): an extension holding one is a further turn, not an option."""
+        if self._special_tokens is None:
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            added = backend.get_added_tokens_decoder().values() if backend is not None else ()
+            self._special_tokens = [t.content for t in added if t.special and t.content]
+        return any(token in text for token in self._special_tokens)
+
     @staticmethod
     def _relocate(text: str, rendered: str, body: tuple[int, int] | None, previous_end: int,
                   index: int, call_id: str | None) -> int:
@@ -291,4 +321,4 @@ class Segmenter:
                 f"text {own[:60]!r} does not occur in the prompt after the previous message",
                 message_index=index, call_id=call_id)
         after = at + len(own)
-        return after + common_prefix_length(rendered, text, body[1], after)
+        return after + common_prefix_length(rendered, text, a_start=body[1], b_start=after)

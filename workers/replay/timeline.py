@@ -49,14 +49,17 @@ LLM_AUTHOR = "llm"
 
 
 def _int_list(value: Any, name: str) -> list[int]:
+    """``value`` as a new list of Python ints; refuses anything but a 1-d integer sequence."""
     if isinstance(value, np.ndarray):
-        if value.ndim != 1 or value.dtype.kind not in "iu":
+        if value.ndim != 1 or (value.size and value.dtype.kind not in "iu"):
             raise TypeError(f"{name} must be a 1-d integer array, got shape {value.shape} "
                             f"dtype {value.dtype}")
-        return [int(v) for v in value.tolist()]
+        return value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a sequence of integers, got {type(value).__name__}")
     out = list(value)
+    if set(map(type, out)) <= {int}:  # the common case, checked at C speed
+        return out
     for i, v in enumerate(out):
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"{name}[{i}] must be an integer, got {v!r}")
@@ -64,18 +67,25 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 def _float_list(value: Any, name: str) -> list[float]:
+    """``value`` as a new list of Python floats; refuses anything but a 1-d number sequence."""
     if isinstance(value, np.ndarray):
-        if value.ndim != 1:
-            raise TypeError(f"{name} must be 1-d, got shape {value.shape}")
-        return [float(v) for v in value.tolist()]
+        if value.ndim != 1 or (value.size and value.dtype.kind not in "iuf"):
+            raise TypeError(f"{name} must be a 1-d numeric array, got shape {value.shape} "
+                            f"dtype {value.dtype}")
+        return value.astype(np.float64).tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a sequence of numbers, got {type(value).__name__}")
-    out = []
-    for i, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+    out = list(value)
+    kinds = set(map(type, out))
+    if kinds <= {float}:  # the common case, checked at C speed
+        return out
+    if kinds <= {float, int}:
+        return [float(v) for v in out]
+    for i, v in enumerate(out):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.floating,
+                                                                  np.integer)):
             raise TypeError(f"{name}[{i}] must be a number, got {v!r}")
-        out.append(float(v))
-    return out
+    return [float(v) for v in out]
 
 
 @dataclass(frozen=True)
@@ -266,7 +276,8 @@ def _check_inputs(timelines: Sequence[Timeline], policy: MergePolicy) -> list[Ti
     return out
 
 
-def prefix_ids(timeline: Timeline, policy: MergePolicy, interner: PrefixInterner) -> list[int]:
+def prefix_ids(timeline: Timeline, policy: MergePolicy, *, interner: PrefixInterner
+               ) -> list[int]:
     """Interned ids of ``timeline``'s prefixes under ``policy``: element ``k`` identifies the
     agent (and, with ``ignore_tools=False``, the tool list) plus the first ``k`` messages, so
     two timelines' first ``k`` messages are equal exactly when their ``k``-th ids are."""
@@ -314,7 +325,7 @@ def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLI
     ends: list[int] = []
     best: dict[int, tuple[int, int]] = {}
     for i, t in enumerate(items):
-        ids = prefix_ids(t, policy, interner)
+        ids = prefix_ids(t, policy, interner=interner)
         rank = (len(t), i)
         for pid in ids[1:]:
             current = best.get(pid)
