@@ -321,3 +321,26 @@ def test_bad_entropy_outside_cot_is_ignored() -> None:
     assert isinstance(entropies, torch.Tensor)
     entropies[1, 5] = float("nan")  # an answer token
     assert egpo(batch) == pytest.approx([0.54, -0.46])
+
+
+def test_subnormal_advantage_keeps_its_sign() -> None:
+    """A = -/+2.8e-45 (twice the smallest float32): the bonus 1.5*|A|/2 rounds to |A|, so
+    A + bonus would be 0 for the negative one; the bonus is dropped there and the sign kept."""
+    tiny = torch.tensor(1.4e-45)
+    assert tiny.item() > 0
+    rewards = torch.zeros(2, 3)
+    rewards[0, -1] = -4 * tiny
+    responses = torch.tensor([[S, 5, E], [S, 5, E]])
+    advantages, _ = egpo_advantages(
+        rewards,
+        torch.ones(2, 3),
+        ["g", "g"],
+        torch.full((2, 3), 5.0),
+        responses,
+        cot_start_id=S,
+        cot_end_id=E,
+        lam=1.5,
+        alpha=2.0,
+        norm_adv_by_std=False,
+    )
+    assert advantages[0, 0].item() < 0 < advantages[1, 0].item()

@@ -242,5 +242,9 @@ def egpo_advantages(
         entropy = entropy.to(scalars.dtype)
         bonus = bonus_fn(scalars, entropy, lam=lam_value, alpha=alpha_value)
         bonus = torch.where(has_cot & (scalars != 0), bonus, torch.zeros_like(bonus))
-        advantages = (scalars + bonus).unsqueeze(-1) * mask
+        combined = scalars + bonus
+        # |bonus| < |A| keeps the sign exactly, but for a subnormal A the sum can round to 0:
+        # keep A there so the sign guarantee also holds in floating point.
+        combined = torch.where((combined == 0) & (scalars != 0), scalars, combined)
+        advantages = combined.unsqueeze(-1) * mask
     return advantages, advantages
