@@ -21,8 +21,11 @@ Works with any Hugging Face chat template, by rendering the template on message 
    rendering's remaining closing text stops agreeing. Qwen3 is the common case: it renders
    an empty ``<think></think>`` block into a final assistant turn but not into earlier ones,
    and strips the reasoning of assistant turns that precede the last user query.
-   A message whose text cannot be found raises ``SegmentationError``; so does a message whose
-   text is found in the prompt but outside its segment.
+   A message whose text cannot be found raises ``SegmentationError``; so does a segment that
+   misses its message's text while the prompt holds it elsewhere, and a boundary that cuts
+   through a message's text. Not detected: a template that rewrites a message only while it
+   is the last one, and writes none of its text verbatim then (its text lands in the next
+   segment).
 4. Whitespace at the end of a segment belongs to the next one (the newline a ChatML template
    writes after ``<|im_end|>``): the engine stops generating at the end-of-turn token, so
    with this rule an assistant message in a later prompt covers the same text as the
@@ -276,9 +279,9 @@ class Segmenter:
                          messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None, call_id: str | None) -> None:
         """Refuse prompt text that is not ``rendered`` followed by a generation prompt: the
-        template's own, or one that extends it (template options such as Qwen3's
-        ``enable_thinking=False`` prefill a block after it). Generation prompts accepted once
-        are remembered, so most calls need no extra rendering."""
+        template's own, or one that extends it without a special token (template options such
+        as Qwen3's ``enable_thinking=False`` prefill a block after it). Generation prompts
+        accepted once are remembered, so most calls need no extra rendering."""
         suffix = text[len(rendered):] if text.startswith(rendered) else None
         if suffix is not None and suffix in self._generation_prompts:
             return
