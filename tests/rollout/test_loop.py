@@ -315,6 +315,12 @@ def test_invalid_arguments_are_named(hf_backend: TransformersBackend,
         run_episode(**{**common, "task": TASK.to_dict()})
     with pytest.raises(TypeError, match="backend"):
         run_episode(**{**common, "backend": object()})
+    with pytest.raises(TypeError, match="sink must have an append"):
+        run_episode(**{**common, "sink": object()})
+    with pytest.raises(TypeError, match="tools must be a ToolRegistry"):
+        run_episode(**{**common, "tools": {}})
+    with pytest.raises(TypeError, match="sampling must be SamplingParams"):
+        run_episode(**common, sampling={"temperature": 1.0})
     with pytest.raises(TypeError, match="rollback config"):
         run_episode(**common, rollback=3)
     with pytest.raises(ValueError, match="max_tool_retries"):

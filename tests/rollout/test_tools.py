@@ -21,9 +21,10 @@ class Echo:
     """A small real tool: returns its text argument, fails on an empty one."""
 
     name = "echo"
-    schema = function_schema("echo", "Repeat text.",
-                             {"text": {"type": "string"}, "times": {"type": "integer"}},
-                             ["text"])
+    schema = function_schema("echo", description="Repeat text.",
+                             properties={"text": {"type": "string"},
+                                         "times": {"type": "integer"}},
+                             required=["text"])
 
     def __call__(self, arguments: dict[str, Any]) -> ToolOutcome:
         if not arguments["text"]:
@@ -71,15 +72,16 @@ def test_schema_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="field 'function.parameters'"):
         validate_tool_schema({"type": "function", "function": {"name": "a", "parameters": 1}})
     with pytest.raises(ValueError, match="not declared"):
-        function_schema("a", "", {}, ["x"])
+        function_schema("a", description="", properties={}, required=["x"])
 
 
 def test_argument_checks() -> None:
-    schema = function_schema("f", "", {"n": {"type": "number"}, "flag": {"type": "boolean"}},
-                             ["n"])
+    schema = function_schema("f", description="",
+                             properties={"n": {"type": "number"}, "flag": {"type": "boolean"}},
+                             required=["n"])
     assert check_arguments(schema, {"n": 2.5, "flag": True}) is None
     assert "must be of type number" in check_arguments(schema, {"n": True})
     assert "missing required" in check_arguments(schema, {"flag": False})
-    closed = function_schema("g", "", {"a": {"type": "string"}}, [])
+    closed = function_schema("g", description="", properties={"a": {"type": "string"}})
     closed["function"]["parameters"]["additionalProperties"] = False
     assert "unexpected argument 'b'" in check_arguments(closed, {"b": 1})

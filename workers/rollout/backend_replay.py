@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.rollout.backend_transformers import TransformersBackend
 from workers.rollout.prompt import decode_response
 
@@ -88,7 +88,7 @@ class ReplayBackend:
         else:
             ids = list(recorded)
         params = request.sampling
-        finish = "stop"
+        finish: FinishReason = "stop"
         if len(ids) > params.max_tokens:
             ids, finish = ids[: params.max_tokens], "length"
         elif not ids or ids[-1] not in self.scorer.stop_token_ids:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.rollout.logprobs import sampled_token_logprobs
 from workers.rollout.prompt import decode_response, end_of_turn_ids, render_prompt_ids
 
@@ -80,6 +80,7 @@ class TransformersBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
         self.device = torch.device(device)
+        self.model: Any
         if isinstance(model, (str, os.PathLike)):
             path = os.fspath(model)
             if not os.path.isdir(path):
@@ -156,9 +157,10 @@ class TransformersBackend:
         logprobs = scores.float().log_softmax(dim=-1).gather(
             -1, response.unsqueeze(-1)).squeeze(-1)
         response_ids = response.tolist()
-        text, stopped_on_string = decode_response(self.tokenizer, response_ids, params.stop)
+        text, stopped_on_string = decode_response(self.tokenizer, response_ids,
+                                                   stop=params.stop)
         ended = bool(response_ids) and response_ids[-1] in self.stop_token_ids
-        finish = "stop" if ended or stopped_on_string else "length"
+        finish: FinishReason = "stop" if ended or stopped_on_string else "length"
         return GenerationResult(
             prompt_ids=np.asarray(prompt, dtype=np.int32),
             response_ids=np.asarray(response_ids, dtype=np.int32),

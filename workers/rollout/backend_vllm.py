@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.rollout.prompt import end_of_turn_ids, render_prompt_ids
 
 if TYPE_CHECKING:
@@ -128,7 +128,8 @@ class VLLMBackend:
             token_ids = [int(t) for t in completion.token_ids]
             logprobs = [float(completion.logprobs[i][token].logprob)
                         for i, token in enumerate(token_ids)]
-            finish = "length" if completion.finish_reason == "length" else "stop"
+            finish: FinishReason = ("length" if completion.finish_reason == "length"
+                                    else "stop")
             results.append(GenerationResult(
                 prompt_ids=np.asarray(prompt["prompt_token_ids"], dtype=np.int32),
                 response_ids=np.asarray(token_ids, dtype=np.int32),

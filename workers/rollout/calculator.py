@@ -120,9 +120,9 @@ class Calculator:
     name = "calculator"
     schema = function_schema(
         "calculator",
-        "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
-        {"expression": {"type": "string", "description": "for example (12 + 3) * 4"}},
-        ["expression"],
+        description="Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+        properties={"expression": {"type": "string", "description": "for example (12 + 3) * 4"}},
+        required=["expression"],
     )
 
     def __call__(self, arguments: dict[str, Any]) -> ToolOutcome:

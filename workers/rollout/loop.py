@@ -52,7 +52,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from store.events import (
     AttemptFailed,
@@ -121,7 +121,8 @@ class _SinkFailure(Exception):
         self.original = original
 
 
-_Verdict = tuple[str, str | None]
+EpisodeStatus = Literal["completed", "terminated", "truncated", "error", "aborted"]
+_Verdict = tuple[EpisodeStatus, str | None]
 
 
 class _Episode:
@@ -183,7 +184,8 @@ class _Episode:
         finish = ("tool_calls" if parsed.tool_calls and result.finish_reason == "stop"
                   else result.finish_reason)
         self.emit(LLMCalled(
-            **self.stamp(), agent=self.agent, call_id=call_id, messages=list(request.messages),
+            **self.stamp(), agent=self.agent, call_id=call_id,
+            messages=list(request.messages or ()),
             tools=list(self.task.tools) or None, prompt_ids=result.prompt_ids,
             response_ids=result.response_ids, logprobs=result.logprobs,
             response=parsed.to_message(), finish_reason=finish,
@@ -217,11 +219,13 @@ class _Episode:
             text = "\n".join(parsed.format_errors)
             outcome = ToolOutcome(output=text, is_error=True, error_type=FORMAT_ERROR_TYPE,
                                   error_message=text)
-            call = {"id": f"{generation.call_id}-invalid", "name": FORMAT_ERROR_TOOL_NAME,
-                    "arguments": {}, "raw": "\n".join(parsed.malformed_calls)}
+            call_id = f"{generation.call_id}-invalid"
+            raw = "\n".join(parsed.malformed_calls)
+            call: dict[str, Any] = {"id": call_id, "name": FORMAT_ERROR_TOOL_NAME,
+                                    "arguments": {}, "raw": raw}
             self.emit(ToolReturned(
-                **self.stamp(), agent=self.agent, tool_call_id=call["id"],
-                name=FORMAT_ERROR_TOOL_NAME, arguments={"raw": call["raw"]}, output=text,
+                **self.stamp(), agent=self.agent, tool_call_id=call_id,
+                name=FORMAT_ERROR_TOOL_NAME, arguments={"raw": raw}, output=text,
                 is_error=True, error_type=FORMAT_ERROR_TYPE, error_message=text,
                 duration_ms=0.0))
             return [(call, outcome)]
@@ -336,7 +340,8 @@ class _Episode:
         except _SinkFailure:
             raise
         except Exception as exc:  # recorded as the episode's end, not lost
-            status, reason = "error", f"{type(exc).__name__}: {exc}"
+            status = "error"
+            reason = f"{type(exc).__name__}: {exc}"
             reward = Reward(0.0, {}, source="error")
         self.emit(
             RewardAssigned(**self.stamp(), value=reward.value, components=reward.components,

@@ -59,8 +59,8 @@ def end_of_turn_ids(tokenizer: Any, extra: Sequence[int] | int | None = None) ->
     return sorted(set(ids))
 
 
-def decode_response(tokenizer: Any, response_ids: Sequence[int], stop: Sequence[str] = ()
-                    ) -> tuple[str, bool]:
+def decode_response(tokenizer: Any, response_ids: Sequence[int], *,
+                    stop: Sequence[str] = ()) -> tuple[str, bool]:
     """Decode generated ids, dropping control tokens and keeping markup tokens; cut the text
     before the earliest stop string. Returns ``(text, stopped_on_string)``."""
     text = tokenizer.decode(list(response_ids), skip_special_tokens=True)

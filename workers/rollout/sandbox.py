@@ -260,10 +260,10 @@ class PythonTool:
     name = "python"
     schema = function_schema(
         "python",
-        "Run Python code in a sandbox without network access and return what it prints "
-        "(and the value of the last expression).",
-        {"code": {"type": "string", "description": "Python source code"}},
-        ["code"],
+        description="Run Python code in a sandbox without network access and return what it "
+                    "prints (and the value of the last expression).",
+        properties={"code": {"type": "string", "description": "Python source code"}},
+        required=["code"],
     )
 
     def __init__(self, sandbox: PythonSandbox | None = None) -> None:

@@ -233,15 +233,16 @@ def arithmetic_tasks(count: int, *, seed: int = 0) -> list[Task]:
 
 
 _WEATHER = function_schema(
-    "get_weather", "Current weather for a city.",
-    {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    ["city", "unit"],
+    "get_weather", description="Current weather for a city.",
+    properties={"city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    required=["city", "unit"],
 )
 _CONVERT = function_schema(
-    "convert_currency", "Convert an amount of money between currencies.",
-    {"amount": {"type": "number"}, "source": {"type": "string"},
-     "target": {"type": "string"}},
-    ["amount", "source", "target"],
+    "convert_currency", description="Convert an amount of money between currencies.",
+    properties={"amount": {"type": "number"}, "source": {"type": "string"},
+                "target": {"type": "string"}},
+    required=["amount", "source", "target"],
 )
 _CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Austin", "Hanoi", "Perth")
 _CURRENCIES = ("EUR", "USD", "JPY", "GBP", "CHF")

@@ -19,8 +19,12 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workers.rollout.chat_template import CHAT_TEMPLATE, TOOL_SYSTEM_PREAMBLE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -120,7 +124,7 @@ def tiny_corpus(*, seed: int = 0, size: int = 3000) -> list[str]:
     return docs
 
 
-def build_tiny_tokenizer(*, seed: int = 0):  # -> transformers.PreTrainedTokenizerFast
+def build_tiny_tokenizer(*, seed: int = 0) -> PreTrainedTokenizerFast:
     """Train the tiny byte-level BPE tokenizer in memory and wrap it as a fast HF tokenizer.
 
     ChatML control tokens get ids 0, 1, 2 (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``);

@@ -66,8 +66,8 @@ class Tool(Protocol):
         ...
 
 
-def function_schema(name: str, description: str, properties: Mapping[str, Any],
-                    required: Iterable[str]) -> dict[str, Any]:
+def function_schema(name: str, *, description: str, properties: Mapping[str, Any],
+                    required: Iterable[str] = ()) -> dict[str, Any]:
     """Build an OpenAI function schema; raises ValueError for an empty name or a required
     property that is not declared."""
     if not isinstance(name, str) or not name:
