@@ -124,3 +124,9 @@ def test_build_rejects_bad_arguments(tmp_path: Path) -> None:
         tiny_model_path(tmp_path, seed=-2)
     with pytest.raises(ValueError, match="size"):
         tiny_corpus(size=0)
+
+
+def test_tokenizer_config_names_the_generic_fast_class(tiny_model_dir: Path) -> None:
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["eos_token"] == "<|im_end|>"

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 #: Bump when the recipe changes, so that cached folders of an older recipe are not reused.
-TINY_MODEL_VERSION = 1
+TINY_MODEL_VERSION = 2
 
 #: ChatML control tokens: special (skipped when decoding with ``skip_special_tokens``).
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -214,6 +214,11 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0) -> Pat
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    # transformers 5 records its own class name; the generic fast class loads in 4.x as well.
+    config_file = path / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text(encoding="utf-8"))
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
     return path
 
 
