@@ -24,8 +24,18 @@ of tokens (the measured bytes per token are printed for each length to show the 
 are checked against the analytic count of three (tokens x vocab) float32 tensors). The output
 marks every number as MEASURED or EXTRAPOLATED.
 
-Run ``python bench/advantage.py`` (several minutes: the chunked pass does the full 32k x 1,024
-x 151,936 matmul on CPU) or ``python bench/advantage.py --quick`` for a smoke run.
+``--grad`` measures forward + backward instead (gradients of the hidden states and the head
+weight; the chunked path recomputes each chunk under activation checkpointing).
+
+Run ``python bench/advantage.py`` (about ten minutes on two cores: the chunked pass does the
+full 32k x 1,024 x 151,936 matmul on CPU) or ``python bench/advantage.py --quick`` for a smoke
+run; ``--skip-speed`` / ``--skip-memory`` run one part, ``--threads N`` fixes torch's threads.
+
+At 8,192 x 1,024 a good part of the vectorised time is allocating and writing the 32 MiB
+``(bs, response_length)`` output, which the loop pays as well: glibc maps allocations of 32 MiB
+and more afresh, so every call page-faults its output in. The "scalars" line times the
+per-response part alone. PyTorch's ``THP_MEM_ALLOC_ENABLE=1`` (huge pages for large CPU
+tensors) removes most of the page-fault cost for both.
 """
 
 from __future__ import annotations
@@ -274,15 +284,19 @@ def memory_child(args: argparse.Namespace) -> None:
     hidden = torch.randn(args.mem_bs, args.child_length, args.hidden).mul_(0.05)
     weight = torch.randn(args.vocab, args.hidden).mul_(0.05)
     targets = torch.randint(0, args.vocab, (args.mem_bs, args.child_length))
+    hidden.requires_grad_(args.grad)
+    weight.requires_grad_(args.grad)
     baseline = peak_rss_bytes()
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.set_grad_enabled(args.grad):
         if args.memory_child == "naive":
             log_probs, entropy = naive(hidden.reshape(tokens, -1), weight, targets.reshape(-1), 0.7)
         else:
             log_probs, entropy = logprobs_and_entropy_from_hidden(
                 hidden, weight, targets, temperature=0.7, chunk_size=args.chunk_size
             )
+        if args.grad:
+            (log_probs.sum() + entropy.sum()).backward()
     elapsed = time.perf_counter() - start
     peak = peak_rss_bytes()
     print(
@@ -294,7 +308,7 @@ def memory_child(args: argparse.Namespace) -> None:
                 "peak": peak,
                 "increment": peak - baseline,
                 "seconds": elapsed,
-                "checksum": float(log_probs.sum() + entropy.sum()),
+                "checksum": float(log_probs.detach().sum() + entropy.detach().sum()),
             }
         )
     )
@@ -316,6 +330,7 @@ def run_child(args: argparse.Namespace, mode: str, length: int) -> dict[str, Any
         str(args.hidden),
         "--chunk-size",
         str(args.chunk_size),
+        *(["--grad"] if args.grad else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -333,56 +348,66 @@ def gib(n: float) -> str:
 def memory(args: argparse.Namespace) -> None:
     full_tokens = args.mem_bs * args.mem_length
     logits_bytes = full_tokens * args.vocab * 4
+    what = "forward + backward" if args.grad else "forward (no autograd)"
     print(
-        f"\n== per-token log-probs + entropy, batch {args.mem_bs} x length {args.mem_length} "
-        f"x vocab {args.vocab} (hidden {args.hidden}); one full float32 logits tensor = "
-        f"{gib(logits_bytes)} =="
+        f"\n== per-token log-probs + entropy, {what}, batch {args.mem_bs} x length "
+        f"{args.mem_length} x vocab {args.vocab} (hidden {args.hidden}); one full float32 "
+        f"logits tensor = {gib(logits_bytes)} =="
     )
     print(
         "peak RSS above the inputs (hidden states, lm_head weight, targets), "
         "each in a fresh process"
     )
     per_token: list[float] = []
+    measured_full: dict[str, Any] | None = None
     for length in args.naive_lengths:
         r = run_child(args, "naive", length)
         per_token.append(r["increment"] / r["tokens"])
-        analytic = 3 * r["tokens"] * args.vocab * 4
+        if length == args.mem_length:
+            measured_full = r
+        analytic = (
+            ""
+            if args.grad
+            else f"; analytic 3 float32 (tokens x vocab) tensors = "
+            f"{gib(3 * r['tokens'] * args.vocab * 4)}"
+        )
         print(
             f"  naive   length {length:5d}: {gib(r['increment'])} MEASURED "
-            f"({r['increment'] / r['tokens'] / 1e3:8.1f} kB/token; analytic 3 float32 "
-            f"(tokens x vocab) tensors = {gib(analytic)}; {r['seconds']:.1f} s)"
+            f"({r['increment'] / r['tokens'] / 1e3:8.1f} kB/token{analytic}; "
+            f"{r['seconds']:.1f} s)"
         )
-    slope = max(per_token)
-    naive_full = slope * full_tokens
-    print(
-        f"  naive   length {args.mem_length:5d}: {gib(naive_full)} EXTRAPOLATED "
-        f"(largest measured bytes/token x {full_tokens} tokens; analytic "
-        f"{gib(3 * logits_bytes)})"
-    )
+    if measured_full is not None:
+        naive_full, naive_label = float(measured_full["increment"]), "MEASURED"
+    else:
+        naive_full, naive_label = max(per_token) * full_tokens, "EXTRAPOLATED"
+        analytic = "" if args.grad else f"; analytic {gib(3 * logits_bytes)}"
+        print(
+            f"  naive   length {args.mem_length:5d}: {gib(naive_full)} EXTRAPOLATED "
+            f"(largest measured bytes/token x {full_tokens} tokens{analytic})"
+        )
     r = run_child(args, "chunked", args.mem_length)
-    analytic_chunk = 2 * args.chunk_size * args.vocab * 4
+    chunk_bytes = args.chunk_size * args.vocab * 4
+    analytic = "" if args.grad else f"; analytic 2 float32 (chunk x vocab) = {gib(2 * chunk_bytes)}"
     print(
         f"  chunked length {args.mem_length:5d}: {gib(r['increment'])} MEASURED "
-        f"(chunk {args.chunk_size} tokens; analytic 2 float32 (chunk x vocab) tensors = "
-        f"{gib(analytic_chunk)}; {r['seconds']:.1f} s; inputs themselves "
-        f"{gib(r['baseline'])} RSS incl. the interpreter)"
+        f"(chunk {args.chunk_size} tokens{analytic}; {r['seconds']:.1f} s; "
+        f"process RSS before it {gib(r['baseline'])}, interpreter and inputs)"
     )
-    chunk_bytes = args.chunk_size * args.vocab * 4
     if chunk_bytes < 32 * 2**20:
         print(
             f"  note: one chunk tensor ({chunk_bytes / 2**20:.0f} MiB) is below glibc's 32 MiB "
-            "mmap threshold, so freed chunks stay in per-thread malloc arenas and peak RSS "
-            "over-counts the live memory; MALLOC_ARENA_MAX=1 shows the live peak"
+            "mmap threshold, so freed chunks may stay in per-thread malloc arenas and peak RSS "
+            "over-count the live memory; MALLOC_ARENA_MAX=1 shows the live peak"
         )
     ratio = max(r["increment"], 1) / naive_full
     print(
         f"  chunked / naive peak above inputs: 1/{1 / ratio:.0f} = {ratio:.4f} "
-        f"(target <= 1/8 = 0.125; naive side EXTRAPOLATED)"
+        f"(target <= 1/8 = 0.125; naive side {naive_label})"
     )
     total_ratio = r["peak"] / (naive_full + r["baseline"])
     print(
         f"  chunked / naive total process peak: {total_ratio:.4f} "
-        f"(naive total = extrapolated increment + the same inputs)"
+        f"(naive total = its increment + the same inputs)"
     )
 
 
@@ -395,6 +420,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
     parser.add_argument("--mem-bs", type=int, default=8)
     parser.add_argument("--mem-length", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151_936)
@@ -402,6 +430,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument(
         "--naive-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 256, 512]
+    )
+    parser.add_argument(
+        "--grad",
+        action="store_true",
+        help="measure forward + backward (gradients of hidden states and lm_head weight)",
     )
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -421,6 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_child:
         memory_child(args)
         return
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if not args.skip_speed:
         speed(args)
     if not args.skip_memory:
