@@ -195,6 +195,68 @@ def demo(
         store.close()
 
 
+@app.command()
+def worker(
+    queues: Annotated[str, typer.Option(help="Comma-separated queues: replay, rollout, train.")]
+    = "replay",
+    concurrency: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 1,
+    beat: Annotated[bool, typer.Option("--beat", help="Also run the periodic sweep.")] = False,
+    pool: Annotated[str, typer.Option(help="Celery pool: prefork, solo or threads.")]
+    = "prefork",
+) -> None:
+    """Run a Celery worker on the given queues (the broker is the configured Redis, or the
+    embedded one)."""
+    from workers.app import QUEUES, ensure_configured
+    from workers.app import app as celery_app
+
+    names = [q.strip() for q in queues.split(",") if q.strip()]
+    unknown = sorted(set(names) - set(QUEUES))
+    if not names or unknown:
+        raise typer.BadParameter(f"unknown queue(s) {unknown}; known: {', '.join(QUEUES)}",
+                                 param_hint="--queues")
+    ensure_configured()
+    argv = ["worker", "-Q", ",".join(names), "-c", str(concurrency), "--pool", pool,
+            "--loglevel", get_settings().log_level, "-n", f"trajstore-{'-'.join(names)}@%h"]
+    if beat:
+        argv += ["-B", "-s", str(get_settings().data_dir / "celerybeat-schedule")]
+    celery_app.worker_main(argv)
+
+
+@app.command()
+def replay(
+    episode: Annotated[str | None, typer.Argument(help="Episode to replay now.")] = None,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Drop and rebuild every "
+                                          "projection from the log.")] = False,
+) -> None:
+    """Replay in the foreground: one episode, every unprojected one, or (``--rebuild``)
+    every projection from the log alone."""
+    from store.projections import Projections
+    from workers.replay.project import project_episode
+    from workers.replay.sweep import sweep_unprojected
+
+    store = _open_store(get_settings())
+    try:
+        if episode is not None:
+            outcome = project_episode(store, episode)
+            console.print(f"{episode}: {outcome.outcome}"
+                          + (f" ({outcome.status})" if outcome.status else "")
+                          + (f": {outcome.reason}" if outcome.reason else ""))
+            if outcome.outcome == "missing":
+                raise typer.Exit(1)
+            return
+        projections = Projections(store)
+        kept = projections.rebuild() if rebuild else 0
+        total = 0
+        while n := sweep_unprojected(store, limit=500):
+            total += n
+        restored = projections.restore_kept_state() if rebuild else 0
+        console.print(f"projected {total} episodes"
+                      + (f"; sample lease state kept for {restored} of {kept}" if rebuild
+                         else ""))
+    finally:
+        store.close()
+
+
 def main() -> None:  # pragma: no cover - console entry for `python -m store.cli`
     try:
         app()

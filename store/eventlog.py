@@ -10,11 +10,12 @@ This is the store's core. The hard parts, each commented where it happens:
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -57,6 +58,8 @@ ExpectedVersion = int | Literal["any", "no_stream"]
 
 NOTIFY_CHANNEL = "trajstore_events"
 
+log = logging.getLogger(__name__)
+
 
 def run_stream_id(run_id: str) -> str:
     """The stream that holds a run's own events (``run_created``, ``policy_updated``)."""
@@ -80,7 +83,7 @@ INSERT INTO events (event_id, stream_id, stream_version, type, schema_version, r
                     group_id, agent, data, prompt_ids, prompt_base_version,
                     prompt_prefix_len, prompt_len, response_ids, logprobs, occurred_at)
 SELECT u.event_id, u.stream_id, u.stream_version, u.type, u.schema_version, u.run_id,
-       u.group_id, u.agent, u.data::jsonb, u.prompt_ids, u.prompt_base_version,
+       u.group_id, u.agent, u.data::json, u.prompt_ids, u.prompt_base_version,
        u.prompt_prefix_len, u.prompt_len, u.response_ids, u.logprobs, u.occurred_at
 FROM unnest(%b::uuid[], %b::text[], %b::int4[], %b::text[], %b::int2[], %b::text[],
             %b::text[], %b::text[], %b::text[], %b::bytea[], %b::int4[], %b::int4[],
@@ -110,6 +113,7 @@ class EventStore:
         self._calls: OrderedDict[str, list[LLMCallMemory]] = OrderedDict()
         self._stream_meta: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._listeners: list[Callable[[str, list[Event], AppendResult], None]] = []
 
     @classmethod
     def open(cls, settings: Settings | None = None, *, migrate: bool | None = None) -> EventStore:
@@ -151,6 +155,12 @@ class EventStore:
 
     # --- append ----------------------------------------------------------------------------
 
+    def add_listener(self, listener: Callable[[str, list[Event], AppendResult], None]) -> None:
+        """Call ``listener(stream_id, events, result)`` after every append that commits (not
+        after a duplicate retry). Listeners run in the appending thread; an exception in one
+        is logged and swallowed: the events are stored whatever a listener does."""
+        self._listeners.append(listener)
+
     def append(
         self,
         stream_id: str,
@@ -182,13 +192,23 @@ class EventStore:
         ]
         for attempt in range(5):
             try:
-                return self._append_once(stream_id, events, expected)
+                result = self._append_once(stream_id, events, expected)
+                if not result.duplicate:
+                    self._notify(stream_id, events, result)
+                return result
             except (_Retry, errors.DuplicateKeyError):
                 if attempt == 4:
                     raise errors.TransientError(
                         f"append to {stream_id!r} kept racing with concurrent appends"
                     ) from None
         raise AssertionError("unreachable")
+
+    def _notify(self, stream_id: str, events: list[Event], result: AppendResult) -> None:
+        for listener in self._listeners:
+            try:
+                listener(stream_id, events, result)
+            except Exception:
+                log.exception("append listener %r failed for stream %s", listener, stream_id)
 
     def _append_once(
         self,

@@ -76,6 +76,26 @@ class Settings(BaseSettings):
 
     log_level: str = "INFO"
 
+    # Workers.
+    redis_key_prefix: str = Field(
+        default="trajstore:", description="Prefix of every Redis key the workers use."
+    )
+    visibility_timeout_s: int = Field(
+        default=3600,
+        ge=1,
+        description="Seconds before an unacknowledged task is redelivered; longer than the "
+        "longest task.",
+    )
+    sweep_interval_s: float = Field(
+        default=30.0, gt=0, description="How often the sweep looks for unprojected episodes."
+    )
+    fault_replay_delay_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Fault injection for tests: a replay sleeps this long inside its "
+        "transaction, before commit.",
+    )
+
     @field_validator("database_url", "redis_url", "test_database_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:

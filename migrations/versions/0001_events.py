@@ -31,7 +31,9 @@ CREATE TABLE events (
     run_id          text,
     group_id        text,
     agent           text,
-    data            jsonb NOT NULL,
+    -- json, not jsonb: jsonb reorders object keys, and a chat template renders tool schemas
+    -- and messages in the order their keys were sent. Replaying a prompt needs them exact.
+    data            json NOT NULL,
     -- Token payloads, little-endian int32 / float32. When prompt_base_version is set,
     -- prompt_ids holds only the suffix: the full prompt is the first prompt_prefix_len
     -- tokens of (prompt + response ids) of the event at prompt_base_version in this stream.

@@ -202,3 +202,15 @@ def test_events_are_immutable_whatever_the_client(store: EventStore, pg_url: str
     with pytest.raises(errors.RefusedError), store.db.transaction() as conn:
         conn.execute(statement)
     assert store.counts_by_type() == before
+
+
+def test_key_order_survives_the_round_trip(store: EventStore) -> None:
+    """Chat templates render dicts in key order, so replay needs the order that was sent."""
+    stream = new_stream()
+    tool = {"type": "function", "function": {"name": "search", "description": "d",
+                                             "parameters": {"type": "object", "required": []}}}
+    call = trajectory(1)[0].model_copy(update={"tools": [tool]})
+    store.append(stream, [episode_started(tools=[tool]), call])
+    back = store.read_stream(stream)
+    assert list(back[1].event.tools[0]["function"]) == ["name", "description", "parameters"]
+    assert list(back[0].event.tools[0]["function"]["parameters"]) == ["type", "required"]

@@ -1,0 +1,325 @@
+"""Projection tables written by replay: runs, episodes, samples, timeline forks, failures.
+
+A replayed episode is written in one transaction together with its checkpoint (the stream
+version it was replayed at, ``episodes.projected_version``): writing the same projection
+twice changes nothing, and an episode already projected at its final version is skipped, so
+a redelivered replay task does no harm. ``rebuild`` empties every projection so that they can
+be replayed from the log alone; samples keep their lease state across a rebuild so that
+nothing already trained is trained again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from psycopg.types.json import Jsonb
+
+from store.eventlog import EventStore, LogPosition
+
+__all__ = [
+    "RunRow",
+    "EpisodeRow",
+    "SampleRow",
+    "ForkRow",
+    "FailureRow",
+    "EpisodeProjection",
+    "Projections",
+]
+
+
+@dataclass(frozen=True)
+class RunRow:
+    run_id: str
+    project: str
+    group_size: int
+    max_negatives_per_group: int
+    save_negative_samples: bool
+    config: dict[str, Any]
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class EpisodeRow:
+    episode_id: str
+    run_id: str
+    group_id: str
+    status: str
+    projected_version: int
+    task_id: str | None = None
+    invalid_reason: str | None = None
+    reward: float | None = None
+    policy_version: int | None = None
+    llm_calls: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    attempts_failed: int = 0
+    rollbacks: int = 0
+    timelines: int = 0
+    survivors: int = 0
+    forks: int = 0
+    drifted_messages: int = 0
+    negatives: int = 0
+    tokens: int = 0
+    started_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    run_id: str
+    group_id: str
+    episode_id: str
+    agent: str
+    kind: str  # "positive" | "negative"
+    timeline_index: int
+    reward: float | None
+    policy_version: int | None
+    prompt_length: int
+    token_ids: np.ndarray  # (num_tokens,) int32
+    loss_mask: np.ndarray  # (num_tokens,) 0/1
+    logprobs: np.ndarray  # (num_tokens,) float32, 0 where not sampled
+    num_drifted: int = 0
+    failed_at: dt.datetime | None = None
+    failure_version: int | None = None
+    position_key: str | None = None
+    retry_index: int | None = None
+    error_types: Sequence[str] | None = None
+    error_messages: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class ForkRow:
+    episode_id: str
+    agent: str
+    timeline: int
+    other: int
+    message_index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailureRow:
+    run_id: str
+    group_id: str
+    episode_id: str
+    agent: str
+    source: str  # "tool" | "attempt"
+    stream_version: int
+    policy_version: int | None = None
+    tool_name: str | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    position_key: str | None = None
+    retry_index: int | None = None
+    recovered: bool = False
+    occurred_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeProjection:
+    """Everything one replayed episode writes."""
+
+    run: RunRow
+    episode: EpisodeRow
+    samples: list[SampleRow] = field(default_factory=list)
+    forks: list[ForkRow] = field(default_factory=list)
+    failures: list[FailureRow] = field(default_factory=list)
+
+
+def _sample_values(s: SampleRow) -> tuple[Any, ...]:
+    ids = np.ascontiguousarray(s.token_ids, dtype="<i4")
+    mask = np.ascontiguousarray(s.loss_mask, dtype=np.uint8)
+    logp = np.ascontiguousarray(s.logprobs, dtype="<f4")
+    if not (len(ids) == len(mask) == len(logp)):
+        raise ValueError(
+            f"sample of {s.episode_id} has {len(ids)} ids, {len(mask)} mask entries and "
+            f"{len(logp)} logprobs; they must be equal"
+        )
+    return (
+        s.run_id, s.group_id, s.episode_id, s.agent, s.kind, s.timeline_index, s.reward,
+        s.policy_version, s.prompt_length, len(ids), int(mask.sum()), s.num_drifted,
+        ids.tobytes(), mask.tobytes(), logp.tobytes(), s.failed_at, s.failure_version,
+        s.position_key, s.retry_index,
+        list(s.error_types) if s.error_types is not None else None,
+        list(s.error_messages) if s.error_messages is not None else None,
+    )
+
+
+_SAMPLE_COLUMNS = (
+    "run_id, group_id, episode_id, agent, kind, timeline_index, reward, policy_version,"
+    " prompt_length, num_tokens, num_trainable, num_drifted, token_ids, loss_mask, logprobs,"
+    " failed_at, failure_version, position_key, retry_index, error_types, error_messages"
+)
+
+
+class Projections:
+    """Reads and writes the projection tables of one store."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self.db = store.db
+
+    def projected_version(self, episode_id: str) -> int | None:
+        """The stream version an episode was replayed at (None: never)."""
+        with self.db.connection() as conn:
+            row = conn.execute(
+                "SELECT projected_version FROM episodes WHERE episode_id = %s", (episode_id,)
+            ).fetchone()
+        return None if row is None else row[0]
+
+    def write(
+        self,
+        projection: EpisodeProjection,
+        *,
+        before_commit: Callable[[], None] | None = None,
+    ) -> bool:
+        """Write one episode's projection and its checkpoint in one transaction.
+
+        Returns False (and writes nothing) when the episode is already projected at this
+        stream version or a later one. Rows of an earlier projection of the episode are
+        replaced; samples already leased or consumed keep that state. ``before_commit`` runs
+        inside the transaction after every row is written (fault-injection tests use it).
+        """
+        ep = projection.episode
+        with self.db.transaction() as conn:
+            # Replays of one episode take turns, so that the check below holds until commit.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 1))",
+                         (ep.episode_id,))
+            row = conn.execute(
+                "SELECT projected_version FROM episodes WHERE episode_id = %s",
+                (ep.episode_id,),
+            ).fetchone()
+            if row is not None and row[0] >= ep.projected_version:
+                return False
+            run = projection.run
+            conn.execute(
+                "INSERT INTO runs (run_id, project, group_size, max_negatives_per_group,"
+                " save_negative_samples, config, created_at) VALUES (%s,%s,%s,%s,%s,%s,%s)"
+                " ON CONFLICT (run_id) DO NOTHING",
+                (run.run_id, run.project, run.group_size, run.max_negatives_per_group,
+                 run.save_negative_samples, Jsonb(run.config), run.created_at),
+            )
+            kept: dict[tuple[str, int], tuple[Any, ...]] = {}
+            if row is not None:
+                for key_kind, key_index, status, lease, until, consumed in conn.execute(
+                    "SELECT kind, timeline_index, status, lease_id, leased_until,"
+                    " consumed_version FROM samples WHERE episode_id = %s"
+                    " AND status <> 'ready'",
+                    (ep.episode_id,),
+                ):
+                    kept[(key_kind, key_index)] = (status, lease, until, consumed)
+                conn.execute("DELETE FROM episodes WHERE episode_id = %s", (ep.episode_id,))
+            values = asdict(ep)
+            cols = ", ".join(values)
+            conn.execute(
+                f"INSERT INTO episodes ({cols}) VALUES ({', '.join(['%s'] * len(values))})",
+                tuple(values.values()),
+            )
+            if projection.samples:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        f"INSERT INTO samples ({_SAMPLE_COLUMNS}) VALUES"
+                        f" ({', '.join(['%s'] * 21)})",
+                        [_sample_values(s) for s in projection.samples],
+                    )
+            for (kind, index), (status, lease, until, consumed) in kept.items():
+                conn.execute(
+                    "UPDATE samples SET status = %s, lease_id = %s, leased_until = %s,"
+                    " consumed_version = %s WHERE episode_id = %s AND kind = %s"
+                    " AND timeline_index = %s",
+                    (status, lease, until, consumed, ep.episode_id, kind, index),
+                )
+            if projection.forks:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
+                        " message_index, reason) VALUES (%s,%s,%s,%s,%s,%s)",
+                        [(f.episode_id, f.agent, f.timeline, f.other, f.message_index,
+                          f.reason) for f in projection.forks],
+                    )
+            if projection.failures:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO failures (run_id, group_id, episode_id, agent,"
+                        " policy_version, source, stream_version, tool_name, error_type,"
+                        " error_message, position_key, retry_index, recovered, occurred_at)"
+                        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                        [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
+                          f.source, f.stream_version, f.tool_name, f.error_type,
+                          f.error_message, f.position_key, f.retry_index, f.recovered,
+                          f.occurred_at) for f in projection.failures],
+                    )
+            if before_commit is not None:
+                before_commit()
+        return True
+
+    def finished_unprojected(self, limit: int = 100) -> list[str]:
+        """Episodes whose ``episode_finished`` is stored but whose projection is missing or
+        older than it (a lost replay message, a broker that was down)."""
+        with self.db.connection() as conn:
+            rows = conn.execute(
+                """
+                SELECT f.stream_id FROM events f
+                LEFT JOIN episodes p ON p.episode_id = f.stream_id
+                WHERE f.type = 'episode_finished'
+                  AND (p.episode_id IS NULL OR p.projected_version < f.stream_version)
+                ORDER BY f.position
+                LIMIT %s
+                """,
+                (limit,),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def checkpoint(self, name: str) -> LogPosition | None:
+        """Where the subscriber ``name`` has got to in the log."""
+        with self.db.connection() as conn:
+            row = conn.execute(
+                "SELECT tx_id, position FROM projection_checkpoints WHERE name = %s", (name,)
+            ).fetchone()
+        return None if row is None else LogPosition(row[0], row[1])
+
+    def save_checkpoint(self, name: str, position: LogPosition) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(
+                "INSERT INTO projection_checkpoints (name, tx_id, position) VALUES (%s,%s,%s)"
+                " ON CONFLICT (name) DO UPDATE SET tx_id = excluded.tx_id,"
+                " position = excluded.position, updated_at = now()",
+                (name, position.tx_id, position.position),
+            )
+
+    def rebuild(self) -> int:
+        """Empty every projection (keeping sample lease state aside) so that replaying the
+        log rebuilds them. Returns the number of samples whose state was kept."""
+        with self.db.transaction() as conn:
+            conn.execute("LOCK TABLE episodes, samples IN ACCESS EXCLUSIVE MODE")
+            conn.execute("CREATE TABLE IF NOT EXISTS sample_state_kept (episode_id text,"
+                         " kind text, timeline_index int, status text, lease_id uuid,"
+                         " leased_until timestamptz, consumed_version int,"
+                         " PRIMARY KEY (episode_id, kind, timeline_index))")
+            kept = conn.execute(
+                "INSERT INTO sample_state_kept SELECT episode_id, kind, timeline_index, status,"
+                " lease_id, leased_until, consumed_version FROM samples WHERE status <> 'ready'"
+                " ON CONFLICT DO NOTHING"
+            ).rowcount
+            conn.execute("TRUNCATE failures, timeline_forks, samples, episodes, runs,"
+                         " projection_checkpoints")
+        return kept
+
+    def restore_kept_state(self) -> int:
+        """After a rebuild's replays: give samples back the lease state they had."""
+        with self.db.transaction() as conn:
+            exists = conn.execute("SELECT to_regclass('sample_state_kept')").fetchone()[0]
+            if exists is None:
+                return 0
+            n = conn.execute(
+                "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
+                " leased_until = k.leased_until, consumed_version = k.consumed_version"
+                " FROM sample_state_kept k WHERE s.episode_id = k.episode_id"
+                " AND s.kind = k.kind AND s.timeline_index = k.timeline_index"
+            ).rowcount
+            conn.execute("DROP TABLE sample_state_kept")
+        return n

@@ -1,0 +1,69 @@
+"""The Celery application: broker from settings (Redis; the embedded one by default).
+
+Queues: ``replay`` (replay and the sweep), ``rollout``, ``train``. Tasks acknowledge late
+and prefetch one at a time, so a task whose worker dies is delivered again (tasks are
+idempotent); the broker's visibility timeout (``TRAJSTORE_VISIBILITY_TIMEOUT_S``) must stay
+longer than the longest task. No result backend: tasks never wait on each other's results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from store.settings import get_settings
+
+__all__ = ["app", "QUEUES", "configure", "ensure_configured"]
+
+QUEUES = ("replay", "rollout", "train")
+
+app = Celery("trajstore", include=["workers.tasks"])
+_configured = False
+
+
+def configure(celery: Celery, settings: Any = None) -> None:
+    """Point ``celery`` at the broker the settings name (starting the embedded Redis when
+    they name none) and set the delivery guarantees described above."""
+    from store import embedded
+
+    global _configured
+    settings = settings or get_settings()
+    url = embedded.redis_url(settings)
+    # Forget connections to a broker configured earlier: the connection pool and the
+    # producer pool are cached on first use.
+    celery.close()
+    celery.amqp._producer_pool = None
+    celery.conf.update(
+        broker_url=url,
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue="replay",
+        task_routes={
+            "trajstore.replay_episode": {"queue": "replay"},
+            "trajstore.sweep": {"queue": "replay"},
+            "trajstore.rollout_group": {"queue": "rollout"},
+            "trajstore.train_step": {"queue": "train"},
+        },
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "global_keyprefix": settings.redis_key_prefix,
+        },
+        broker_connection_retry_on_startup=True,
+        beat_schedule={
+            "sweep": {"task": "trajstore.sweep", "schedule": settings.sweep_interval_s},
+        },
+        worker_hijack_root_logger=False,
+    )
+    if celery is app:
+        _configured = True
+
+
+def ensure_configured() -> Celery:
+    """The application, configured from the process settings unless ``configure`` ran."""
+    if not _configured:
+        configure(app)
+    return app

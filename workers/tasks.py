@@ -1,0 +1,50 @@
+"""Celery tasks: thin shells that take ids, set the retry policy and call a function."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from store.errors import TransientError
+from store.eventlog import EventStore
+from store.settings import get_settings
+from workers.app import app
+
+__all__ = ["replay_episode", "sweep", "worker_store"]
+
+_store: EventStore | None = None
+_lock = threading.Lock()
+
+
+def worker_store() -> EventStore:
+    """The worker process's store, opened on first use (after the pool forks)."""
+    global _store
+    with _lock:
+        if _store is None:
+            _store = EventStore.open(get_settings())
+        return _store
+
+
+def _fault_delay() -> Any:
+    delay = get_settings().fault_replay_delay_s
+    return (lambda: time.sleep(delay)) if delay > 0 else None
+
+
+@app.task(name="trajstore.replay_episode", acks_late=True, autoretry_for=(TransientError,),
+          retry_backoff=True, retry_backoff_max=60, max_retries=20)
+def replay_episode(episode_id: str) -> str:
+    """Project one finished episode (idempotent: a redelivery does nothing)."""
+    from workers.replay.project import project_episode
+
+    return project_episode(worker_store(), episode_id, before_commit=_fault_delay()).outcome
+
+
+@app.task(name="trajstore.sweep", acks_late=True, autoretry_for=(TransientError,),
+          retry_backoff=True, max_retries=5)
+def sweep(limit: int = 200) -> int:
+    """Project finished episodes that have no projection (a lost message, a broker outage).
+    Returns how many it wrote."""
+    from workers.replay.sweep import sweep_unprojected
+
+    return sweep_unprojected(worker_store(), limit=limit)
