@@ -1,7 +1,7 @@
 """Training: GRPO/EGPO advantages, the PPO policy loss, and chunked log-probs and entropies.
 
-The pure-math modules need only torch (and numpy) and can be imported on their own by other
-trainers, verl included:
+The pure-math modules need only torch (not numpy, no database, no transformers) and can be
+imported on their own by other trainers, verl included:
 
 - :mod:`workers.trainer.egpo`: ``grpo_advantages``, ``egpo_advantages``, ``cot_mask``
 - :mod:`workers.trainer.losses`: ``ppo_policy_loss``, ``agg_loss``, ``kl_penalty`` and the

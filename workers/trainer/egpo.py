@@ -16,7 +16,7 @@ Two published forms are registered in :data:`EGPO_VARIANTS`:
 Both keep the sign of every nonzero advantage and give zero advantages no bonus; a response with
 no CoT tokens gets no bonus.
 
-This module needs only torch and numpy, so other trainers (verl included) can import it alone.
+This module needs only torch, so other trainers (verl included) can import it alone.
 """
 
 from __future__ import annotations

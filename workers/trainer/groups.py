@@ -8,9 +8,10 @@ with no Python loop over samples or groups.
 
 from __future__ import annotations
 
+import array
+import operator
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 __all__ = ["group_codes", "group_mean_std"]
@@ -32,6 +33,8 @@ def group_codes(index: object, *, size: int, device: torch.device | None = None)
             "index must be a sequence of group ids, one per response, "
             f"got a single {type(index).__name__}"
         )
+    if _is_numeric_array(index):
+        index = torch.as_tensor(index)
     if isinstance(index, torch.Tensor):
         if index.dim() != 1:
             raise ValueError(f"index must be one-dimensional, got shape {tuple(index.shape)}")
@@ -40,15 +43,10 @@ def group_codes(index: object, *, size: int, device: torch.device | None = None)
             raise ValueError("index holds NaN group ids; NaN never equals itself")
         _, codes = torch.unique(index, return_inverse=True)
         return codes.to(device=device if device is not None else index.device, dtype=torch.long)
-    if isinstance(index, np.ndarray):
-        if index.ndim != 1:
-            raise ValueError(f"index must be one-dimensional, got shape {index.shape}")
-        _check_length(len(index), size)
-        if index.dtype != object:
-            if np.issubdtype(index.dtype, np.floating) and bool(np.isnan(index).any()):
-                raise ValueError("index holds NaN group ids; NaN never equals itself")
-            _, inverse = np.unique(index, return_inverse=True)
-            return torch.from_numpy(inverse.reshape(-1).astype(np.int64)).to(device=device)
+    if hasattr(index, "__array__") and hasattr(index, "tolist"):  # a numpy array of objects/str
+        shape = tuple(getattr(index, "shape", ()))
+        if len(shape) != 1:
+            raise ValueError(f"index must be one-dimensional, got shape {shape}")
         items: list[object] = index.tolist()
     elif isinstance(index, Sequence):
         items = list(index)
@@ -59,16 +57,24 @@ def group_codes(index: object, *, size: int, device: torch.device | None = None)
         )
     _check_length(len(items), size)
     try:
-        # dict.fromkeys keeps first-appearance order; both passes run inside the interpreter's C
-        # code (no per-sample bytecode), which beats sorting strings with np.unique.
+        # dict.fromkeys keeps first-appearance order; it and the maps below run inside the
+        # interpreter's C code (no per-sample or per-group bytecode).
         uniques = dict.fromkeys(items)
     except TypeError as exc:
         raise TypeError(f"index holds an unhashable group id: {exc}") from None
-    if any(isinstance(u, float) and u != u for u in uniques):
+    if not all(map(operator.eq, uniques, uniques)):
         raise ValueError("index holds NaN group ids; NaN never equals itself")
     lookup = dict(zip(uniques, range(len(uniques)), strict=True))
-    codes = np.fromiter(map(lookup.__getitem__, items), dtype=np.int64, count=len(items))
-    return torch.from_numpy(codes).to(device=device)
+    if not items:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    codes = array.array("q", map(lookup.__getitem__, items))  # int64, filled in C
+    return torch.frombuffer(codes, dtype=torch.int64).to(device=device)
+
+
+def _is_numeric_array(index: object) -> bool:
+    """A numpy array (or any array-like with a numpy dtype) of bools, ints or floats."""
+    kind = getattr(getattr(index, "dtype", None), "kind", None)
+    return hasattr(index, "__array__") and kind in ("b", "i", "u", "f")
 
 
 def _check_length(length: int, size: int) -> None:
