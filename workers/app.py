@@ -18,7 +18,7 @@ __all__ = ["app", "QUEUES", "configure", "ensure_configured"]
 
 QUEUES = ("replay", "rollout", "train")
 
-app = Celery("trajstore", include=["workers.tasks"])
+app = Celery("trajstore", include=["workers.tasks", "workers.rollout.tasks"])
 _configured = False
 
 
