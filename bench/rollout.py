@@ -28,11 +28,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workers.rollout.agent_tasks import arithmetic_tasks  # noqa: E402
 from workers.rollout.backend import GenerationRequest, SamplingParams  # noqa: E402
 from workers.rollout.builtin_tools import default_tool_registry  # noqa: E402
 from workers.rollout.loop import run_episode  # noqa: E402
 from workers.rollout.sink import ListSink  # noqa: E402
-from workers.rollout.tasks import arithmetic_tasks  # noqa: E402
 from workers.rollout.tinymodel import tiny_model_path  # noqa: E402
 
 __all__ = ["main"]

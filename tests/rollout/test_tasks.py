@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from workers.rollout.builtin_tools import default_tool_registry
-from workers.rollout.calculator import evaluate_expression, format_number
-from workers.rollout.rewards import Transcript
-from workers.rollout.tasks import (
+from workers.rollout.agent_tasks import (
     Task,
     TaskFormatError,
     arithmetic_tasks,
     function_call_tasks,
     load_tasks,
 )
+from workers.rollout.builtin_tools import default_tool_registry
+from workers.rollout.calculator import evaluate_expression, format_number
+from workers.rollout.rewards import Transcript
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {

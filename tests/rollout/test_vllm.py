@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
+from workers.rollout.agent_tasks import arithmetic_tasks
 from workers.rollout.backend import GenerationRequest, SamplingParams
 from workers.rollout.backend_openai import OpenAIServerBackend, ServerResponseError
 from workers.rollout.backend_transformers import TransformersBackend
@@ -25,7 +26,6 @@ from workers.rollout.backend_vllm import VLLMBackend, cpu_engine_environment, vl
 from workers.rollout.calculator import Calculator
 from workers.rollout.loop import run_episode
 from workers.rollout.sink import ListSink
-from workers.rollout.tasks import arithmetic_tasks
 from workers.rollout.tools import ToolRegistry
 
 pytestmark = [

@@ -6,6 +6,13 @@ from their own modules: :mod:`workers.rollout.backend_transformers`,
 :mod:`workers.rollout.backend_openai`; the tiny test model from :mod:`workers.rollout.tinymodel`.
 """
 
+from workers.rollout.agent_tasks import (
+    Task,
+    TaskFormatError,
+    arithmetic_tasks,
+    function_call_tasks,
+    load_tasks,
+)
 from workers.rollout.backend import (
     GenerationBackend,
     GenerationRequest,
@@ -19,13 +26,6 @@ from workers.rollout.loop import EpisodeResult, run_episode
 from workers.rollout.rewards import Reward, Transcript, get_reward, register_reward
 from workers.rollout.sandbox import PythonSandbox, PythonTool
 from workers.rollout.sink import EventSink, ListSink
-from workers.rollout.tasks import (
-    Task,
-    TaskFormatError,
-    arithmetic_tasks,
-    function_call_tasks,
-    load_tasks,
-)
 from workers.rollout.toolcall import TOOL_CALL_FORMAT_ERROR, parse_response
 from workers.rollout.tools import Tool, ToolOutcome, ToolRegistry
 

@@ -67,6 +67,7 @@ from store.events import (
     RunConfig,
     ToolReturned,
 )
+from workers.rollout.agent_tasks import Task
 from workers.rollout.backend import (
     GenerationBackend,
     GenerationRequest,
@@ -77,7 +78,6 @@ from workers.rollout.backend import (
 from workers.rollout.rewards import Reward, Transcript
 from workers.rollout.rollback import format_error_feedback, matches_rollback, rollback_config
 from workers.rollout.sink import EventSink
-from workers.rollout.tasks import Task
 from workers.rollout.toolcall import ParsedResponse, parse_response
 from workers.rollout.tools import TOOL_NOT_FOUND_ERROR, ToolOutcome, ToolRegistry
 
