@@ -1,0 +1,339 @@
+"""Leasing complete GRPO groups to trainers.
+
+A lease holds whole groups only: every one of the run's ``group_size`` episodes of the group
+projected, with their positive samples and the group's negatives up to the run's cap
+(earliest failure first; the rest are marked ``skipped``). Samples are locked with
+``SELECT … FOR UPDATE SKIP LOCKED`` and a group is taken only when every one of its ready
+samples was locked here, so two trainers never get the same sample. A lease that is neither
+acknowledged nor released before it expires gives its samples back (``expire``, run by every
+``lease_batch``), so a trainer that dies loses nothing; ``ack`` after that raises
+``LeaseExpired`` rather than letting the samples count twice.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from psycopg.rows import dict_row
+
+from store import errors
+from store.eventlog import EventStore, run_stream_id
+
+__all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing"]
+
+
+class LeaseExpired(errors.StoreError):
+    """The lease ended (expired or released) before this call; its samples went back."""
+
+
+@dataclass(frozen=True)
+class LeasedSample:
+    """One sample of a lease. Arrays have one entry per token, shape ``(num_tokens,)``."""
+
+    sample_id: int
+    run_id: str
+    group_id: str
+    episode_id: str
+    agent: str
+    kind: str
+    reward: float
+    policy_version: int | None
+    prompt_length: int
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+
+    @property
+    def is_negative(self) -> bool:
+        return self.kind == "negative"
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        """Tokens before the first trainable one, shape ``(prompt_length,)``."""
+        return self.token_ids[: self.prompt_length]
+
+    @property
+    def response_ids(self) -> np.ndarray:
+        """Tokens from the first trainable one on, shape ``(response_length,)``."""
+        return self.token_ids[self.prompt_length :]
+
+    @property
+    def response_mask(self) -> np.ndarray:
+        """1 where a response token is trained (sampled by the model), shape
+        ``(response_length,)``."""
+        return self.loss_mask[self.prompt_length :]
+
+    @property
+    def rollout_logprobs(self) -> np.ndarray:
+        """The engine's logprobs of the response tokens (0 where not sampled)."""
+        return self.logprobs[self.prompt_length :]
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: uuid.UUID
+    run_id: str
+    groups: list[str]
+    expires_at: dt.datetime
+    samples: list[LeasedSample] = field(default_factory=list)
+    skipped_stale: int = 0
+
+
+def _sample(row: dict[str, Any]) -> LeasedSample:
+    return LeasedSample(
+        sample_id=row["sample_id"], run_id=row["run_id"], group_id=row["group_id"],
+        episode_id=row["episode_id"], agent=row["agent"], kind=row["kind"],
+        reward=float(row["reward"]) if row["reward"] is not None else 0.0,
+        policy_version=row["policy_version"], prompt_length=row["prompt_length"],
+        token_ids=np.frombuffer(row["token_ids"], dtype="<i4").astype(np.int32),
+        loss_mask=np.frombuffer(row["loss_mask"], dtype=np.uint8).copy(),
+        logprobs=np.frombuffer(row["logprobs"], dtype="<f4").astype(np.float32),
+    )
+
+
+class Leasing:
+    """Leases, acknowledgements and expiry over one store's ``samples`` table."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.db = store.db
+
+    def current_policy_version(self, run_id: str) -> int:
+        """The newest ``policy_updated`` version of the run (0 when it has none)."""
+        with self.db.connection() as conn:
+            return conn.execute(
+                "SELECT coalesce(max((data->>'version')::int), 0) FROM events"
+                " WHERE stream_id = %s AND type = 'policy_updated'",
+                (run_stream_id(run_id),),
+            ).fetchone()[0]
+
+    def expire(self) -> int:
+        """Give the samples of every lease past its expiry back to ``ready``; returns how
+        many samples went back."""
+        with self.db.transaction() as conn:
+            return conn.execute(
+                """
+                WITH gone AS (
+                    UPDATE leases SET ended = 'expired', ended_at = now()
+                    WHERE ended IS NULL AND expires_at < now()
+                    RETURNING lease_id
+                )
+                UPDATE samples SET status = 'ready', lease_id = NULL, leased_until = NULL
+                WHERE status = 'leased' AND lease_id IN (SELECT lease_id FROM gone)
+                """
+            ).rowcount
+
+    def lease_batch(
+        self,
+        run_id: str,
+        *,
+        groups: int,
+        lease_seconds: float,
+        max_staleness: int | None = None,
+        current_version: int | None = None,
+        trainer: str | None = None,
+    ) -> Lease | None:
+        """Lease up to ``groups`` complete groups of ``run_id`` for ``lease_seconds``.
+
+        Returns None when no complete group is ready. With ``max_staleness`` set, groups whose
+        oldest sample was generated more than that many policy versions before
+        ``current_version`` (default: the run's newest) are marked ``stale``, never leased,
+        and counted in ``skipped_stale``. Raises ``ValidationError`` for non-positive
+        ``groups`` or ``lease_seconds`` or a negative ``max_staleness``.
+        """
+        if groups < 1:
+            raise errors.ValidationError(f"groups must be >= 1, got {groups}", field="groups")
+        if not lease_seconds > 0:
+            raise errors.ValidationError(f"lease_seconds must be > 0, got {lease_seconds}",
+                                         field="lease_seconds")
+        if max_staleness is not None and max_staleness < 0:
+            raise errors.ValidationError(f"max_staleness must be >= 0, got {max_staleness}",
+                                         field="max_staleness")
+        self.expire()
+        if max_staleness is not None and current_version is None:
+            current_version = self.current_policy_version(run_id)
+        lease_id = uuid.uuid4()
+        with self.db.transaction() as conn:
+            run = conn.execute(
+                "SELECT group_size, max_negatives_per_group FROM runs WHERE run_id = %s",
+                (run_id,),
+            ).fetchone()
+            if run is None:
+                return None
+            group_size, max_negatives = run
+            # Complete groups with ready samples, oldest finished first.
+            candidates = conn.execute(
+                """
+                WITH ready AS (
+                    SELECT DISTINCT group_id FROM samples
+                    WHERE run_id = %(run)s AND status = 'ready'
+                )
+                SELECT e.group_id, min(e.policy_version), max(e.finished_at)
+                FROM episodes e JOIN ready USING (group_id)
+                WHERE e.run_id = %(run)s
+                GROUP BY e.group_id
+                HAVING count(*) >= %(n)s
+                ORDER BY 3, 1
+                LIMIT %(limit)s
+                """,
+                {"run": run_id, "n": group_size, "limit": max(4 * groups, 32)},
+            ).fetchall()
+            stale_groups = []
+            fresh = []
+            for group_id, version, _ in candidates:
+                if (max_staleness is not None and version is not None
+                        and version < current_version - max_staleness):  # type: ignore[operator]
+                    stale_groups.append(group_id)
+                else:
+                    fresh.append(group_id)
+            skipped_stale = 0
+            if stale_groups:
+                skipped_stale = conn.execute(
+                    "UPDATE samples SET status = 'stale' WHERE run_id = %s"
+                    " AND group_id = ANY(%s) AND status = 'ready'",
+                    (run_id, stale_groups),
+                ).rowcount
+            if not fresh:
+                return Lease(lease_id, run_id, [], dt.datetime.now(dt.UTC),
+                             skipped_stale=skipped_stale) if skipped_stale else None
+            # Lock what no other trainer holds; SKIP LOCKED never waits on another lease.
+            locked = conn.execute(
+                """
+                SELECT sample_id, group_id, kind, failed_at, episode_id, failure_version
+                FROM samples
+                WHERE run_id = %s AND group_id = ANY(%s) AND status = 'ready'
+                ORDER BY group_id, sample_id
+                FOR UPDATE SKIP LOCKED
+                """,
+                (run_id, fresh),
+            ).fetchall()
+            # A statement that starts after the locks were granted: every ready sample of a
+            # group we may take. A group is ours only if we locked all of them.
+            ready_counts = dict(conn.execute(
+                "SELECT group_id, count(*) FROM samples WHERE run_id = %s"
+                " AND group_id = ANY(%s) AND status = 'ready' GROUP BY group_id",
+                (run_id, fresh),
+            ).fetchall())
+            by_group: dict[str, list[tuple[Any, ...]]] = {}
+            for row in locked:
+                by_group.setdefault(row[1], []).append(row)
+            taken: list[str] = []
+            leased_ids: list[int] = []
+            skipped_ids: list[int] = []
+            for group_id in fresh:
+                rows = by_group.get(group_id, [])
+                if not rows or len(rows) != ready_counts.get(group_id, -1):
+                    continue
+                positives = [r[0] for r in rows if r[2] == "positive"]
+                negatives = sorted(
+                    (r for r in rows if r[2] == "negative"),
+                    key=lambda r: (r[3] or dt.datetime.min.replace(tzinfo=dt.UTC), r[4],
+                                   r[5] or 0),
+                )
+                leased_ids += positives + [r[0] for r in negatives[:max_negatives]]
+                skipped_ids += [r[0] for r in negatives[max_negatives:]]
+                taken.append(group_id)
+                if len(taken) == groups:
+                    break
+            if not taken:
+                return Lease(lease_id, run_id, [], dt.datetime.now(dt.UTC),
+                             skipped_stale=skipped_stale) if skipped_stale else None
+            expires_at = conn.execute(
+                "SELECT now() + make_interval(secs => %s)", (lease_seconds,)
+            ).fetchone()[0]
+            if skipped_ids:
+                conn.execute("UPDATE samples SET status = 'skipped' WHERE sample_id = ANY(%s)",
+                             (skipped_ids,))
+            conn.execute(
+                "UPDATE samples SET status = 'leased', lease_id = %s, leased_until = %s"
+                " WHERE sample_id = ANY(%s)",
+                (lease_id, expires_at, leased_ids),
+            )
+            conn.execute(
+                "INSERT INTO leases (lease_id, run_id, trainer, groups, samples, expires_at)"
+                " VALUES (%s, %s, %s, %s, %s, %s)",
+                (lease_id, run_id, trainer, taken, len(leased_ids), expires_at),
+            )
+            rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+                "SELECT sample_id, run_id, group_id, episode_id, agent, kind, reward,"
+                " policy_version, prompt_length, token_ids, loss_mask, logprobs FROM samples"
+                " WHERE lease_id = %s ORDER BY group_id, kind DESC, episode_id, timeline_index",
+                (lease_id,),
+            ).fetchall()
+        return Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in rows],
+                     skipped_stale=skipped_stale)
+
+    def _end(self, conn: Any, lease_id: uuid.UUID, how: str) -> tuple[Any, ...]:
+        row = conn.execute(
+            "SELECT ended, samples FROM leases WHERE lease_id = %s FOR UPDATE", (lease_id,)
+        ).fetchone()
+        if row is None:
+            raise errors.NotFoundError(f"no lease {lease_id}")
+        if row[0] is not None and row[0] != how:
+            raise LeaseExpired(f"lease {lease_id} already ended: {row[0]}")
+        return row
+
+    def ack(self, lease_id: uuid.UUID, *, policy_version: int) -> int:
+        """Mark the lease's samples consumed by ``policy_version``. Acknowledging twice is
+        harmless (returns the same count). Raises ``LeaseExpired`` when the lease expired or
+        was released first, ``NotFoundError`` for an unknown lease."""
+        with self.db.transaction() as conn:
+            ended, count = self._end(conn, lease_id, "acked")
+            if ended == "acked":
+                return count
+            n = conn.execute(
+                "UPDATE samples SET status = 'consumed', consumed_version = %s,"
+                " leased_until = NULL WHERE lease_id = %s AND status = 'leased'",
+                (policy_version, lease_id),
+            ).rowcount
+            conn.execute(
+                "UPDATE leases SET ended = 'acked', ended_at = now(), policy_version = %s"
+                " WHERE lease_id = %s",
+                (policy_version, lease_id),
+            )
+        return n
+
+    def release(self, lease_id: uuid.UUID) -> int:
+        """Give the lease's samples back to ``ready`` untrained. Releasing twice is harmless;
+        raises ``LeaseExpired`` when the lease was acknowledged or expired first."""
+        with self.db.transaction() as conn:
+            ended, _ = self._end(conn, lease_id, "released")
+            if ended == "released":
+                return 0
+            n = conn.execute(
+                "UPDATE samples SET status = 'ready', lease_id = NULL, leased_until = NULL"
+                " WHERE lease_id = %s AND status = 'leased'",
+                (lease_id,),
+            ).rowcount
+            conn.execute(
+                "UPDATE leases SET ended = 'released', ended_at = now() WHERE lease_id = %s",
+                (lease_id,),
+            )
+        return n
+
+    def renew(self, lease_id: uuid.UUID, lease_seconds: float) -> dt.datetime:
+        """Extend a live lease to ``lease_seconds`` from now; ``LeaseExpired`` when it ended."""
+        with self.db.transaction() as conn:
+            ended, _ = self._end(conn, lease_id, "")
+            expires_at = conn.execute(
+                "UPDATE leases SET expires_at = now() + make_interval(secs => %s)"
+                " WHERE lease_id = %s RETURNING expires_at",
+                (lease_seconds, lease_id),
+            ).fetchone()[0]
+            conn.execute("UPDATE samples SET leased_until = %s WHERE lease_id = %s"
+                         " AND status = 'leased'", (expires_at, lease_id))
+        return expires_at
+
+    def stats(self, run_id: str) -> dict[str, int]:
+        """Samples of the run by status (every status present, zero when none)."""
+        with self.db.connection() as conn:
+            rows = conn.execute(
+                "SELECT status, count(*) FROM samples WHERE run_id = %s GROUP BY status",
+                (run_id,),
+            ).fetchall()
+        out = dict.fromkeys(("ready", "leased", "consumed", "stale", "skipped"), 0)
+        out.update({status: n for status, n in rows})
+        return out
