@@ -6,6 +6,7 @@ that ``trajstore status`` never pays for torch.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import sys
@@ -255,6 +256,21 @@ def replay(
                          else ""))
     finally:
         store.close()
+
+
+def _register_extensions() -> None:
+    """Commands that other packages contribute (each module has ``register(app)``)."""
+    for module in ("api.cli", "workers.trainer.cli"):
+        try:
+            extension = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:  # that package has no commands (yet)
+                continue
+            raise
+        extension.register(app)
+
+
+_register_extensions()
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m store.cli`
