@@ -109,6 +109,61 @@ class Settings(BaseSettings):
     def embedded_redis_path(self) -> Path:
         return self.data_dir / "redis" / "redis.db"
 
+    # API
+    api_max_request_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body the API accepts; bigger ones get 413 unread.",
+    )
+    api_page_size: int = Field(default=100, ge=1, description="Default page of list queries.")
+    api_max_page_size: int = Field(default=1000, ge=1, description="Largest page asked for.")
+    api_export_rows_per_group: int = Field(
+        default=256, ge=1, description="Samples per Parquet row group of a streamed export."
+    )
+    api_key_scrypt_n: int = Field(
+        default=2**14, ge=2, description="scrypt cost N of new API key hashes (a power of 2)."
+    )
+    api_key_scrypt_r: int = Field(default=8, ge=1, description="scrypt block size r.")
+    api_key_scrypt_p: int = Field(default=1, ge=1, description="scrypt parallelism p.")
+    gateway_upstream_url: str | None = Field(
+        default=None,
+        description="OpenAI-compatible server (vLLM) the capture gateway forwards to, "
+        "e.g. http://gpu-node:8000 (no /v1). Unset: the in-process engine.",
+    )
+    gateway_upstream_api_key: str | None = Field(
+        default=None, description="Bearer key sent to the upstream server."
+    )
+    gateway_upstream_model: str | None = Field(
+        default=None, description="Model name sent upstream (unset: the caller's)."
+    )
+    gateway_timeout_s: float = Field(
+        default=600.0, gt=0, description="Seconds one upstream generation may take."
+    )
+    gateway_engine_model: str | None = Field(
+        default=None,
+        description="In-process engine: a model folder, or 'tiny' for the built-in tiny model.",
+    )
+    gateway_engine_device: str = Field(default="cpu", description="Device of the engine.")
+    gateway_model_name: str = Field(
+        default="trajstore", description="Model name the in-process engine answers with."
+    )
+    gateway_max_tokens: int = Field(
+        default=4096, ge=1, description="Largest max_tokens the gateway accepts per call."
+    )
+
+    @field_validator("gateway_upstream_url", "gateway_upstream_api_key",
+                     "gateway_upstream_model", "gateway_engine_model", mode="before")
+    @classmethod
+    def _api_empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("api_key_scrypt_n")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"api_key_scrypt_n must be a power of 2, got {value}")
+        return value
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
