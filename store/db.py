@@ -18,7 +18,7 @@ from psycopg_pool import ConnectionPool
 
 from store import errors
 
-__all__ = ["Database", "translate_errors", "connect"]
+__all__ = ["Database", "translate_errors", "connect", "scalar"]
 
 _TRANSIENT = (
     psycopg.OperationalError,
@@ -50,6 +50,14 @@ def translate_errors() -> Iterator[None]:
         ) from exc
     except psycopg.Error as exc:
         raise errors.StoreError(str(exc).strip()) from exc
+
+
+def scalar(conn: psycopg.Connection, sql: Any, params: Any = None) -> Any:
+    """The first column of the one row ``sql`` returns (for aggregates, which always do)."""
+    row = conn.execute(sql, params).fetchone()
+    if row is None:
+        raise errors.StoreError(f"expected a row from: {sql}")
+    return row[0]
 
 
 def connect(url: str, **kwargs: Any) -> psycopg.Connection:

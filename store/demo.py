@@ -65,7 +65,8 @@ def record_sample_episode(store: EventStore, *, seed: int = 0, run_id: str) -> t
         EpisodeStarted(run_id=run_id, group_id=f"{run_id}-g0", task_id=f"mul-{a}-{b}",
                        messages=messages, tools=TOOLS, sampling_params={"temperature": 1.0})
     ]
-    call = {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}
+    arguments: dict[str, Any] = {"expression": f"{a} * {b}"}
+    call: dict[str, Any] = {"name": "calculator", "arguments": arguments}
     first = (
         f"<think>I should multiply {a} by {b}.</think>"
         f"<tool_call>{json.dumps(call)}</tool_call><|im_end|>"
@@ -75,12 +76,14 @@ def record_sample_episode(store: EventStore, *, seed: int = 0, run_id: str) -> t
     for turn, text in enumerate([first, answer]):
         prompt = _ids(_render(messages))
         out = _ids(text)
-        response = {"role": "assistant", "content": text.split("</think>")[1].removesuffix(
-            "<|im_end|>")}
+        response: dict[str, Any] = {
+            "role": "assistant",
+            "content": text.split("</think>")[1].removesuffix("<|im_end|>"),
+        }
         if turn == 0:
             response = {"role": "assistant", "content": "", "tool_calls": [
                 {"id": "call-0", "type": "function",
-                 "function": {"name": "calculator", "arguments": json.dumps(call["arguments"])}}]}
+                 "function": {"name": "calculator", "arguments": json.dumps(arguments)}}]}
         events.append(LLMCalled(
             call_id=f"call-{turn}", messages=list(messages), tools=TOOLS, prompt_ids=prompt,
             response_ids=out, logprobs=-np_rng.exponential(0.3, len(out)), response=response,
@@ -89,7 +92,7 @@ def record_sample_episode(store: EventStore, *, seed: int = 0, run_id: str) -> t
         if turn == 0:
             events.append(CheckpointCreated(checkpoint_id="ckpt-0", position_key="turn_0"))
             events.append(ToolReturned(tool_call_id="call-0", name="calculator",
-                                       arguments=call["arguments"], output=str(a * b)))
+                                       arguments=arguments, output=str(a * b)))
             messages = messages + [{"role": "assistant", "content": text.removesuffix(
                 "<|im_end|>")}, {"role": "tool", "content": str(a * b)}]
     events += [

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from psycopg.rows import dict_row
 
 from store import errors
-from store.db import Database
+from store.db import Database, scalar
 from store.events import EpisodeStarted, Event, LLMCalled, RunCreated
 from store.rows import (
     ROW_COLUMNS,
@@ -241,7 +241,9 @@ class EventStore:
             stored = stored_cur.fetchall()
             if stored:
                 return self._idempotent_result(conn, stream_id, events, stored)
-            current = version_cur.fetchone()[0]
+            version_row = version_cur.fetchone()
+            assert version_row is not None  # max() always returns a row
+            current = version_row[0]
             if expected is not None and current != expected:
                 raise errors.ConflictError(stream_id, expected=expected, actual=current)
 
@@ -401,10 +403,11 @@ class EventStore:
     def stream_version(self, stream_id: str) -> int:
         """The stream's current version (0 when it does not exist)."""
         with self.db.connection() as conn:
-            return conn.execute(
+            return int(scalar(
+                conn,
                 "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = %s",
                 (stream_id,),
-            ).fetchone()[0]
+            ))
 
     def read_stream(
         self, stream_id: str, *, from_version: int = 1, to_version: int | None = None

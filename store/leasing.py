@@ -21,6 +21,7 @@ import numpy as np
 from psycopg.rows import dict_row
 
 from store import errors
+from store.db import scalar
 from store.eventlog import EventStore, run_stream_id
 
 __all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing"]
@@ -104,11 +105,12 @@ class Leasing:
     def current_policy_version(self, run_id: str) -> int:
         """The newest ``policy_updated`` version of the run (0 when it has none)."""
         with self.db.connection() as conn:
-            return conn.execute(
+            return int(scalar(
+                conn,
                 "SELECT coalesce(max((data->>'version')::int), 0) FROM events"
                 " WHERE stream_id = %s AND type = 'policy_updated'",
                 (run_stream_id(run_id),),
-            ).fetchone()[0]
+            ))
 
     def expire(self) -> int:
         """Give the samples of every lease past its expiry back to ``ready``; returns how
@@ -241,9 +243,8 @@ class Leasing:
             if not taken:
                 return Lease(lease_id, run_id, [], dt.datetime.now(dt.UTC),
                              skipped_stale=skipped_stale) if skipped_stale else None
-            expires_at = conn.execute(
-                "SELECT now() + make_interval(secs => %s)", (lease_seconds,)
-            ).fetchone()[0]
+            expires_at = scalar(conn, "SELECT now() + make_interval(secs => %s)",
+                                (lease_seconds,))
             if skipped_ids:
                 conn.execute("UPDATE samples SET status = 'skipped' WHERE sample_id = ANY(%s)",
                              (skipped_ids,))
@@ -257,13 +258,13 @@ class Leasing:
                 " VALUES (%s, %s, %s, %s, %s, %s)",
                 (lease_id, run_id, trainer, taken, len(leased_ids), expires_at),
             )
-            rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+            leased = conn.cursor(row_factory=dict_row, binary=True).execute(
                 "SELECT sample_id, run_id, group_id, episode_id, agent, kind, reward,"
                 " policy_version, prompt_length, token_ids, loss_mask, logprobs FROM samples"
                 " WHERE lease_id = %s ORDER BY group_id, kind DESC, episode_id, timeline_index",
                 (lease_id,),
             ).fetchall()
-        return Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in rows],
+        return Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in leased],
                      skipped_stale=skipped_stale)
 
     def _end(self, conn: Any, lease_id: uuid.UUID, how: str) -> tuple[Any, ...]:
@@ -318,11 +319,12 @@ class Leasing:
         """Extend a live lease to ``lease_seconds`` from now; ``LeaseExpired`` when it ended."""
         with self.db.transaction() as conn:
             ended, _ = self._end(conn, lease_id, "")
-            expires_at = conn.execute(
+            expires_at = scalar(
+                conn,
                 "UPDATE leases SET expires_at = now() + make_interval(secs => %s)"
                 " WHERE lease_id = %s RETURNING expires_at",
                 (lease_seconds, lease_id),
-            ).fetchone()[0]
+            )
             conn.execute("UPDATE samples SET leased_until = %s WHERE lease_id = %s"
                          " AND status = 'leased'", (expires_at, lease_id))
         return expires_at

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from psycopg.types.json import Jsonb
 
+from store.db import scalar
 from store.eventlog import EventStore, LogPosition
 
 __all__ = [
@@ -312,7 +313,7 @@ class Projections:
     def restore_kept_state(self) -> int:
         """After a rebuild's replays: give samples back the lease state they had."""
         with self.db.transaction() as conn:
-            exists = conn.execute("SELECT to_regclass('sample_state_kept')").fetchone()[0]
+            exists = scalar(conn, "SELECT to_regclass('sample_state_kept')")
             if exists is None:
                 return 0
             n = conn.execute(
