@@ -135,12 +135,13 @@ def build_projection(
     episode_id = events[0].stream_id
     finished = next((r for r in reversed(events) if isinstance(r.event, EpisodeFinished)),
                     None)
-    status = finished.event.status if finished else None  # type: ignore[union-attr]
+    status = finished.event.status if isinstance(finished, RecordedEvent) and isinstance(
+        finished.event, EpisodeFinished) else None
     calls = [r.event for r in events if isinstance(r.event, LLMCalled)]
     tools = [r.event for r in events if isinstance(r.event, ToolReturned)]
     policy_version = calls[-1].policy_version if calls else started.policy_version
     failures = _failures(events, started.run_id, started.group_id, status)
-    base = dict(
+    base: dict[str, Any] = dict(
         episode_id=episode_id, run_id=started.run_id, group_id=started.group_id,
         task_id=started.task_id, projected_version=events[-1].stream_version,
         policy_version=policy_version, llm_calls=len(calls), tool_calls=len(tools),
