@@ -258,6 +258,23 @@ def replay(
         store.close()
 
 
+@app.command()
+def up(
+    api: Annotated[bool, typer.Option("--api/--no-api", help="Also serve the API.")] = True,
+) -> None:
+    """Run the API, a worker per queue (replay, rollout, train) and the periodic sweep as
+    supervised subprocesses with one log stream. Ctrl-C stops everything; a child that dies
+    stops the rest and exits non-zero."""
+    from store.up import default_children, supervise
+
+    names = {c.name or (c.callback.__name__ if c.callback else "")
+             for c in app.registered_commands}
+    if api and "serve" not in names:
+        console.print("[yellow]the API is not installed; running the workers only[/yellow]")
+    children = default_children(with_api=api and "serve" in names)
+    raise typer.Exit(supervise(get_settings(), children))
+
+
 def _register_extensions() -> None:
     """Commands that other packages contribute (each module has ``register(app)``)."""
     for module in ("api.cli", "workers.trainer.cli"):

@@ -1,0 +1,127 @@
+"""``trajstore up``: the API, one worker per queue and the periodic sweep, supervised.
+
+The parent starts the embedded PostgreSQL and Redis (unless the settings name servers) and
+hands their URLs to the children, so every child uses the same ones and they stop when the
+parent does. Children's output is merged into one stream, each line prefixed with the child's
+name. Ctrl-C (SIGINT) or SIGTERM stops every child and exits 0; a child that dies on its own
+stops the rest and makes ``up`` exit with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from store import embedded, migrate
+from store.settings import Settings
+
+__all__ = ["Child", "default_children", "supervise"]
+
+
+@dataclass(frozen=True)
+class Child:
+    name: str
+    args: tuple[str, ...]
+
+
+def default_children(*, with_api: bool) -> list[Child]:
+    """What ``up`` runs: the API (when the api package is installed), a worker per queue, the
+    sweep (Celery beat inside the replay worker)."""
+    children = []
+    if with_api:
+        children.append(Child("api", ("serve",)))
+    children += [
+        Child("replay", ("worker", "--queues", "replay", "--beat")),
+        Child("rollout", ("worker", "--queues", "rollout")),
+        Child("train", ("worker", "--queues", "train")),
+    ]
+    return children
+
+
+def _child_env(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    env["TRAJSTORE_DATABASE_URL"] = embedded.database_url(settings)
+    env["TRAJSTORE_REDIS_URL"] = embedded.redis_url(settings)
+    env["TRAJSTORE_DATA_DIR"] = str(settings.data_dir)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def supervise(settings: Settings, children: Sequence[Child], *, out: IO[str] | None = None,
+              grace_s: float = 20.0) -> int:
+    """Run ``children`` (``trajstore`` subcommands) until Ctrl-C or until one dies. Returns
+    the exit status for ``up``: 0 after a requested stop, 1 when a child died."""
+    out = out or sys.stdout
+    env = _child_env(settings)
+    migrate.upgrade(env["TRAJSTORE_DATABASE_URL"])
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    selector = selectors.DefaultSelector()
+    for child in children:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "store.cli", *child.args], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        procs[child.name] = proc
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        selector.register(proc.stdout, selectors.EVENT_READ, child.name)
+    width = max(len(c.name) for c in children)
+    stop_requested = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    buffers: dict[str, bytes] = {name: b"" for name in procs}
+
+    def pump(timeout: float) -> None:
+        for key, _ in selector.select(timeout):
+            name = key.data
+            try:
+                chunk = key.fileobj.read()  # type: ignore[union-attr]
+            except (BlockingIOError, ValueError):
+                continue
+            if not chunk:
+                selector.unregister(key.fileobj)
+                continue
+            buffers[name] += chunk
+            *lines, buffers[name] = buffers[name].split(b"\n")
+            for line in lines:
+                out.write(f"{name:<{width}} | {line.decode(errors='replace')}\n")
+            out.flush()
+
+    try:
+        while not stop_requested:
+            pump(0.5)
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead:
+                for name in dead:
+                    out.write(f"{name:<{width}} | exited with status {procs[name].returncode};"
+                              " stopping the others\n")
+                status = 1
+                break
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            pump(0.2)
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        pump(0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        out.flush()
+    return status
