@@ -1,0 +1,311 @@
+"""The training step, top to bottom.
+
+One :meth:`Trainer.step`:
+
+1. lease complete groups of the run (``store.leasing``), stale ones skipped;
+2. pad the samples into ``(bs, seq)`` / ``(bs, response_length)`` tensors;
+3. recompute the old log-probs and entropies without gradients (and the reference model's
+   log-probs when a KL term is configured);
+4. place each sample's reward on its last response token;
+5. advantages: EGPO or GRPO, as the run's configuration says;
+6. PPO mini-batch epochs with gradient accumulation, one optimizer step per mini-batch;
+7. save a checkpoint (safetensors) under the data directory;
+8. append ``policy_updated`` (version, step, metrics, checkpoint) to the run's stream;
+9. push the weights to the rollout engine, when one is attached;
+10. acknowledge the lease.
+
+A failure before the acknowledgement releases the lease, so the samples go back to ready; a
+failure after the first optimizer step also marks the trainer unusable (its weights are ahead
+of its last checkpoint): open a new one, which resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from store.eventlog import ANY, EventStore, run_stream_id
+from store.events import PolicyUpdated, RunConfig
+from store.leasing import Lease, LeaseExpired, Leasing
+from workers.rollout.backend import WeightUpdatable
+from workers.tokenizers import load_tokenizer
+from workers.trainer.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageSettings,
+    choose_estimator,
+    think_token_ids,
+)
+from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
+from workers.trainer.checkpoint import (
+    checkpoint_dir,
+    load_model,
+    load_optimizer_state,
+    prune_checkpoints,
+    read_state,
+    save_checkpoint,
+)
+from workers.trainer.config import TrainerConfig
+from workers.trainer.ppo import ppo_update, score_batch
+from workers.trainer.weights import push_weights
+
+__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken"]
+
+
+class TrainerBroken(RuntimeError):
+    """A step failed after changing the weights; this trainer must be reopened."""
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Optional callbacks at two points of a step (monitoring and fault-injection tests):
+    ``after_lease(lease)`` once samples are leased, ``before_ack(lease)`` right before the
+    acknowledgement."""
+
+    after_lease: Callable[[Lease], None] | None = None
+    before_ack: Callable[[Lease], None] | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did. ``version`` is None when nothing was trained (no complete group
+    ready, or only stale ones, counted in ``skipped_stale``)."""
+
+    run_id: str
+    version: int | None
+    step: int
+    samples: int = 0
+    groups: int = 0
+    skipped_stale: int = 0
+    sample_ids: tuple[int, ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: Path | None = None
+
+    @property
+    def trained(self) -> bool:
+        return self.version is not None
+
+
+def default_device() -> str:
+    """"cuda" when a GPU is visible to torch, "cpu" otherwise."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _latest_checkpoint(store: EventStore, run_id: str) -> Path | None:
+    """The checkpoint folder of the run's newest ``policy_updated`` that still exists."""
+    newest: tuple[int, Path] | None = None
+    for recorded in store.read_stream(run_stream_id(run_id)):
+        event = recorded.event
+        if isinstance(event, PolicyUpdated) and event.checkpoint:
+            path = Path(event.checkpoint)
+            if path.is_dir() and (newest is None or event.version >= newest[0]):
+                newest = (event.version, path)
+    return newest[1] if newest else None
+
+
+class Trainer:
+    """Trains one run's policy from leased samples. Build it with :meth:`open`."""
+
+    def __init__(self, *, store: EventStore, run_id: str, run_config: RunConfig, model: Any,
+                 tokenizer: Any, config: TrainerConfig, data_dir: Path, device: torch.device,
+                 engine: WeightUpdatable | None = None, reference: Any | None = None,
+                 step: int = 0, name: str | None = None) -> None:
+        self.store, self.run_id, self.run_config = store, run_id, run_config
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.data_dir, self.device, self.engine = data_dir, device, engine
+        self.reference, self.steps_done = reference, step
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.leasing = Leasing(store)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=config.lr,
+            betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+        self.estimator = choose_estimator(config.advantage_estimator,
+                                          egpo_lam=run_config.egpo.lam)
+        start, end = think_token_ids(tokenizer, start=config.cot_start_id, end=config.cot_end_id)
+        if self.estimator == "egpo" and (start is None or end is None):
+            raise ValueError("EGPO needs <think>/</think> token ids: the tokenizer lacks them; "
+                             "set TrainerConfig.cot_start_id and cot_end_id")
+        self.advantage_settings = AdvantageSettings(
+            norm_adv_by_std=config.norm_adv_by_std, lam=run_config.egpo.lam,
+            alpha=run_config.egpo.alpha, variant=run_config.egpo.variant,
+            cot_start_id=start, cot_end_id=end)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+            tokenizer.eos_token_id)
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.broken = False
+
+    @classmethod
+    def open(cls, store: EventStore, run_id: str, *, config: TrainerConfig | None = None,
+             data_dir: str | os.PathLike[str] | None = None, model: str | None = None,
+             engine: WeightUpdatable | None = None, name: str | None = None) -> Trainer:
+        """A trainer for ``run_id``, resumed from the run's newest checkpoint (weights,
+        optimizer moments and step count) or, before the first update, loaded from ``model``
+        (default: the run's ``RunConfig.model``). The tokenizer is the run's
+        (``RunConfig.tokenizer``, else the model's). Checkpoints go under ``data_dir``
+        (default: the store's settings). ``engine`` receives the weights after each update.
+
+        Raises ``store.errors.NotFoundError`` for an unknown run, ValueError when neither
+        ``model`` nor the run names a model folder, and the loaders' errors.
+        """
+        config = config or TrainerConfig()
+        run = store.get_run(run_id)
+        initial = model or run.config.model
+        if initial is None:
+            raise ValueError(f"run {run_id!r} names no model (RunConfig.model); pass model=")
+        device = torch.device(config.device or default_device())
+        torch.manual_seed(config.seed)
+        resume = _latest_checkpoint(store, run_id)
+        policy = load_model(resume or initial, device=device, dtype=config.dtype)
+        reference = None
+        if config.kl_coef > 0:
+            reference = load_model(initial, device=device, dtype=config.dtype)
+            reference.requires_grad_(False)
+        tokenizer = load_tokenizer(run.config.tokenizer or run.config.model or initial)
+        trainer = cls(store=store, run_id=run_id, run_config=run.config, model=policy,
+                      tokenizer=tokenizer, config=config,
+                      data_dir=Path(data_dir) if data_dir else store.settings.data_dir,
+                      device=device, engine=engine, reference=reference,
+                      step=int(read_state(resume).get("step", 0)) if resume else 0, name=name)
+        if resume is not None:
+            load_optimizer_state(resume, trainer.optimizer)
+            for group in trainer.optimizer.param_groups:  # the configured rate wins
+                group["lr"] = config.lr
+        return trainer
+
+    def step(self, *, hooks: StepHooks | None = None) -> StepResult:
+        """Lease, train, record, push, acknowledge (module docstring). Returns what happened;
+        raises TrainerBroken when an earlier step left this trainer unusable."""
+        if self.broken:
+            raise TrainerBroken("a previous step failed after changing the weights; reopen "
+                                "the trainer to resume from its newest checkpoint")
+        hooks = hooks or StepHooks()
+        started = time.monotonic()
+        config = self.config
+        current = self.leasing.current_policy_version(self.run_id)
+        lease = self.leasing.lease_batch(
+            self.run_id, groups=config.groups_per_step, lease_seconds=config.lease_seconds,
+            max_staleness=config.max_staleness, current_version=current, trainer=self.name)
+        if lease is None or not lease.samples:
+            return StepResult(self.run_id, None, self.steps_done,
+                              skipped_stale=lease.skipped_stale if lease else 0)
+        changed = False
+        try:
+            if hooks.after_lease is not None:
+                hooks.after_lease(lease)
+            batch = pad_samples(lease.samples, pad_token_id=self.pad_token_id,
+                                vocab_size=self.vocab_size).to(self.device)
+
+            old_log_probs, entropies = score_batch(self.model, batch, config=config)
+            ref_log_probs = (score_batch(self.reference, batch, config=config)[0]
+                             if self.reference is not None else None)
+
+            rewards = token_level_rewards(batch.rewards, batch.response_mask,
+                                          batch.response_lengths)
+            advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
+                rewards, batch.response_mask, batch.group_ids, entropies=entropies,
+                responses=batch.responses, settings=self.advantage_settings)
+
+            changed = True
+            stats = ppo_update(self.model, self.optimizer, batch, old_log_probs=old_log_probs,
+                               advantages=advantages, config=config,
+                               ref_log_probs=ref_log_probs,
+                               between_steps=lambda: self._keep_lease(lease, started))
+            self.steps_done += stats.optimizer_steps
+
+            version = max(current, self.leasing.current_policy_version(self.run_id)) + 1
+            metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
+                                    stats.metrics(), started)
+            path = save_checkpoint(
+                checkpoint_dir(self.data_dir, self.run_id, version), model=self.model,
+                tokenizer=self.tokenizer, optimizer=self.optimizer,
+                state={"run_id": self.run_id, "version": version, "step": self.steps_done,
+                       "metrics": metrics, "config": config.to_dict()})
+            prune_checkpoints(path.parent, keep=config.keep_checkpoints)
+            self.store.append(run_stream_id(self.run_id), [PolicyUpdated(
+                version=version, step=self.steps_done, metrics=metrics, checkpoint=str(path))],
+                ANY)
+            changed = False  # the weights are recorded: a reopened trainer resumes from here
+            try:
+                if self.engine is not None:
+                    push_weights(self.model, self.engine, version=version)
+            finally:
+                if hooks.before_ack is not None:
+                    hooks.before_ack(lease)
+                self.leasing.ack(lease.lease_id, policy_version=version)
+        except BaseException:
+            if changed:
+                self.broken = True
+            try:
+                self.leasing.release(lease.lease_id)
+            except LeaseExpired:
+                pass  # acknowledged or expired already: nothing to give back
+            raise
+        return StepResult(self.run_id, version, self.steps_done, samples=len(batch),
+                          groups=len(lease.groups), skipped_stale=lease.skipped_stale,
+                          sample_ids=batch.sample_ids, metrics=metrics, checkpoint=path)
+
+    def train(self, steps: int, *, wait_s: float = 0.0, poll_s: float = 1.0,
+              on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+        """Run up to ``steps`` training steps; when no batch is ready, poll every ``poll_s``
+        seconds for up to ``wait_s`` seconds, then stop early. ``on_step`` sees each trained
+        step. Returns the trained steps. Raises ValueError for ``steps < 1`` or negative
+        waits."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        if wait_s < 0 or poll_s <= 0:
+            raise ValueError(f"wait_s must be >= 0 and poll_s > 0, got {wait_s!r}, {poll_s!r}")
+        done: list[StepResult] = []
+        while len(done) < steps:
+            deadline = time.monotonic() + wait_s
+            while not (result := self.step()).trained and time.monotonic() < deadline:
+                time.sleep(poll_s)
+            if not result.trained:
+                break
+            done.append(result)
+            if on_step is not None:
+                on_step(result)
+        return done
+
+    def _keep_lease(self, lease: Lease, started: float) -> None:
+        """Renew the lease once half of it has passed, so a long step keeps its samples."""
+        if time.monotonic() - started > self.config.lease_seconds / 2:
+            self.leasing.renew(lease.lease_id, self.config.lease_seconds)
+
+    def _metrics(self, batch: TrainingBatch, lease: Lease, old_log_probs: torch.Tensor,
+                 entropies: torch.Tensor, advantages: torch.Tensor, ppo: dict[str, float],
+                 started: float) -> dict[str, float]:
+        mask = batch.response_mask
+        tokens = mask.sum().clamp(min=1)
+        positive = ~batch.is_negative
+        rewards = batch.rewards[positive] if bool(positive.any()) else batch.rewards
+        rows = mask.sum(dim=1) > 0
+        metrics = {
+            "samples": float(len(batch)),
+            "groups": float(len(lease.groups)),
+            "negatives": float(batch.is_negative.sum().item()),
+            "skipped_stale": float(lease.skipped_stale),
+            "trainable_tokens": float(mask.sum().item()),
+            "reward_mean": float(rewards.mean().item()),
+            "reward_min": float(rewards.min().item()),
+            "reward_max": float(rewards.max().item()),
+            "advantage_mean": float(((advantages * mask).sum(dim=1)[rows]
+                                     / mask.sum(dim=1)[rows]).mean().item())
+            if bool(rows.any()) else 0.0,
+            "old_entropy": float(((entropies * mask).sum() / tokens).item()),
+            # Mismatch between the engine's sampling log-probs and the trainer's recomputation.
+            "rollout_logprob_abs_diff": float(
+                ((old_log_probs - batch.rollout_log_probs).abs() * mask).sum().item()
+                / tokens.item()),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "step_seconds": time.monotonic() - started,
+            **ppo,
+        }
+        return {name: value for name, value in metrics.items() if math.isfinite(value)}

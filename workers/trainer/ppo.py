@@ -1,0 +1,197 @@
+"""The PPO update of one leased batch: mini-batch epochs with gradient accumulation.
+
+Follows verl 0.9.1's actor: the batch is split into mini-batches (one optimizer step each) for
+``ppo_epochs`` epochs; a mini-batch is processed ``micro_batch_size`` rows at a time and each
+micro-batch's loss is scaled by the mini-batch's token (or sequence) count
+(:class:`~workers.trainer.aggregation.GlobalBatchInfo`), so the accumulated gradient equals
+that of the whole mini-batch at once. Gradients are clipped by global norm; a step whose
+gradient norm is not finite is skipped (and counted).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.trainer.aggregation import GlobalBatchInfo
+from workers.trainer.batch import TrainingBatch
+from workers.trainer.config import TrainerConfig
+from workers.trainer.losses import (
+    actor_loss,
+    entropy_loss,
+    kl_loss,
+    masked_mean,
+    ppo_policy_loss,
+)
+from workers.trainer.policy import response_log_probs
+
+__all__ = ["PPOStats", "micro_batches", "ppo_update", "score_batch"]
+
+
+def micro_batches(batch: TrainingBatch, rows: list[int], size: int
+                  ) -> Iterator[tuple[list[int], TrainingBatch]]:
+    """``(rows, trimmed sub-batch)`` for consecutive slices of ``rows`` of at most ``size``;
+    each sub-batch is cut to its own longest sequence and response."""
+    for start in range(0, len(rows), size):
+        part = rows[start:start + size]
+        yield part, trim(batch.select(part))
+
+
+def trim(batch: TrainingBatch) -> TrainingBatch:
+    """``batch`` without the padding columns no row of it needs."""
+    seq = max(int(batch.attention_mask.sum(dim=1).max().item()), 1)
+    response_length = max(int(batch.response_lengths.max().item()), 1)
+    return TrainingBatch(
+        input_ids=batch.input_ids[:, :seq],
+        attention_mask=batch.attention_mask[:, :seq],
+        responses=batch.responses[:, :response_length],
+        response_positions=batch.response_positions[:, :response_length].clamp(max=seq - 1),
+        response_mask=batch.response_mask[:, :response_length],
+        response_lengths=batch.response_lengths,
+        rollout_log_probs=batch.rollout_log_probs[:, :response_length],
+        rewards=batch.rewards,
+        is_negative=batch.is_negative,
+        group_ids=batch.group_ids,
+        sample_ids=batch.sample_ids,
+        policy_versions=batch.policy_versions,
+    )
+
+
+@torch.no_grad()
+def score_batch(model: torch.nn.Module, batch: TrainingBatch, *, config: TrainerConfig
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``(bs, response_length)`` of the whole batch without
+    gradients, computed ``micro_batch_size`` rows at a time (zeros on padding)."""
+    shape = tuple(batch.responses.shape)
+    device = batch.responses.device
+    log_probs = torch.zeros(shape, dtype=torch.float32, device=device)
+    entropies = torch.zeros(shape, dtype=torch.float32, device=device)
+    for rows, part in micro_batches(batch, list(range(len(batch))), config.micro_batch_size):
+        lp, ent = response_log_probs(model, part, temperature=config.temperature,
+                                     chunk_size=config.logit_chunk_size)
+        width = lp.shape[1]
+        index = torch.tensor(rows, device=device)
+        log_probs[index, :width] = lp * part.response_mask
+        entropies[index, :width] = ent * part.response_mask
+    return log_probs, entropies
+
+
+@dataclass
+class PPOStats:
+    """What the update did: token-weighted means of the per-token metrics (clip fractions,
+    approximate KL, entropy), the loss terms averaged over optimizer steps (each step's loss is
+    the sum of its micro-batches' scaled losses), the mean gradient norm of the applied steps,
+    and the step counts."""
+
+    optimizer_steps: int = 0
+    skipped_steps: int = 0
+    grad_norm_sum: float = 0.0
+    tokens: float = 0.0
+    token_sums: dict[str, float] = field(default_factory=dict)
+    loss_sums: dict[str, float] = field(default_factory=dict)
+
+    def add_tokens(self, values: dict[str, float], tokens: float) -> None:
+        """Add per-token means of a micro-batch of ``tokens`` trainable tokens."""
+        for name, value in values.items():
+            self.token_sums[name] = self.token_sums.get(name, 0.0) + value * tokens
+        self.tokens += tokens
+
+    def add_losses(self, values: dict[str, float]) -> None:
+        """Add a micro-batch's scaled loss terms."""
+        for name, value in values.items():
+            self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+
+    def metrics(self) -> dict[str, float]:
+        """The statistics as one flat dict of floats."""
+        out = {name: total / self.tokens for name, total in self.token_sums.items()
+               } if self.tokens else {}
+        steps = max(self.optimizer_steps, 1)
+        out.update({name: total / steps for name, total in self.loss_sums.items()})
+        applied = self.optimizer_steps - self.skipped_steps
+        out["grad_norm"] = self.grad_norm_sum / applied if applied else 0.0
+        out["optimizer_steps"] = float(self.optimizer_steps)
+        out["skipped_steps"] = float(self.skipped_steps)
+        return out
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainingBatch,
+    *,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    config: TrainerConfig,
+    ref_log_probs: torch.Tensor | None = None,
+    between_steps: Callable[[], None] | None = None,
+) -> PPOStats:
+    """Run the PPO epochs over ``batch`` and return the statistics.
+
+    ``old_log_probs``, ``advantages`` and ``ref_log_probs`` (needed when ``config.kl_coef >
+    0``) are ``(bs, response_length)`` on the batch's device. ``between_steps`` runs after each
+    optimizer step (the training step renews its lease there). Raises ValueError when
+    ``kl_coef > 0`` and no reference log-probs are given, and the loss functions' errors.
+    """
+    if config.kl_coef > 0 and ref_log_probs is None:
+        raise ValueError("kl_coef > 0 needs ref_log_probs from a reference model")
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = len(batch)
+    mini = config.mini_batch_size or n
+    stats = PPOStats()
+    model.eval()  # no dropout: the recomputed old log-probs are those of this same function
+    for _ in range(config.ppo_epochs):
+        for start in range(0, n, mini):
+            rows = list(range(start, min(start + mini, n)))
+            mask = batch.response_mask[rows]
+            info = GlobalBatchInfo(
+                batch_num_tokens=max(int(mask.sum().item()), 1),
+                global_batch_size=max(int((mask.sum(dim=1) > 0).sum().item()), 1),
+                loss_scale_factor=float(batch.responses.shape[1]),
+            )
+            optimizer.zero_grad(set_to_none=True)
+            for part_rows, part in micro_batches(batch, rows, config.micro_batch_size):
+                width = part.responses.shape[1]
+                old = old_log_probs[part_rows, :width]
+                adv = advantages[part_rows, :width]
+                log_prob, entropy = response_log_probs(
+                    model, part, temperature=config.temperature,
+                    chunk_size=config.logit_chunk_size)
+                pg_loss, pg_metrics = ppo_policy_loss(
+                    old, log_prob, adv, part.response_mask,
+                    clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
+                    clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
+                    global_batch=info)
+                ent_term = None
+                if config.entropy_coeff > 0:
+                    ent_term = entropy_loss(entropy, part.response_mask,
+                                            loss_agg_mode=config.loss_agg_mode, global_batch=info)
+                kl_term = None
+                if ref_log_probs is not None and config.kl_coef > 0:
+                    kl_term = kl_loss(log_prob, ref_log_probs[part_rows, :width],
+                                      part.response_mask, kind=config.kl_kind,
+                                      loss_agg_mode=config.loss_agg_mode, global_batch=info)
+                loss = actor_loss(pg_loss, entropy=ent_term, entropy_coeff=config.entropy_coeff,
+                                  kl=kl_term, kl_coef=config.kl_coef)
+                loss.backward()
+                values = dict(pg_metrics)
+                values["entropy"] = float(masked_mean(entropy.detach(), part.response_mask))
+                stats.add_tokens(values, float(part.response_mask.sum().item()))
+                losses = {"pg_loss": float(pg_loss.item())}
+                if kl_term is not None:
+                    losses["kl_loss"] = float(kl_term.item())
+                stats.add_losses(losses)
+            max_norm = config.grad_clip if config.grad_clip is not None else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            stats.optimizer_steps += 1
+            if math.isfinite(grad_norm):
+                optimizer.step()
+                stats.grad_norm_sum += grad_norm
+            else:
+                stats.skipped_steps += 1
+            optimizer.zero_grad(set_to_none=True)
+            if between_steps is not None:
+                between_steps()
+    return stats
