@@ -89,6 +89,12 @@ class Settings(BaseSettings):
     sweep_interval_s: float = Field(
         default=30.0, gt=0, description="How often the sweep looks for unprojected episodes."
     )
+    episode_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="An episode with no event for this long and no episode_finished is "
+        "closed as aborted by the sweep (its rollout worker died).",
+    )
     fault_replay_delay_s: float = Field(
         default=0.0,
         ge=0,
