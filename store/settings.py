@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import platformdirs
 from pydantic import Field, field_validator
@@ -95,6 +96,21 @@ class Settings(BaseSettings):
         description="An episode with no event for this long and no episode_finished is "
         "closed as aborted by the sweep (its rollout worker died).",
     )
+    api_url: str | None = Field(
+        default=None,
+        description="Base URL of a trajstore API (http://host:8600). Set on rollout workers "
+        "that append episodes through HTTP instead of the database.",
+    )
+    api_key: str | None = Field(
+        default=None,
+        description="API key the workers send to api_url (role admin: they read runs and "
+        "episodes and append events).",
+    )
+    rollout_backend: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description="Generation engine of rollout workers: transformers, or vLLM's offline "
+        "engine (needs the vllm package).",
+    )
     fault_replay_delay_s: float = Field(
         default=0.0,
         ge=0,
@@ -102,7 +118,8 @@ class Settings(BaseSettings):
         "transaction, before commit.",
     )
 
-    @field_validator("database_url", "redis_url", "test_database_url", mode="before")
+    @field_validator("database_url", "redis_url", "test_database_url", "api_url", "api_key",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
