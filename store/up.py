@@ -32,15 +32,16 @@ class Child:
 
 
 def default_children(*, with_api: bool) -> list[Child]:
-    """What ``up`` runs: the API (when the api package is installed), a worker per queue, the
-    sweep (Celery beat inside the replay worker)."""
+    """What ``up`` runs: the API (when the api package is installed), a worker per queue, and
+    the sweep."""
     children = []
     if with_api:
         children.append(Child("api", ("serve",)))
     children += [
-        Child("replay", ("worker", "--queues", "replay", "--beat")),
+        Child("replay", ("worker", "--queues", "replay")),
         Child("rollout", ("worker", "--queues", "rollout")),
         Child("train", ("worker", "--queues", "train")),
+        Child("sweep", ("sweep",)),
     ]
     return children
 

@@ -45,6 +45,8 @@ def replay_episode(episode_id: str) -> str:
 def sweep(limit: int = 200) -> int:
     """Project finished episodes that have no projection (a lost message, a broker outage).
     Returns how many it wrote."""
-    from workers.replay.sweep import sweep_unprojected
+    from workers.replay.sweep import abort_stale_episodes, sweep_unprojected
 
-    return sweep_unprojected(worker_store(), limit=limit)
+    store = worker_store()
+    abort_stale_episodes(store, timeout_s=get_settings().episode_timeout_s, limit=limit)
+    return sweep_unprojected(store, limit=limit)

@@ -1,12 +1,20 @@
-"""The sweep: nothing depends on the broker being up when an episode finishes."""
+"""The sweep: nothing depends on the broker being up when an episode finishes, and no episode
+stays open forever when the worker that rolled it out dies."""
 
 from __future__ import annotations
 
+import logging
+import threading
+
+from store import errors
 from store.eventlog import EventStore
+from store.events import EpisodeFinished
 from store.projections import Projections
 from workers.replay.project import project_episode
 
-__all__ = ["sweep_unprojected"]
+__all__ = ["abort_stale_episodes", "sweep_unprojected", "sweep_forever"]
+
+log = logging.getLogger(__name__)
 
 
 def sweep_unprojected(store: EventStore, *, limit: int = 200) -> int:
@@ -17,3 +25,54 @@ def sweep_unprojected(store: EventStore, *, limit: int = 200) -> int:
         if project_episode(store, episode_id).outcome == "written":
             written += 1
     return written
+
+
+def abort_stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200) -> int:
+    """Close as ``aborted`` every episode that has no ``episode_finished`` and no event for
+    ``timeout_s`` seconds. The append expects the version it saw, so an episode that got an
+    event meanwhile is left alone (its worker is alive after all). Returns how many it
+    closed. Raises ``ValueError`` for a non-positive timeout."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    with store.db.connection() as conn:
+        stale = conn.execute(
+            """
+            SELECT s.stream_id, max(e.stream_version)
+            FROM events s
+            JOIN events e ON e.stream_id = s.stream_id
+            WHERE s.type = 'episode_started'
+              AND NOT EXISTS (SELECT 1 FROM events f WHERE f.stream_id = s.stream_id
+                                                        AND f.type = 'episode_finished')
+            GROUP BY s.stream_id
+            HAVING max(e.recorded_at) < now() - make_interval(secs => %s)
+            ORDER BY min(s.position)
+            LIMIT %s
+            """,
+            (timeout_s, limit),
+        ).fetchall()
+    closed = 0
+    for stream_id, version in stale:
+        try:
+            store.append(stream_id, [EpisodeFinished(
+                status="aborted", reason=f"no event for {timeout_s:g} s: its worker is gone")],
+                version)
+            closed += 1
+        except errors.ConflictError:
+            continue
+    return closed
+
+
+def sweep_forever(store: EventStore, *, interval_s: float, episode_timeout_s: float,
+                  stop: threading.Event | None = None) -> None:
+    """Abort stale episodes and project unprojected ones every ``interval_s`` seconds until
+    ``stop`` is set. Transient database errors are logged and retried next round."""
+    stop = stop or threading.Event()
+    while not stop.is_set():
+        try:
+            aborted = abort_stale_episodes(store, timeout_s=episode_timeout_s)
+            written = sweep_unprojected(store)
+            if aborted or written:
+                log.info("sweep: aborted %d stale episodes, projected %d", aborted, written)
+        except errors.TransientError as exc:
+            log.warning("sweep: database unavailable (%s); trying again", exc)
+        stop.wait(interval_s)
