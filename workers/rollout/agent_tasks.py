@@ -21,7 +21,10 @@ function-calling benchmarks). Any other field is an error. Every error names the
 number and the field.
 
 Built-in generated sets: :func:`arithmetic_tasks` (needs the calculator) and
-:func:`function_call_tasks` (EGPO-style, binary reward).
+:func:`function_call_tasks` (EGPO-style, binary reward). Their task ids are stable:
+``arith-<seed>-<index>`` and ``fc-<seed>-<index>`` always name the same task (the ``index``-th
+of the set generated with ``seed``), so a worker rebuilds any of them from its id alone
+(:func:`builtin_task`). :func:`resolve_task` also looks in a folder of JSONL files.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +46,12 @@ from workers.rollout.tools import ToolRegistry, function_schema, validate_tool_s
 __all__ = [
     "Task",
     "TaskFormatError",
+    "MAX_BUILTIN_INDEX",
     "arithmetic_tasks",
+    "builtin_task",
     "function_call_tasks",
     "load_tasks",
+    "resolve_task",
     "task_from_dict",
 ]
 
@@ -278,3 +285,43 @@ def function_call_tasks(count: int, *, seed: int = 0) -> list[Task]:
             stop_at_tool_calls=True,
         ))
     return tasks
+
+
+#: Largest ``<index>`` of a built-in task id (the set is generated up to it).
+MAX_BUILTIN_INDEX = 99_999
+_BUILTIN_ID = re.compile(r"^(arith|fc)-(\d+)-(\d+)$")
+
+
+def builtin_task(task_id: str) -> Task | None:
+    """The built-in task ``arith-<seed>-<index>`` or ``fc-<seed>-<index>``, or None when
+    ``task_id`` has neither form. Raises ValueError for an index above
+    :data:`MAX_BUILTIN_INDEX`."""
+    match = _BUILTIN_ID.match(task_id) if isinstance(task_id, str) else None
+    if match is None:
+        return None
+    kind, seed, index = match.group(1), int(match.group(2)), int(match.group(3))
+    if index > MAX_BUILTIN_INDEX:
+        raise ValueError(f"task id {task_id!r}: index {index} is above {MAX_BUILTIN_INDEX}")
+    generate = arithmetic_tasks if kind == "arith" else function_call_tasks
+    return generate(index + 1, seed=seed)[index]
+
+
+def resolve_task(task_id: str, *, tasks_dir: str | os.PathLike[str] | None = None,
+                 registry: ToolRegistry | None = None) -> Task:
+    """The task ``task_id``: a built-in one (:func:`builtin_task`), else the task of that id
+    in the ``*.jsonl`` files of ``tasks_dir`` (read in name order; tool names resolve in
+    ``registry``). Raises ValueError naming the id when no task has it, and TaskFormatError
+    for an invalid file."""
+    if not isinstance(task_id, str) or not task_id:
+        raise ValueError(f"task_id must be a non-empty string, got {task_id!r}")
+    task = builtin_task(task_id)
+    if task is not None:
+        return task
+    folder = Path(tasks_dir) if tasks_dir is not None else None
+    if folder is not None and folder.is_dir():
+        for path in sorted(folder.glob("*.jsonl")):
+            for candidate in load_tasks(path, registry=registry):
+                if candidate.task_id == task_id:
+                    return candidate
+    raise ValueError(f"unknown task_id {task_id!r}: not a built-in id (arith-<seed>-<index>, "
+                     f"fc-<seed>-<index>) nor in the JSONL files of {folder}")

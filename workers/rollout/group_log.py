@@ -1,0 +1,219 @@
+"""What a rollout worker reads and writes, on the database or through the HTTP API.
+
+A :class:`GroupLog` appends events with expected versions (the store's signature), tells a
+stream's version and whether it finished, and reads a run's configuration and newest policy.
+Two implementations:
+
+- :class:`StoreGroupLog` on an :class:`~store.eventlog.EventStore` (workers that reach the
+  database);
+- :class:`ApiGroupLog` on a trajstore API (workers on other machines): ``POST
+  /v1/episodes/{id}/events`` to append, ``GET /v1/episodes/{id}?tokens=false`` and ``GET
+  /v1/runs/{id}`` to read, with a key that may read and ingest (role ``admin``). The API's
+  answers are translated into the store's errors (409 → ``ConflictError`` /
+  ``IdempotencyError``, 422 → ``ValidationError``, 404 → ``NotFoundError``, 5xx and network
+  failures → ``TransientError``, other refusals (401, 403, 413) → ``StoreError``), so callers
+  handle both logs alike. The API does not expose checkpoint paths: through it, the policy's
+  checkpoint is unknown (None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from store import errors
+from store.eventlog import EventStore, run_stream_id
+from store.events import EpisodeFinished, Event, PolicyUpdated, RewardAssigned, RunConfig
+
+__all__ = ["ApiGroupLog", "GroupLog", "PolicyState", "StoreGroupLog", "StreamState"]
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """An episode stream as the log holds it: ``version`` (0: it does not exist), its
+    ``episode_finished`` status and reason when it has one, its reward when assigned."""
+
+    version: int
+    status: str | None = None
+    reason: str | None = None
+    reward: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is not None
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """A run's newest policy: ``version`` (0 when never updated) and the checkpoint folder its
+    ``policy_updated`` names (None when unknown)."""
+
+    version: int = 0
+    checkpoint: str | None = None
+
+
+@runtime_checkable
+class GroupLog(Protocol):
+    """The reads and writes of a rollout worker (module docstring)."""
+
+    def append(self, stream_id: str, events: Sequence[Event], expected_version: Any = ...
+               ) -> Any:
+        """Append with an expected version (the store's semantics and errors)."""
+        ...
+
+    def stream_version(self, stream_id: str) -> int:
+        """The number of events in ``stream_id`` (0 when it does not exist)."""
+        ...
+
+    def stream_state(self, stream_id: str) -> StreamState:
+        """Version, final status and reward of an episode stream."""
+        ...
+
+    def run_config(self, run_id: str) -> RunConfig:
+        """The run's configuration; ``NotFoundError`` for an unknown run."""
+        ...
+
+    def policy(self, run_id: str) -> PolicyState:
+        """The run's newest policy version and checkpoint."""
+        ...
+
+
+class StoreGroupLog:
+    """:class:`GroupLog` on an event store. Raises TypeError for anything else."""
+
+    def __init__(self, store: EventStore) -> None:
+        if not isinstance(store, EventStore):
+            raise TypeError(f"store must be an EventStore, got {type(store).__name__}")
+        self.store = store
+
+    def append(self, stream_id: str, events: Sequence[Event], expected_version: Any = "any"
+               ) -> Any:
+        return self.store.append(stream_id, events, expected_version)
+
+    def stream_version(self, stream_id: str) -> int:
+        return self.store.stream_version(stream_id)
+
+    def stream_state(self, stream_id: str) -> StreamState:
+        version = self.store.stream_version(stream_id)
+        if version == 0:
+            return StreamState(0)
+        tail = [r.event for r in self.store.read_stream(stream_id,
+                                                        from_version=max(1, version - 1))]
+        return _state(version, tail)
+
+    def run_config(self, run_id: str) -> RunConfig:
+        return self.store.get_run(run_id).config
+
+    def policy(self, run_id: str) -> PolicyState:
+        newest = PolicyState()
+        for record in self.store.read_stream(run_stream_id(run_id)):
+            event = record.event
+            if isinstance(event, PolicyUpdated) and event.version >= newest.version:
+                newest = PolicyState(event.version, event.checkpoint)
+        return newest
+
+
+def _state(version: int, tail: Sequence[Event]) -> StreamState:
+    finished = tail[-1] if tail and isinstance(tail[-1], EpisodeFinished) else None
+    reward = next((e.value for e in reversed(tail) if isinstance(e, RewardAssigned)), None)
+    if finished is None:
+        return StreamState(version, reward=reward)
+    return StreamState(version, finished.status, finished.reason, reward)
+
+
+def _wire(event: Event) -> dict[str, Any]:
+    """An event as the API's append route takes it."""
+    body: dict[str, Any] = {"type": event.type, **event.to_data()}
+    if event.event_id is not None:
+        body["event_id"] = str(event.event_id)
+    if event.occurred_at is not None:
+        body["occurred_at"] = event.occurred_at.isoformat()
+    for name, array in event.token_payloads().items():
+        body[name] = array.tolist()
+    return body
+
+
+class ApiGroupLog:
+    """:class:`GroupLog` through a trajstore API (module docstring). ``base_url`` like
+    ``http://host:8600``; ``api_key`` sent as a Bearer token. Raises ValueError for a URL that
+    is not http(s) or an empty key."""
+
+    def __init__(self, base_url: str, *, api_key: str, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"api_url must be an http(s) URL, got {base_url!r}")
+        if not isinstance(api_key, str) or not api_key:
+            raise ValueError("api_key must be a non-empty string")
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s,
+                                   headers={"Authorization": f"Bearer {api_key}"})
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self.client.close()
+
+    def _request(self, method: str, path: str, *, stream_id: str = "",
+                 expected: object = None, **kwargs: Any) -> Any:
+        import httpx
+
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise errors.TransientError(f"{method} {path}: {type(exc).__name__}: {exc}"
+                                        ) from None
+        if response.status_code < 400:
+            return response.json()
+        try:
+            error = response.json().get("error", {})
+        except ValueError:
+            error = {}
+        message = f"{method} {path} returned {response.status_code}: " + str(
+            error.get("message") or response.text[:300])
+        status = response.status_code
+        if status == 409 and "current_version" in error:
+            raise errors.ConflictError(stream_id, expected=expected,
+                                       actual=int(error["current_version"]))
+        if status == 409 and "event_id" in error:
+            raise errors.IdempotencyError(error["event_id"], position=int(
+                error.get("position", -1)))
+        if status == 404:
+            raise errors.NotFoundError(message)
+        if status == 422:
+            raise errors.ValidationError(message, event_index=error.get("event_index"),
+                                         field=error.get("field"))
+        if status >= 500:
+            raise errors.TransientError(message)
+        raise errors.StoreError(message)
+
+    def append(self, stream_id: str, events: Sequence[Event], expected_version: Any = "any"
+               ) -> Any:
+        body = {"expected_version": expected_version,
+                "events": [_wire(event) for event in events]}
+        return self._request("POST", f"/v1/episodes/{stream_id}/events", json=body,
+                             stream_id=stream_id, expected=expected_version)
+
+    def stream_version(self, stream_id: str) -> int:
+        return self.stream_state(stream_id).version
+
+    def stream_state(self, stream_id: str) -> StreamState:
+        from store.events import parse_event
+
+        try:
+            detail = self._request("GET", f"/v1/episodes/{stream_id}",
+                                   params={"tokens": "false"})
+        except errors.NotFoundError:
+            return StreamState(0)
+        events = detail.get("events") or []
+        if not events:
+            return StreamState(0)
+        tail = [parse_event(e["type"], e["data"]) for e in events[-2:]
+                if e["type"] in ("reward_assigned", "episode_finished")]
+        return _state(int(events[-1]["stream_version"]), tail)
+
+    def run_config(self, run_id: str) -> RunConfig:
+        return RunConfig.model_validate(self._request("GET", f"/v1/runs/{run_id}")["config"])
+
+    def policy(self, run_id: str) -> PolicyState:
+        run = self._request("GET", f"/v1/runs/{run_id}")
+        return PolicyState(int(run.get("policy_version") or 0), None)

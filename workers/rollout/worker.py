@@ -1,0 +1,76 @@
+"""The rollout worker's side of a ``rollout_group`` task: which log, engine, task and tools.
+
+The log is the database (the worker process's store, whose appends of ``episode_finished``
+enqueue replay) unless the settings name an ``api_url``: then events go through the HTTP API
+with ``api_key``. The engine is the process's :func:`~workers.rollout.engine.worker_engine`,
+brought to the run's newest policy. Tasks are resolved by id: built-in ids
+(``arith-<seed>-<index>``, ``fc-<seed>-<index>``) or the JSONL files of ``<data_dir>/tasks``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from store.settings import Settings
+from workers.rollout.agent_tasks import resolve_task
+from workers.rollout.group import GroupResult, play_group
+from workers.rollout.group_log import ApiGroupLog, GroupLog, StoreGroupLog
+from workers.rollout.tools import ToolRegistry
+
+__all__ = ["run_rollout_group", "worker_log"]
+
+_lock = threading.Lock()
+_logs: dict[tuple[str, str], GroupLog] = {}
+_tools: ToolRegistry | None = None
+
+
+def worker_log(settings: Settings) -> GroupLog:
+    """The log this process appends to (module docstring), made once per process. Raises
+    ValueError when ``api_url`` is set without ``api_key``."""
+    if settings.api_url is not None and not settings.api_key:
+        raise ValueError("api_url is set but api_key is not: the API needs a key")
+    key = (settings.api_url or "", settings.api_key or "")
+    with _lock:
+        log = _logs.get(key)
+        if log is None:
+            if settings.api_url is not None:
+                log = ApiGroupLog(settings.api_url, api_key=settings.api_key or "")
+            else:
+                from workers.dispatch import install_replay_dispatch
+                from workers.tasks import worker_store
+
+                store = worker_store()
+                install_replay_dispatch(store)
+                log = StoreGroupLog(store)
+            _logs[key] = log
+        return log
+
+
+def _worker_tools() -> ToolRegistry:
+    global _tools
+    with _lock:
+        if _tools is None:
+            from workers.rollout.builtin_tools import default_tool_registry
+
+            _tools = default_tool_registry()
+        return _tools
+
+
+def run_rollout_group(run_id: str, task_id: str, n: int, *, settings: Settings,
+                      group_index: int = 0) -> GroupResult:
+    """Play (or complete) the group of ``task_id`` at the run's newest policy version.
+    Raises ValueError for an unknown task, a bad ``n``/``group_index`` or a run whose model
+    is not a local folder; ``NotFoundError`` for an unknown run; ``TransientError`` when the
+    log is unreachable (the task is retried)."""
+    from workers.rollout.engine import worker_engine
+
+    log = worker_log(settings)
+    config = log.run_config(run_id)
+    tools = _worker_tools()
+    task = resolve_task(task_id, tasks_dir=settings.data_dir / "tasks", registry=tools)
+    policy = log.policy(run_id)
+    engine = worker_engine(config, settings=settings)
+    engine.ensure(run_id, policy)
+    return play_group(log=log, run_id=run_id, task=task, n=n, backend=engine.backend,
+                      tools=tools, policy_version=policy.version, group_index=group_index,
+                      run_config=config)
