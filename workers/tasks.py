@@ -50,3 +50,14 @@ def sweep(limit: int = 200) -> int:
     store = worker_store()
     abort_stale_episodes(store, timeout_s=get_settings().episode_timeout_s, limit=limit)
     return sweep_unprojected(store, limit=limit)
+
+
+@app.task(name="trajstore.train_step", acks_late=True, autoretry_for=(TransientError,),
+          retry_backoff=True, retry_backoff_max=60, max_retries=5)
+def train_step(run_id: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One training step of ``run_id`` on this worker's cached trainer (lease, update, record,
+    acknowledge); ``config`` overrides the trainer's hyperparameters. Nothing ready: a summary
+    with version None. A worker that dies mid-step leaves its lease to expire."""
+    from workers.trainer.worker import run_train_step
+
+    return run_train_step(worker_store(), run_id, config=config)

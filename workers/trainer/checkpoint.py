@@ -38,7 +38,7 @@ __all__ = [
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
-_VERSION_DIR = re.compile(r"^v(\d+)$")
+_VERSION_DIR = re.compile(r"^v(\d+)(?:-[a-z0-9]+)?$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,15 +50,20 @@ def _run_folder_name(run_id: str) -> str:
     return f"{safe}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
 
 
-def checkpoint_dir(data_dir: str | os.PathLike[str], run_id: str, version: int) -> Path:
-    """``<data_dir>/checkpoints/<run>/v<version, 6 digits>``; characters of ``run_id`` that are
-    unsafe in a file name are replaced (and a hash of the id appended). Raises ValueError for an
-    empty ``run_id`` or a negative ``version``."""
+def checkpoint_dir(data_dir: str | os.PathLike[str], run_id: str, version: int, *,
+                   tag: str | None = None) -> Path:
+    """``<data_dir>/checkpoints/<run>/v<version, 6 digits>[-<tag>]``; characters of ``run_id``
+    that are unsafe in a file name are replaced (and a hash of the id appended). Raises
+    ValueError for an empty ``run_id``, a negative ``version`` or a ``tag`` that is not
+    lowercase letters and digits."""
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be a non-negative integer, got {version!r}")
-    return Path(data_dir) / "checkpoints" / _run_folder_name(run_id) / f"v{version:06d}"
+    if tag is not None and not re.fullmatch(r"[a-z0-9]+", tag or ""):
+        raise ValueError(f"tag must be lowercase letters and digits, got {tag!r}")
+    name = f"v{version:06d}" + (f"-{tag}" if tag else "")
+    return Path(data_dir) / "checkpoints" / _run_folder_name(run_id) / name
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor],
@@ -179,7 +184,7 @@ def load_optimizer_state(directory: str | os.PathLike[str],
 
 
 def prune_checkpoints(run_folder: str | os.PathLike[str], *, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest version folders (``v<N>``) in ``run_folder`` and
+    """Delete all but the ``keep`` newest version folders (``v<N>[-<tag>]``) in ``run_folder`` and
     return the deleted paths; other files are left alone. Raises ValueError for ``keep < 1``."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be a positive integer, got {keep!r}")
@@ -187,9 +192,9 @@ def prune_checkpoints(run_folder: str | os.PathLike[str], *, keep: int) -> list[
     if not folder.is_dir():
         return []
     versions = sorted(
-        (int(match.group(1)), child) for child in folder.iterdir()
+        (int(match.group(1)), child.name, child) for child in folder.iterdir()
         if child.is_dir() and (match := _VERSION_DIR.match(child.name)))
-    doomed = [path for _, path in versions[:-keep]]
+    doomed = [path for _, _, path in versions[:-keep]]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -84,6 +84,8 @@ class TrainerConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self) -> None:
+        if isinstance(self.betas, list):  # JSON has no tuples (task arguments, saved configs)
+            object.__setattr__(self, "betas", tuple(self.betas))
         for name in ("groups_per_step", "ppo_epochs", "micro_batch_size", "logit_chunk_size",
                      "keep_checkpoints"):
             _positive_int(name, getattr(self, name))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch
 
-from store.eventlog import ANY, EventStore, run_stream_id
+from store.errors import ConflictError
+from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired, Leasing
 from workers.rollout.backend import WeightUpdatable
@@ -220,18 +222,9 @@ class Trainer:
                                between_steps=lambda: self._keep_lease(lease, started))
             self.steps_done += stats.optimizer_steps
 
-            version = max(current, self.leasing.current_policy_version(self.run_id)) + 1
             metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
                                     stats.metrics(), started)
-            path = save_checkpoint(
-                checkpoint_dir(self.data_dir, self.run_id, version), model=self.model,
-                tokenizer=self.tokenizer, optimizer=self.optimizer,
-                state={"run_id": self.run_id, "version": version, "step": self.steps_done,
-                       "metrics": metrics, "config": config.to_dict()})
-            prune_checkpoints(path.parent, keep=config.keep_checkpoints)
-            self.store.append(run_stream_id(self.run_id), [PolicyUpdated(
-                version=version, step=self.steps_done, metrics=metrics, checkpoint=str(path))],
-                ANY)
+            version, path = self._record(metrics, lease)
             changed = False  # the weights are recorded: a reopened trainer resumes from here
             try:
                 if self.engine is not None:
@@ -273,6 +266,32 @@ class Trainer:
             if on_step is not None:
                 on_step(result)
         return done
+
+    def _record(self, metrics: dict[str, float], lease: Lease) -> tuple[int, Path]:
+        """Save the checkpoint and append ``policy_updated`` under the next free version.
+
+        The run stream's version is checked on append, so two trainers of one run can never
+        record the same policy version: the loser of a race saves again under the next one.
+        Each checkpoint folder carries the lease id, so racing trainers never write into the
+        same folder."""
+        stream = run_stream_id(self.run_id)
+        while True:
+            expected = self.store.stream_version(stream)
+            version = self.leasing.current_policy_version(self.run_id) + 1
+            path = save_checkpoint(
+                checkpoint_dir(self.data_dir, self.run_id, version, tag=lease.lease_id.hex[:8]),
+                model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
+                state={"run_id": self.run_id, "version": version, "step": self.steps_done,
+                       "metrics": metrics, "config": self.config.to_dict()})
+            try:
+                self.store.append(stream, [PolicyUpdated(
+                    version=version, step=self.steps_done, metrics=metrics,
+                    checkpoint=str(path))], expected)
+            except ConflictError:
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            prune_checkpoints(path.parent, keep=self.config.keep_checkpoints)
+            return version, path
 
     def _keep_lease(self, lease: Lease, started: float) -> None:
         """Renew the lease once half of it has passed, so a long step keeps its samples."""
