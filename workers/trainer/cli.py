@@ -1,0 +1,93 @@
+"""``trajstore train``: the training loop in the foreground, with a progress bar.
+
+Registered on the ``trajstore`` command line by ``store.cli``; torch and transformers are
+imported only when the command runs, so other commands stay fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+__all__ = ["register"]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``train`` command to ``app``."""
+    app.command()(train)
+
+
+def train(
+    run: Annotated[str, typer.Option("--run", help="The run to train.")],
+    steps: Annotated[int, typer.Option(min=1, help="Training steps (policy updates).")] = 1,
+    groups: Annotated[int, typer.Option(min=1, help="Complete groups leased per step.")] = 4,
+    lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate.")] = 1e-6,
+    epochs: Annotated[int, typer.Option(min=1, help="PPO epochs over each batch.")] = 1,
+    mini_batch: Annotated[int | None, typer.Option(
+        min=1, help="Samples per optimizer step (default: the whole batch).")] = None,
+    micro_batch: Annotated[int, typer.Option(
+        min=1, help="Samples per forward pass (gradient accumulation).")] = 4,
+    max_staleness: Annotated[int | None, typer.Option(
+        min=0, help="Skip groups more than this many policy versions old.")] = None,
+    estimator: Annotated[str | None, typer.Option(
+        help="grpo or egpo (default: egpo when the run's EGPO lambda is above 0).")] = None,
+    temperature: Annotated[float, typer.Option(help="The rollouts' sampling temperature.")]
+    = 1.0,
+    kl_coef: Annotated[float, typer.Option(min=0.0, help="KL to the initial model.")] = 0.0,
+    model: Annotated[str | None, typer.Option(
+        help="Initial model folder (default: the run's).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda[:n] (default: cuda if "
+                                               "available).")] = None,
+    wait: Annotated[float, typer.Option(min=0.0, help="Seconds to wait for a ready batch "
+                                        "before stopping early.")] = 0.0,
+) -> None:
+    """Train a run in the foreground: lease, update, checkpoint, record, for --steps steps."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from store import errors
+    from store.eventlog import EventStore
+    from store.settings import get_settings
+    from workers.trainer.config import TrainerConfig
+    from workers.trainer.loop import StepResult, Trainer
+
+    console = Console(soft_wrap=True)
+    try:
+        config = TrainerConfig(groups_per_step=groups, lr=lr, ppo_epochs=epochs,
+                               mini_batch_size=mini_batch, micro_batch_size=micro_batch,
+                               max_staleness=max_staleness, advantage_estimator=estimator,
+                               temperature=temperature, kl_coef=kl_coef, device=device)
+    except (TypeError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    store = EventStore.open(get_settings())
+    try:
+        try:
+            trainer = Trainer.open(store, run, config=config, model=model)
+        except (errors.NotFoundError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+        with Progress(TextColumn("[bold]train[/bold] {task.fields[run]}"), BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[status]}"), console=console) as progress:
+            task = progress.add_task("train", total=steps, run=run, status="")
+
+            def show(result: StepResult) -> None:
+                metrics = result.metrics
+                progress.update(task, advance=1, status=(
+                    f"v{result.version} samples={result.samples} "
+                    f"reward={metrics.get('reward_mean', 0.0):.3f} "
+                    f"pg_loss={metrics.get('pg_loss', 0.0):.4f}"))
+
+            done = trainer.train(steps, wait_s=wait, on_step=show)
+        if done:
+            last = done[-1]
+            console.print(f"trained {len(done)} step(s); policy version {last.version}, "
+                          f"checkpoint {last.checkpoint}")
+        else:
+            console.print("nothing to train: no complete group is ready")
+        if len(done) < steps:
+            console.print(f"stopped after {len(done)} of {steps} steps: no batch ready"
+                          + (f" within {wait:g}s" if wait else ""))
+    finally:
+        store.close()
