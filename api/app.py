@@ -1,0 +1,67 @@
+"""The FastAPI application: ``create_app(settings)``; ``app_factory`` for uvicorn.
+
+One process serves ingest, queries, exports, batches over HTTP, the capture gateway and
+the remote-rollout endpoints. Every route except ``/health`` and ``/ready`` needs an API
+key; every error is ``{"error": {"code", "message", ...}}``. Run it with
+``trajstore serve``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.context import ApiContext
+from api.errors import install_error_handlers
+from api.limits import BodyLimit
+from api.openapi import install_openapi
+from api.routers import completions, episodes, health, leases, rollout, runs, samples
+from store.eventlog import EventStore
+from store.settings import Settings, get_settings
+
+__all__ = ["app_factory", "create_app"]
+
+DESCRIPTION = """\
+The REST face of trajstore, an event-sourced trajectory store for agentic RL.
+
+Authenticate with `Authorization: Bearer <key>` (or `X-API-Key`); keys are made with
+`trajstore keys create --project P --role ingest|read|admin`. Token payloads travel as
+JSON arrays or as base64 of little-endian int32 ids / float32 logprobs.
+"""
+
+
+def create_app(settings: Settings | None = None, *, store: EventStore | None = None
+               ) -> FastAPI:
+    """The API over ``store`` (default: the store the settings name, opened at startup
+    and closed at shutdown)."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own = store is None
+        opened = EventStore.open(settings) if own else store
+        assert opened is not None
+        ctx = ApiContext.build(settings, opened, owns_store=own)
+        app.state.ctx = ctx
+        try:
+            yield
+        finally:
+            if ctx._gateway is not None:
+                await ctx._gateway.aclose()
+            ctx.close()
+
+    app = FastAPI(title="trajstore", version="0.1.0", description=DESCRIPTION,
+                  lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.api_max_request_bytes)
+    install_error_handlers(app)
+    for module in (health, runs, episodes, samples, leases, completions, rollout):
+        app.include_router(module.router)
+    install_openapi(app)
+    return app
+
+
+def app_factory() -> FastAPI:
+    """The app as the environment configures it (``uvicorn --factory api.app:app_factory``)."""
+    return create_app()

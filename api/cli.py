@@ -1,0 +1,113 @@
+"""``trajstore serve`` and ``trajstore keys …``, registered into the store's CLI.
+
+Cheap to import: FastAPI, uvicorn and the store open only inside the commands.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+__all__ = ["register"]
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="Interface (default: settings).")] = None,
+    port: Annotated[int | None, typer.Option(min=1, max=65535,
+                                             help="Port (default: settings).")] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="Worker processes "
+                                                "(default: settings).")] = None,
+) -> None:
+    """Serve the REST API (uvicorn): ingest, queries, batches, the capture gateway."""
+    import uvicorn
+
+    from store.settings import get_settings
+
+    settings = get_settings()
+    uvicorn.run("api.app:app_factory", factory=True, host=host or settings.api_host,
+                port=port or settings.api_port, workers=workers or settings.api_workers,
+                log_level=settings.log_level.lower(), proxy_headers=True)
+
+
+def _key_store():  # type: ignore[no-untyped-def]
+    from api.keys import KeyStore
+    from store import errors
+    from store.eventlog import EventStore
+    from store.settings import get_settings
+
+    settings = get_settings()
+    try:
+        store = EventStore.open(settings)
+    except errors.StoreError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    return store, KeyStore(store.db, settings)
+
+
+def create_key(
+    project: Annotated[str, typer.Option(help="Project the key may see.")],
+    role: Annotated[str, typer.Option(help="ingest, read or admin.")],
+    name: Annotated[str | None, typer.Option(help="A note saying what the key is for.")]
+    = None,
+) -> None:
+    """Create an API key; the key is printed once and only its hash is kept."""
+    from api.keys import ROLES
+
+    if role not in ROLES:
+        raise typer.BadParameter(f"role must be one of {', '.join(ROLES)}, got {role!r}",
+                                 param_hint="--role")
+    store, keys = _key_store()
+    try:
+        try:
+            new = keys.create(project=project, role=role, name=name)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    finally:
+        store.close()
+    typer.echo(f"key_id:  {new.key.key_id}\nproject: {new.key.project}\nrole:    "
+               f"{new.key.role}\nkey (shown once, keep it secret):\n{new.token}")
+
+
+def list_keys(
+    project: Annotated[str | None, typer.Option(help="Only this project's keys.")] = None,
+    revoked: Annotated[bool, typer.Option("--revoked", help="Include revoked keys.")]
+    = False,
+) -> None:
+    """List API keys (ids, projects, roles; never secrets)."""
+    store, keys = _key_store()
+    try:
+        found = keys.list(project=project, include_revoked=revoked)
+    finally:
+        store.close()
+    typer.echo(f"{'key_id':<18}{'project':<24}{'role':<8}{'created':<27}{'revoked':<27}name")
+    for k in found:
+        revoked_at = k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "-"
+        typer.echo(f"{k.key_id:<18}{k.project:<24}{k.role:<8}"
+                   f"{k.created_at.isoformat(timespec='seconds'):<27}{revoked_at:<27}"
+                   f"{k.name or ''}")
+
+
+def revoke_key(key_id: Annotated[str, typer.Argument(help="The key id to revoke.")]) -> None:
+    """Revoke an API key: it stops working at once, for good."""
+    from store import errors
+
+    store, keys = _key_store()
+    try:
+        key = keys.revoke(key_id)
+    except errors.NotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
+    typer.echo(f"revoked {key.key_id} (project {key.project}, role {key.role})")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` and the ``keys`` commands to the ``trajstore`` CLI."""
+    app.command("serve")(serve)
+    keys = typer.Typer(help="API keys: create, list, revoke.", no_args_is_help=True)
+    keys.command("create")(create_key)
+    keys.command("list")(list_keys)
+    keys.command("revoke")(revoke_key)
+    app.add_typer(keys, name="keys")

@@ -1,0 +1,50 @@
+"""What every request of one API process shares: settings, the store, keys, ownership
+checks, leasing and the capture gateway. Built once per process by ``api.app.create_app``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from api.access import Access
+from api.keys import KeyStore
+from store.eventlog import EventStore
+from store.leasing import Leasing
+from store.settings import Settings
+
+if TYPE_CHECKING:
+    from api.gateway.service import Gateway
+
+__all__ = ["ApiContext"]
+
+
+@dataclass
+class ApiContext:
+    """Shared state of one API process. ``gateway`` is built on first use."""
+
+    settings: Settings
+    store: EventStore
+    keys: KeyStore
+    access: Access
+    leasing: Leasing
+    owns_store: bool = False
+    _gateway: Gateway | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, settings: Settings, store: EventStore, *, owns_store: bool) -> ApiContext:
+        return cls(settings=settings, store=store, keys=KeyStore(store.db, settings),
+                   access=Access(store), leasing=Leasing(store), owns_store=owns_store)
+
+    @property
+    def gateway(self) -> Gateway:
+        if self._gateway is None:
+            from api.gateway.service import Gateway
+
+            self._gateway = Gateway(self)
+        return self._gateway
+
+    def close(self) -> None:
+        if self._gateway is not None:
+            self._gateway.close()
+        if self.owns_store:
+            self.store.close()

@@ -1,0 +1,68 @@
+"""Dependencies of the routes, as ``Annotated`` types (the one place they are defined).
+
+``Ctx`` is the process's :class:`~api.context.ApiContext`. ``AnyKey``, ``IngestKey`` and
+``ReadKey`` authenticate the request (``Authorization: Bearer <key>`` or ``X-API-Key: <key>``)
+and answer 401 without a valid key, 403 when the key lacks the role (``admin`` has every
+role). Project checks need the resource and happen in the routes, through ``ctx.access``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request, Security
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+
+from api.context import ApiContext
+from api.errors import ApiError
+from api.keys import ApiKey
+
+__all__ = ["AnyKey", "Ctx", "IngestKey", "ReadKey", "authenticate", "get_context"]
+
+_bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer tsk_…`")
+_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="`X-API-Key: tsk_…`")
+
+
+def get_context(request: Request) -> ApiContext:
+    """The process's shared context."""
+    return request.app.state.ctx  # type: ignore[no-any-return]
+
+
+Ctx = Annotated[ApiContext, Depends(get_context)]
+
+
+def authenticate(
+    ctx: Ctx,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    header: Annotated[str | None, Security(_header)],
+) -> ApiKey:
+    """The live key the request carries; ApiError 401 when it carries none, or an unknown,
+    malformed or revoked one."""
+    token = bearer.credentials if bearer is not None else header
+    if not token:
+        raise ApiError(401, "unauthorized",
+                       "an API key is required: Authorization: Bearer <key> or X-API-Key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    key = ctx.keys.verify(token.strip())
+    if key is None:
+        raise ApiError(401, "unauthorized", "the API key is unknown, malformed or revoked",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return key
+
+
+AnyKey = Annotated[ApiKey, Depends(authenticate)]
+
+
+def _role(role: str):  # type: ignore[no-untyped-def]
+    def check(key: AnyKey) -> ApiKey:
+        if not key.allows(role):
+            raise ApiError(403, "forbidden",
+                           f"this key has role {key.role!r}; this route needs {role!r}")
+        return key
+
+    check.__name__ = f"require_{role}"
+    return check
+
+
+IngestKey = Annotated[ApiKey, Depends(_role("ingest"))]
+ReadKey = Annotated[ApiKey, Depends(_role("read"))]

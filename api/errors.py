@@ -1,0 +1,162 @@
+"""Every error the API answers with is JSON: ``{"error": {"code", "message", ...}}``.
+
+Store errors are translated here, once: validation → 422 (with ``event_index`` and
+``field``), conflict → 409 (with ``current_version``), idempotency clash → 409, not found →
+404, transient → 503. Request validation by FastAPI becomes 422 with the field path; HTTP
+errors of Starlette (404 route, 405 method) keep their status. Anything unexpected is a 500
+with a generic message (the traceback goes to the log, not to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from store import errors as store_errors
+
+__all__ = [
+    "ApiError",
+    "error_body",
+    "error_response",
+    "field_path",
+    "install_error_handlers",
+    "ERROR_RESPONSES",
+]
+
+log = logging.getLogger(__name__)
+
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    410: "gone",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    501: "not_implemented",
+    502: "upstream_error",
+    503: "unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, a short machine-readable ``code`` and a message naming
+    what is wrong; ``extra`` fields go into the error object beside them."""
+
+    def __init__(self, status: int, code: str, message: str, *,
+                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers
+        self.extra = extra
+
+
+def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    """The JSON body of an error."""
+    return {"error": {"code": code, "message": message, **extra}}
+
+
+def error_response(status: int, code: str, message: str, *,
+                   headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    """A JSON error response."""
+    return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
+
+
+def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    """``("body", "events", 3, "logprobs")`` → ``"body.events[3].logprobs"``."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        else:
+            out += ("." if out else "") + str(item)
+    return out or "(request)"
+
+
+def _store_error(exc: store_errors.StoreError) -> JSONResponse:
+    if isinstance(exc, store_errors.ValidationError):
+        extra: dict[str, Any] = {}
+        if exc.event_index is not None:
+            extra["event_index"] = exc.event_index
+        if exc.field:
+            extra["field"] = exc.field
+        return error_response(422, "invalid_event" if exc.event_index is not None
+                              else "invalid_request", str(exc), **extra)
+    if isinstance(exc, store_errors.ConflictError):
+        return error_response(409, "version_conflict", str(exc), stream_id=exc.stream_id,
+                              current_version=exc.actual)
+    if isinstance(exc, store_errors.IdempotencyError):
+        return error_response(409, "idempotency_conflict", str(exc),
+                              event_id=str(exc.event_id), position=exc.position)
+    if isinstance(exc, store_errors.NotFoundError):
+        return error_response(404, "not_found", str(exc))
+    if isinstance(exc, store_errors.TransientError):
+        return error_response(503, "unavailable", str(exc), headers={"Retry-After": "1"})
+    if type(exc).__name__ == "LeaseExpired":
+        return error_response(409, "lease_ended", str(exc))
+    log.error("store error: %s", exc)
+    return error_response(500, "store_error", "the store failed; see the server log")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the JSON error handlers on ``app``."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, headers=exc.headers,
+                              **exc.extra)
+
+    @app.exception_handler(store_errors.StoreError)
+    async def _store(request: Request, exc: store_errors.StoreError) -> JSONResponse:
+        return _store_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = exc.errors()
+        first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
+        loc = tuple(first.get("loc", ()))
+        extra: dict[str, Any] = {"field": field_path(loc)}
+        if len(loc) >= 3 and loc[:2] == ("body", "events") and isinstance(loc[2], int):
+            extra["event_index"] = loc[2]
+        details = [{"field": field_path(tuple(p.get("loc", ()))), "message": p.get("msg", "")}
+                   for p in problems[:20]]
+        return error_response(422, "invalid_request",
+                              f"{extra['field']}: {first.get('msg', 'invalid')}",
+                              details=details, **extra)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _STATUS_CODES.get(exc.status_code, "error")
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return error_response(exc.status_code, code, message,
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "internal error; see the server log")
+
+
+def _error_schema(description: str) -> dict[str, Any]:
+    from api.schemas.common import ErrorBody
+
+    return {"model": ErrorBody, "description": description}
+
+
+#: Error responses documented on every authenticated route.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: _error_schema("No API key, or an unknown or revoked one."),
+    403: _error_schema("The key lacks the role, or the resource is another project's."),
+    413: _error_schema("The request body is over the size limit."),
+    422: _error_schema("The request is invalid; `field` (and `event_index`) say where."),
+}

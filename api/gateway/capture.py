@@ -1,0 +1,99 @@
+"""The episode a gateway call belongs to, and recording the call as an ``llm_called``.
+
+The episode must exist (started through the ingest routes) and not be finished: a call
+recorded after ``episode_finished`` would make the episode impossible to replay. What
+never changes about an episode (its run, group, policy version, tools, the run's
+configuration) is cached per process.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from api import queries
+from api.access import Access
+from api.errors import ApiError
+from api.gateway.openai_format import Captured
+from api.keys import ApiKey
+from store.eventlog import ANY, AppendResult, EventStore, ExpectedVersion, run_stream_id
+from store.events import EpisodeStarted, LLMCalled, RunConfig, RunCreated
+
+__all__ = ["Capture", "EpisodeTarget"]
+
+
+@dataclass(frozen=True)
+class EpisodeTarget:
+    """An episode calls are recorded into, with what the gateway needs of it."""
+
+    episode_id: str
+    run_id: str
+    group_id: str
+    policy_version: int
+    config: RunConfig
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Capture:
+    """Looks up target episodes and appends captured calls to them."""
+
+    def __init__(self, store: EventStore, access: Access) -> None:
+        self.store = store
+        self.access = access
+        self._targets: OrderedDict[str, EpisodeTarget] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def target(self, key: ApiKey, episode_id: str) -> EpisodeTarget:
+        """The episode ``episode_id`` if ``key`` may record into it. ApiError 404 for an
+        unknown episode, 403 for another project's, 409 for a finished one."""
+        if not episode_id or len(episode_id) > 200:
+            raise ApiError(422, "invalid_request", f"episode id {episode_id[:60]!r} must be "
+                           "1 to 200 characters", field="header.X-Trajstore-Episode")
+        self.access.check_episode(key, episode_id)
+        with self._lock:
+            found = self._targets.get(episode_id)
+        if found is None:
+            found = self._load(episode_id)
+            with self._lock:
+                self._targets[episode_id] = found
+                while len(self._targets) > 10_000:
+                    self._targets.popitem(last=False)
+        if queries.episode_finished(self.store, episode_id):
+            raise ApiError(409, "episode_finished",
+                           f"episode {episode_id!r} is finished; calls can no longer be "
+                           "recorded into it")
+        return found
+
+    def _load(self, episode_id: str) -> EpisodeTarget:
+        first = self.store.read_stream(episode_id, to_version=1)
+        if not first or not isinstance(first[0].event, EpisodeStarted):
+            raise ApiError(404, "not_found", f"no episode {episode_id!r}")
+        started = first[0].event
+        run = self.store.read_stream(run_stream_id(started.run_id), to_version=1)
+        config = run[0].event.config if run and isinstance(run[0].event, RunCreated) \
+            else RunConfig()
+        return EpisodeTarget(episode_id=episode_id, run_id=started.run_id,
+                             group_id=started.group_id, policy_version=started.policy_version,
+                             config=config, tools=list(started.tools))
+
+    def record(self, target: EpisodeTarget, captured: Captured, *, agent: str, call_id: str,
+               messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               latency_ms: float, policy_version: int | None = None,
+               mask_check: dict[str, Any] | None = None,
+               expected_version: ExpectedVersion = ANY) -> AppendResult:
+        """Append the call as an ``llm_called`` of ``agent``. Store errors propagate
+        (validation of token ids and logprobs, a conflict under ``expected_version``)."""
+        response = dict(captured.message)
+        if mask_check is not None:
+            response["mask_check"] = mask_check
+        event = LLMCalled(
+            event_id=uuid.uuid4(), agent=agent, call_id=call_id, messages=messages,
+            tools=tools or None, prompt_ids=captured.prompt_ids,
+            response_ids=captured.response_ids, logprobs=captured.logprobs,
+            response=response, finish_reason=captured.finish_reason,
+            policy_version=target.policy_version if policy_version is None else policy_version,
+            latency_ms=latency_ms, usage=captured.usage)
+        return self.store.append(target.episode_id, [event], expected_version)

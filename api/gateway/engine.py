@@ -1,0 +1,66 @@
+"""The in-process engine: a ``workers.rollout`` transformers backend inside the API process.
+
+It serves the gateway when no upstream server is configured, and makes the API itself an
+OpenAI-compatible server with vLLM's token-id extensions, so one API process can be another
+one's upstream. One generation runs at a time (the backend is not thread-safe); callers run
+``generate`` in a worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from store.settings import Settings
+from workers.rollout.backend import GenerationRequest, GenerationResult
+
+__all__ = ["LocalEngine", "engine_model_dir"]
+
+
+def engine_model_dir(settings: Settings) -> Path | None:
+    """The model folder ``gateway_engine_model`` names (``"tiny"``: the built-in tiny model,
+    built once under the data directory), or None when it names none. Raises ValueError
+    for a folder that does not exist."""
+    name = settings.gateway_engine_model
+    if not name:
+        return None
+    if name == "tiny":
+        from workers.rollout.tinymodel import tiny_model_path
+
+        return tiny_model_path(settings.data_dir / "models")
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"gateway_engine_model {name!r} is not a model folder")
+    return path
+
+
+class LocalEngine:
+    """A transformers model answering generation requests one at a time."""
+
+    def __init__(self, model_dir: Path, *, device: str = "cpu", name: str = "trajstore"
+                 ) -> None:
+        from workers.rollout.backend_transformers import TransformersBackend
+
+        self.backend = TransformersBackend(model_dir, device=device)
+        self.tokenizer: Any = self.backend.tokenizer
+        self.name = name
+        self.model_dir = model_dir
+        self._lock = threading.Lock()
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one response (blocks while another generation runs). Raises ValueError
+        for a prompt that does not fit the model's context or ids outside its vocabulary."""
+        with self._lock:
+            return self.backend.generate(request)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw prompt (no special tokens added)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (for OpenAI logprob entries)."""
+        return str(self.tokenizer.decode([int(token_id)]))
+
+    def close(self) -> None:
+        self.backend = None  # type: ignore[assignment]

@@ -1,0 +1,432 @@
+"""The capture gateway the completion routes call.
+
+Three ways a call goes, decided per request:
+
+- **OpenAI-compatible capture**: the request goes to the upstream server (when
+  ``gateway_upstream_url`` is set) or the in-process engine; the answer goes back to the
+  caller as the engine gave it; when the request names an episode
+  (``X-Trajstore-Episode``) the call is appended to it as an ``llm_called`` with the
+  engine's exact prompt ids, generated ids and logprobs. Streamed answers are recorded once
+  complete, before the final ``[DONE]``. An upstream failure returns the upstream's status
+  and body and records nothing.
+- **Remote rollout** (a ``rollout_id`` in the body, TrainGate protocol): the gateway renders
+  the prompt itself with the run's tokenizer, checks the ``response_mask`` against its token
+  buffer (``rollout_buffer``), generates from the prompt ids, records the call with the
+  check's outcome, and answers with ``token_ids``, ``logprobs`` and ``prompt_token_ids``.
+- **Plain serving**: no episode and no rollout id: generate and answer, record nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.errors import ApiError, error_body, error_response
+from api.gateway.capture import Capture, EpisodeTarget
+from api.gateway.engine import LocalEngine, engine_model_dir
+from api.gateway.messages import normalize_messages, sampling_params
+from api.gateway.openai_format import (
+    Captured,
+    IncompleteAnswer,
+    StreamAccumulator,
+    assistant_message,
+    captured_chat,
+    captured_completion,
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+    strip_extensions,
+)
+from api.gateway.rollout_buffer import RolloutBuffers, check_mask
+from api.gateway.upstream import Upstream
+from api.keys import ApiKey
+from api.schemas.openai import ChatCompletionRequest, CompletionRequest
+from store import errors as store_errors
+from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from api.context import ApiContext
+
+__all__ = ["Gateway", "sse"]
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(chunks: Iterable[dict[str, Any]]) -> Iterator[bytes]:
+    """Server-sent events of ``chunks`` followed by ``data: [DONE]``."""
+    for chunk in chunks:
+        yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _passthrough(status: int, content: bytes, content_type: str | None) -> Response:
+    """An upstream error answer, status and body unchanged when the body is JSON."""
+    try:
+        json.loads(content)
+    except ValueError:
+        return error_response(status, "upstream_error",
+                              f"the upstream server answered {status}: "
+                              f"{content[:500].decode(errors='replace')}")
+    return Response(content, status_code=status,
+                    media_type=content_type or "application/json")
+
+
+def _engine_error(exc: Exception) -> ApiError:
+    return ApiError(422, "invalid_prompt", f"the engine refused the request: {exc}")
+
+
+class Gateway:
+    """The capture gateway of one API process (engine and upstream made on first use)."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.capture = Capture(ctx.store, ctx.access)
+        self.buffers = RolloutBuffers(ctx.store)
+        self._engine: LocalEngine | None = None
+        self._engine_lock = threading.Lock()
+        self._upstream: Upstream | None = None
+
+    # --- backends ---------------------------------------------------------------------------
+
+    @property
+    def has_upstream(self) -> bool:
+        return bool(self.settings.gateway_upstream_url)
+
+    def engine(self) -> LocalEngine:
+        """The in-process engine, loaded on first use. ApiError 503 when none is
+        configured."""
+        with self._engine_lock:
+            if self._engine is None:
+                try:
+                    folder = engine_model_dir(self.settings)
+                except ValueError as exc:
+                    raise ApiError(503, "no_engine", str(exc)) from None
+                if folder is None:
+                    raise ApiError(503, "no_engine", "no generation backend is configured: "
+                                   "set TRAJSTORE_GATEWAY_UPSTREAM_URL or "
+                                   "TRAJSTORE_GATEWAY_ENGINE_MODEL")
+                self._engine = LocalEngine(folder, device=self.settings.gateway_engine_device,
+                                           name=self.settings.gateway_model_name)
+            return self._engine
+
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            self._upstream = Upstream(self.settings)
+        return self._upstream
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+    async def aclose(self) -> None:
+        if self._upstream is not None:
+            await self._upstream.aclose()
+            self._upstream = None
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        engine = await run_in_threadpool(self.engine)
+        try:
+            return await run_in_threadpool(engine.generate, request)
+        except (ValueError, TypeError) as exc:
+            raise _engine_error(exc) from None
+        except Exception as exc:  # chat template errors (jinja2) on odd messages
+            if type(exc).__module__.startswith("jinja2"):
+                raise _engine_error(exc) from None
+            raise
+
+    async def _target(self, key: ApiKey, episode: str | None) -> EpisodeTarget | None:
+        if episode is None:
+            return None
+        return await run_in_threadpool(self.capture.target, key, episode)
+
+    async def _record(self, target: EpisodeTarget | None, captured: Captured, **kw: Any
+                      ) -> None:
+        if target is not None:
+            await run_in_threadpool(lambda: self.capture.record(target, captured, **kw))
+
+    # --- OpenAI-compatible capture ---------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, *, key: ApiKey, episode: str | None,
+                   agent: str, policy_version: int | None) -> Response:
+        """``POST /v1/chat/completions``."""
+        if body.rollout_id is not None:
+            return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
+        target = await self._target(key, episode)
+        messages = normalize_messages(body.messages)
+        tools = body.tools or None
+        record = {"agent": agent, "messages": messages, "tools": tools,
+                  "policy_version": policy_version}
+        if self.has_upstream:
+            return await self._forward(body.model_dump(exclude_unset=True), chat=True,
+                                       target=target, want_logprobs=bool(body.logprobs),
+                                       want_ids=bool(body.return_token_ids),
+                                       stream=bool(body.stream), record=record)
+        sampling = sampling_params(temperature=body.temperature, top_p=body.top_p,
+                                   max_tokens=body.max_completion_tokens or body.max_tokens,
+                                   seed=body.seed, stop=body.stop,
+                                   cap=self.settings.gateway_max_tokens)
+        started = time.perf_counter()
+        result = await self._generate(GenerationRequest(
+            sampling=sampling, messages=tuple(messages), tools=tuple(tools) if tools else None))
+        latency = (time.perf_counter() - started) * 1000
+        call_id = f"chatcmpl-{uuid.uuid4().hex}"
+        parse_tools = bool(tools) and body.tool_choice != "none"
+        message = assistant_message(result.text, call_id=call_id, parse_tools=parse_tools)
+        captured = self._captured(result, message)
+        await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
+        engine = self.engine()
+        common = dict(request_id=call_id, created=int(time.time()), model=engine.name,
+                      message=message, finish_reason=result.finish_reason,
+                      prompt_ids=captured.prompt_ids, response_ids=captured.response_ids,
+                      logprobs=captured.logprobs, return_token_ids=bool(body.return_token_ids))
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            chunks = chat_chunks(**common, token_text=engine.token_text,
+                                 want_logprobs=bool(body.logprobs), include_usage=include_usage)
+            return StreamingResponse(sse(chunks), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        return JSONResponse(chat_response(
+            **common, token_text=engine.token_text if body.logprobs else None))
+
+    async def completion(self, body: CompletionRequest, *, key: ApiKey, episode: str | None,
+                         agent: str, policy_version: int | None) -> Response:
+        """``POST /v1/completions``."""
+        if body.rollout_id is not None:
+            return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
+        if body.messages is not None or body.prompt is None:
+            raise ApiError(422, "invalid_request", "a completion needs a prompt (messages go "
+                           "to /v1/chat/completions, or come with a rollout_id)",
+                           field="body.prompt")
+        if body.echo:
+            raise ApiError(422, "invalid_request", "echo is not supported", field="body.echo")
+        target = await self._target(key, episode)
+        want_logprobs = body.logprobs is not None and body.logprobs is not False
+        record = {"agent": agent, "messages": [], "tools": None,
+                  "policy_version": policy_version}
+        if self.has_upstream:
+            return await self._forward(body.model_dump(exclude_unset=True), chat=False,
+                                       target=target, want_logprobs=want_logprobs,
+                                       want_ids=bool(body.return_token_ids),
+                                       stream=bool(body.stream), record=record)
+        sampling = sampling_params(temperature=body.temperature, top_p=body.top_p,
+                                   max_tokens=body.max_tokens, seed=body.seed, stop=body.stop,
+                                   cap=self.settings.gateway_max_tokens)
+        engine = await run_in_threadpool(self.engine)
+        ids = engine.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not ids:
+            raise ApiError(422, "invalid_request", "the prompt encodes to no tokens",
+                           field="body.prompt")
+        started = time.perf_counter()
+        result = await self._generate(GenerationRequest(sampling=sampling,
+                                                        prompt_ids=tuple(ids)))
+        latency = (time.perf_counter() - started) * 1000
+        call_id = f"cmpl-{uuid.uuid4().hex}"
+        captured = self._captured(result, {"role": "assistant", "content": result.text})
+        await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
+        common = dict(request_id=call_id, created=int(time.time()), model=engine.name,
+                      text=result.text, finish_reason=result.finish_reason,
+                      prompt_ids=captured.prompt_ids, response_ids=captured.response_ids,
+                      logprobs=captured.logprobs, return_token_ids=bool(body.return_token_ids))
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            chunks = completion_chunks(**common, token_text=engine.token_text,
+                                       want_logprobs=want_logprobs, include_usage=include_usage)
+            return StreamingResponse(sse(chunks), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        return JSONResponse(completion_response(
+            **common, token_text=engine.token_text if want_logprobs else None))
+
+    @staticmethod
+    def _captured(result: GenerationResult, message: dict[str, Any]) -> Captured:
+        finish = "tool_calls" if message.get("tool_calls") and result.finish_reason == "stop" \
+            else result.finish_reason
+        prompt, response = result.prompt_ids.tolist(), result.response_ids.tolist()
+        return Captured(prompt_ids=prompt, response_ids=response,
+                        logprobs=result.logprobs.tolist(), message=message,
+                        finish_reason=finish,
+                        usage={"prompt_tokens": len(prompt), "completion_tokens": len(response),
+                               "total_tokens": len(prompt) + len(response)})
+
+    async def _forward(self, body: dict[str, Any], *, chat: bool,
+                       target: EpisodeTarget | None, want_logprobs: bool, want_ids: bool,
+                       stream: bool, record: dict[str, Any]) -> Response:
+        upstream = self.upstream()
+        path = "/chat/completions" if chat else "/completions"
+        payload = upstream.prepare(body, chat=chat)
+        started = time.perf_counter()
+        if not stream:
+            answer = await upstream.post(path, payload)
+            if answer.status_code >= 400:
+                return _passthrough(answer.status_code, answer.content,
+                                    answer.headers.get("content-type"))
+            try:
+                data = answer.json()
+                captured = captured_chat(data) if chat else captured_completion(data)
+            except (ValueError, IncompleteAnswer) as exc:
+                raise ApiError(502, "upstream_incomplete", str(exc)) from None
+            latency = (time.perf_counter() - started) * 1000
+            await self._record(target, captured, call_id=str(data.get("id") or uuid.uuid4()),
+                               latency_ms=latency, **record)
+            strip_extensions(data, keep_logprobs=want_logprobs, keep_token_ids=want_ids)
+            return JSONResponse(data, status_code=answer.status_code)
+        answer = await upstream.open_stream(path, payload)
+        if answer.status_code >= 400:
+            content = await answer.aread()
+            await answer.aclose()
+            return _passthrough(answer.status_code, content, answer.headers.get("content-type"))
+        return StreamingResponse(
+            self._relay(answer, chat=chat, target=target, want_logprobs=want_logprobs,
+                        want_ids=want_ids, record=record, started=started),
+            media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def _relay(self, answer: httpx.Response, *, chat: bool, target: EpisodeTarget | None,
+                     want_logprobs: bool, want_ids: bool, record: dict[str, Any],
+                     started: float) -> AsyncIterator[bytes]:
+        """Relay an upstream stream chunk by chunk; record the call when ``[DONE]`` comes."""
+        acc = StreamAccumulator(chat=chat)
+        call_id: str | None = None
+        try:
+            async for line in answer.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    try:
+                        await self._record(target, acc.result(),
+                                           call_id=call_id or str(uuid.uuid4()),
+                                           latency_ms=(time.perf_counter() - started) * 1000,
+                                           **record)
+                    except (IncompleteAnswer, store_errors.StoreError) as exc:
+                        log.warning("streamed call not recorded: %s", exc)
+                        body = error_body("not_recorded", f"the call was not recorded: {exc}")
+                        yield b"data: " + json.dumps(body).encode() + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                    return
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    continue
+                if isinstance(chunk, dict):
+                    call_id = call_id or chunk.get("id")
+                    acc.feed(chunk)
+                    strip_extensions(chunk, keep_logprobs=want_logprobs,
+                                     keep_token_ids=want_ids)
+                yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        finally:
+            await answer.aclose()
+
+    # --- remote rollout (TrainGate) --------------------------------------------------------
+
+    async def remote(self, body: ChatCompletionRequest | CompletionRequest, *, key: ApiKey,
+                     agent: str, policy_version: int | None) -> JSONResponse:
+        """A remote-rollout call (module docstring)."""
+        from workers.tokenizers import TokenizerNotFound, load_tokenizer
+
+        if body.stream:
+            raise ApiError(422, "invalid_request", "remote-rollout calls are not streamed",
+                           field="body.stream")
+        if not body.messages:
+            raise ApiError(422, "invalid_request", "a remote-rollout call carries the full "
+                           "messages", field="body.messages")
+        rollout_id = body.rollout_id or ""
+        target = await self._target(key, rollout_id)
+        assert target is not None
+        messages = normalize_messages(body.messages)
+        tools = body.tools or target.tools or None
+        config = target.config
+        try:
+            tokenizer = await run_in_threadpool(load_tokenizer,
+                                                config.tokenizer or config.model)
+        except TokenizerNotFound as exc:
+            raise ApiError(409, "tokenizer_not_found", str(exc)) from None
+        try:
+            prompt = await run_in_threadpool(_render, tokenizer, messages, tools,
+                                             config.chat_template)
+        except Exception as exc:  # the template refused these messages
+            raise ApiError(422, "template_error", f"the run's chat template cannot render "
+                           f"these messages: {exc}", field="body.messages") from None
+        version, buffer = await run_in_threadpool(self.buffers.get, rollout_id, agent)
+        check = check_mask(buffer, prompt, body.response_mask)
+        sampling = sampling_params(temperature=body.temperature, top_p=body.top_p,
+                                   max_tokens=getattr(body, "max_completion_tokens", None)
+                                   or body.max_tokens, seed=body.seed, stop=body.stop,
+                                   cap=self.settings.gateway_max_tokens)
+        call_id = f"chatcmpl-{uuid.uuid4().hex}"
+        started = time.perf_counter()
+        response_ids, logprobs, text, finish, model = await self._remote_generate(
+            prompt, sampling)
+        latency = (time.perf_counter() - started) * 1000
+        message = assistant_message(text, call_id=call_id, parse_tools=True)
+        finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" \
+            else finish
+        captured = Captured(
+            prompt_ids=prompt, response_ids=response_ids, logprobs=logprobs, message=message,
+            finish_reason=finish_reason,
+            usage={"prompt_tokens": len(prompt), "completion_tokens": len(response_ids),
+                   "total_tokens": len(prompt) + len(response_ids)})
+        result = await run_in_threadpool(lambda: self.capture.record(
+            target, captured, agent=agent, call_id=call_id, messages=messages, tools=tools,
+            latency_ms=latency, policy_version=policy_version, mask_check=check.to_dict(),
+            expected_version=version))
+        self.buffers.remember(rollout_id, agent, version=result.version, prompt_ids=prompt,
+                              response_ids=response_ids)
+        return JSONResponse({
+            "id": call_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                         "token_ids": response_ids}],
+            "token_ids": response_ids, "logprobs": logprobs, "prompt_token_ids": prompt,
+            "usage": captured.usage, "mask_check": check.to_dict(),
+        })
+
+    async def _remote_generate(self, prompt: list[int], sampling: SamplingParams
+                               ) -> tuple[list[int], list[float], str, str, str]:
+        if not self.has_upstream:
+            result = await self._generate(GenerationRequest(sampling=sampling,
+                                                            prompt_ids=tuple(prompt)))
+            return (result.response_ids.tolist(), result.logprobs.tolist(), result.text,
+                    result.finish_reason, self.engine().name)
+        upstream = self.upstream()
+        body: dict[str, Any] = {"model": upstream.model or self.settings.gateway_model_name,
+                                "prompt": prompt, "skip_special_tokens": True,
+                                **{k: v for k, v in sampling.to_dict().items()
+                                   if v is not None and v != []}}
+        answer = await upstream.post("/completions", upstream.prepare(body, chat=False))
+        if answer.status_code >= 400:
+            raise ApiError(502 if answer.status_code >= 500 else answer.status_code,
+                           "upstream_error", f"the upstream server answered "
+                           f"{answer.status_code}: {answer.text[:500]}")
+        try:
+            data = answer.json()
+            captured = captured_completion(data)
+        except (ValueError, IncompleteAnswer) as exc:
+            raise ApiError(502, "upstream_incomplete", str(exc)) from None
+        if captured.prompt_ids != prompt:
+            raise ApiError(502, "upstream_incomplete", "the upstream server reports other "
+                           "prompt ids than the ones sent")
+        return (captured.response_ids, captured.logprobs, captured.message["content"],
+                captured.finish_reason or "stop", str(data.get("model") or ""))
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None, chat_template: str | None) -> list[int]:
+    """The prompt ids the run's tokenizer renders for ``messages`` (generation prompt
+    appended), as replay will render them."""
+    kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": True,
+                              "tokenize": True, "return_dict": False}
+    if chat_template:
+        kwargs["chat_template"] = chat_template
+    return [int(i) for i in tokenizer.apply_chat_template(messages, **kwargs)]

@@ -1,0 +1,70 @@
+"""The OpenAPI document: FastAPI's, plus the schema of every event type, so that the batch
+append's ``events`` items are described exactly (a ``oneOf`` on ``type``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import GenerateJsonSchema
+
+from store.events import EVENT_TYPES
+
+__all__ = ["event_schemas", "install_openapi"]
+
+_TOKENS = {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                     {"type": "string", "description": "base64 of little-endian int32 ids "
+                                                       "or float32 logprobs"}]}
+
+
+class _TokenArrays(GenerateJsonSchema):
+    """Token payloads are numpy arrays in the store; over HTTP a list or base64 text."""
+
+    def is_instance_schema(self, schema: Any) -> dict[str, Any]:
+        return dict(_TOKENS)
+
+
+def event_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(schemas by component name, their $defs)`` of every event type, each with its
+    ``type`` constant required."""
+    schemas: dict[str, Any] = {}
+    defs: dict[str, Any] = {}
+    for name, cls in sorted(EVENT_TYPES.items()):
+        js = cls.model_json_schema(ref_template="#/components/schemas/{model}",
+                                   schema_generator=_TokenArrays)
+        defs.update(js.pop("$defs", {}))
+        js["properties"] = {"type": {"type": "string", "const": name, "enum": [name]},
+                            **js.get("properties", {})}
+        js["required"] = ["type", *js.get("required", [])]
+        js["title"] = f"{cls.__name__}Event"
+        schemas[f"{cls.__name__}Event"] = js
+    return schemas, defs
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make ``app.openapi()`` describe event types in the append request."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        document = get_openapi(title=app.title, version=app.version,
+                               description=app.description, routes=app.routes)
+        components = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas, defs = event_schemas()
+        for name, schema in defs.items():
+            components.setdefault(name, schema)
+        components.update(schemas)
+        append = components.get("AppendRequest")
+        if append is not None:
+            refs = [{"$ref": f"#/components/schemas/{name}"} for name in schemas]
+            append["properties"]["events"]["items"] = {
+                "oneOf": refs,
+                "discriminator": {"propertyName": "type", "mapping": {
+                    s["properties"]["type"]["const"]: f"#/components/schemas/{name}"
+                    for name, s in schemas.items()}},
+            }
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]

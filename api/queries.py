@@ -1,0 +1,292 @@
+"""Read queries the API needs beyond the store's own: every SQL statement of the API that is
+not about keys lives here, as functions taking the store.
+
+Episodes are listed from the log (``episode_started`` rows, in start order) joined with the
+replay projection where it exists, so an episode shows up as soon as it starts; status and
+reward come from the projection when the episode was replayed and from its events
+otherwise. Pages are cut by the start event's position (a keyset cursor: stable while new
+episodes arrive, no OFFSET scans).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg.rows import dict_row
+
+from store.eventlog import EventStore, run_stream_id
+
+__all__ = [
+    "EpisodeFilters",
+    "SampleFilters",
+    "episode_finished",
+    "episode_row",
+    "episode_run",
+    "iter_samples",
+    "lease_run",
+    "list_episodes",
+    "list_runs",
+    "list_samples",
+    "run_episode_counts",
+    "run_ids_of",
+    "run_record",
+]
+
+
+@dataclass(frozen=True)
+class EpisodeFilters:
+    """Filters of an episode listing; None means "any". ``run_ids`` is required (the runs
+    the caller may see). ``reward_min``/``reward_max`` are inclusive; ``started_after`` is
+    inclusive and ``started_before`` exclusive."""
+
+    run_ids: Sequence[str]
+    group_id: str | None = None
+    status: str | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    policy_version: int | None = None
+    error_type: str | None = None
+    tool_name: str | None = None
+    started_after: dt.datetime | None = None
+    started_before: dt.datetime | None = None
+
+
+_EPISODE_SELECT = """
+SELECT s.position, s.stream_id AS episode_id, s.run_id, s.group_id, s.recorded_at AS started_at,
+       s.data->>'task_id' AS task_id,
+       coalesce(p.policy_version, (s.data->>'policy_version')::int) AS policy_version,
+       coalesce(p.status,
+                (SELECT f.data->>'status' FROM events f
+                  WHERE f.stream_id = s.stream_id AND f.type = 'episode_finished' LIMIT 1),
+                'running') AS status,
+       coalesce(p.reward,
+                (SELECT (r.data->>'value')::float8 FROM events r
+                  WHERE r.stream_id = s.stream_id AND r.type = 'reward_assigned'
+                  ORDER BY r.stream_version DESC LIMIT 1)) AS reward,
+       (SELECT max(v.stream_version) FROM events v WHERE v.stream_id = s.stream_id) AS events,
+       p.finished_at, p.invalid_reason, p.projected_version, p.llm_calls, p.tool_calls,
+       p.tool_errors, p.attempts_failed, p.rollbacks, p.timelines, p.survivors, p.forks,
+       p.drifted_messages, p.negatives, p.tokens
+FROM events s
+LEFT JOIN episodes p ON p.episode_id = s.stream_id
+"""
+
+_ERROR_TYPE = """
+EXISTS (SELECT 1 FROM events t WHERE t.stream_id = s.stream_id
+        AND ((t.type = 'tool_returned' AND t.data->>'error_type' = %(error_type)s)
+          OR (t.type = 'attempt_failed' AND EXISTS (
+                SELECT 1 FROM json_array_elements_text(t.data->'error_types') x(v)
+                WHERE x.v = %(error_type)s))))
+"""
+
+_TOOL_NAME = """
+EXISTS (SELECT 1 FROM events t WHERE t.stream_id = s.stream_id
+        AND t.type = 'tool_returned' AND t.data->>'name' = %(tool_name)s)
+"""
+
+
+def list_episodes(store: EventStore, filters: EpisodeFilters, *, after: int = 0,
+                  limit: int = 100) -> list[dict[str, Any]]:
+    """One page of episodes matching ``filters`` whose start position is past ``after``, in
+    start order (dicts of the columns of ``_EPISODE_SELECT``). Raises ValueError for a
+    ``limit`` below 1 or an empty ``run_ids``."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if not filters.run_ids:
+        return []
+    where = ["s.type = 'episode_started'", "s.run_id = ANY(%(runs)s)", "s.position > %(after)s"]
+    params: dict[str, Any] = {"runs": list(filters.run_ids), "after": after, "limit": limit}
+    if filters.group_id is not None:
+        where.append("s.group_id = %(group)s")
+        params["group"] = filters.group_id
+    if filters.started_after is not None:
+        where.append("s.recorded_at >= %(t0)s")
+        params["t0"] = filters.started_after
+    if filters.started_before is not None:
+        where.append("s.recorded_at < %(t1)s")
+        params["t1"] = filters.started_before
+    outer = []
+    if filters.status is not None:
+        outer.append("e.status = %(status)s")
+        params["status"] = filters.status
+    if filters.reward_min is not None:
+        outer.append("e.reward >= %(rmin)s")
+        params["rmin"] = filters.reward_min
+    if filters.reward_max is not None:
+        outer.append("e.reward <= %(rmax)s")
+        params["rmax"] = filters.reward_max
+    if filters.policy_version is not None:
+        outer.append("e.policy_version = %(pv)s")
+        params["pv"] = filters.policy_version
+    if filters.error_type is not None:
+        where.append(_ERROR_TYPE)
+        params["error_type"] = filters.error_type
+    if filters.tool_name is not None:
+        where.append(_TOOL_NAME)
+        params["tool_name"] = filters.tool_name
+    # The inner query walks events_episodes_idx in position order; filters on computed
+    # columns (status, reward, policy) sit outside it so they see the coalesced values.
+    sql = (f"SELECT * FROM ({_EPISODE_SELECT} WHERE {' AND '.join(where)}"
+           f" ORDER BY s.position) e")
+    if outer:
+        sql += " WHERE " + " AND ".join(outer)
+    sql += " ORDER BY e.position LIMIT %(limit)s"
+    with store.db.connection() as conn:
+        return conn.cursor(row_factory=dict_row).execute(sql, params).fetchall()
+
+
+def episode_row(store: EventStore, episode_id: str) -> dict[str, Any] | None:
+    """The listing row of one episode (None when there is no such episode)."""
+    with store.db.connection() as conn:
+        return conn.cursor(row_factory=dict_row).execute(
+            _EPISODE_SELECT + " WHERE s.stream_id = %s AND s.stream_version = 1"
+            " AND s.type = 'episode_started'",
+            (episode_id,),
+        ).fetchone()
+
+
+def episode_run(store: EventStore, episode_id: str) -> str | None:
+    """The run an episode belongs to (None: no such episode)."""
+    with store.db.connection() as conn:
+        row = conn.execute(
+            "SELECT run_id FROM events WHERE stream_id = %s AND stream_version = 1"
+            " AND type = 'episode_started'",
+            (episode_id,),
+        ).fetchone()
+    return None if row is None else row[0]
+
+
+def lease_run(store: EventStore, lease_id: uuid.UUID) -> str | None:
+    """The run of a lease (None: no such lease)."""
+    with store.db.connection() as conn:
+        row = conn.execute("SELECT run_id FROM leases WHERE lease_id = %s",
+                           (lease_id,)).fetchone()
+    return None if row is None else row[0]
+
+
+def run_record(store: EventStore, run_id: str) -> dict[str, Any] | None:
+    """The run's ``run_created`` data with its time and stream version (None: no run)."""
+    with store.db.connection() as conn:
+        return conn.cursor(row_factory=dict_row).execute(
+            "SELECT r.run_id, r.data, r.recorded_at AS created_at,"
+            " (SELECT max(v.stream_version) FROM events v WHERE v.stream_id = r.stream_id)"
+            " AS version"
+            " FROM events r WHERE r.stream_id = %s AND r.stream_version = 1"
+            " AND r.type = 'run_created'",
+            (run_stream_id(run_id),),
+        ).fetchone()
+
+
+def list_runs(store: EventStore, project: str) -> list[dict[str, Any]]:
+    """Every run of ``project``, oldest first (run_id, data, created_at)."""
+    with store.db.connection() as conn:
+        return conn.cursor(row_factory=dict_row).execute(
+            "SELECT run_id, data, recorded_at AS created_at FROM events"
+            " WHERE type = 'run_created' AND data->>'project' = %s ORDER BY position",
+            (project,),
+        ).fetchall()
+
+
+def run_ids_of(store: EventStore, project: str) -> list[str]:
+    """The ids of every run of ``project``."""
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            "SELECT run_id FROM events WHERE type = 'run_created' AND data->>'project' = %s",
+            (project,),
+        ).fetchall()
+    return [r[0] for r in rows]
+
+
+def run_episode_counts(store: EventStore, run_id: str) -> dict[str, int]:
+    """Episodes of a run: ``started`` (from the log) and, per status, those replayed."""
+    with store.db.connection() as conn:
+        started = conn.execute(
+            "SELECT count(*) FROM events WHERE run_id = %s AND type = 'episode_started'",
+            (run_id,),
+        ).fetchone()[0]
+        rows = conn.execute(
+            "SELECT status, count(*) FROM episodes WHERE run_id = %s GROUP BY status",
+            (run_id,),
+        ).fetchall()
+    out = {"started": started}
+    out.update({status: n for status, n in rows})
+    return out
+
+
+@dataclass(frozen=True)
+class SampleFilters:
+    """Filters of a sample listing or export; None means "any"."""
+
+    run_id: str
+    group_id: str | None = None
+    kind: str | None = None
+    status: str | None = None
+
+
+_SAMPLE_COLUMNS = (
+    "sample_id, run_id, group_id, episode_id, agent, kind, status, reward, policy_version,"
+    " prompt_length, num_tokens, num_trainable, timeline_index, position_key, retry_index,"
+    " error_types, error_messages"
+)
+_TOKEN_COLUMNS = ", token_ids, loss_mask, logprobs"
+
+
+def _sample_where(filters: SampleFilters) -> tuple[str, dict[str, Any]]:
+    where = ["run_id = %(run)s"]
+    params: dict[str, Any] = {"run": filters.run_id}
+    for name, column in (("group_id", "group_id"), ("kind", "kind"), ("status", "status")):
+        value = getattr(filters, name)
+        if value is not None:
+            where.append(f"{column} = %({name})s")
+            params[name] = value
+    return " AND ".join(where), params
+
+
+def list_samples(store: EventStore, filters: SampleFilters, *, after: int = 0,
+                 limit: int = 100, tokens: bool = True) -> list[dict[str, Any]]:
+    """One page of samples (by ``sample_id`` past ``after``), with their token columns
+    (raw little-endian bytes) when ``tokens``. Raises ValueError for ``limit`` below 1."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    where, params = _sample_where(filters)
+    params.update(after=after, limit=limit)
+    columns = _SAMPLE_COLUMNS + (_TOKEN_COLUMNS if tokens else "")
+    with store.db.connection() as conn:
+        return conn.cursor(row_factory=dict_row, binary=True).execute(
+            f"SELECT {columns} FROM samples WHERE {where} AND sample_id > %(after)s"
+            " ORDER BY sample_id LIMIT %(limit)s",
+            params,
+        ).fetchall()
+
+
+def iter_samples(store: EventStore, filters: SampleFilters, *, chunk: int = 256
+                 ) -> Iterator[list[dict[str, Any]]]:
+    """Every matching sample with its tokens, in ``sample_id`` order, ``chunk`` rows at a
+    time from a server-side cursor: memory stays at one chunk however large the run. The
+    connection is held until the iterator is exhausted or closed."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    where, params = _sample_where(filters)
+    with store.db.transaction() as conn:
+        cur = conn.cursor(name=f"export_{uuid.uuid4().hex[:12]}", row_factory=dict_row,
+                          binary=True)
+        cur.itersize = chunk
+        cur.execute(f"SELECT {_SAMPLE_COLUMNS}{_TOKEN_COLUMNS} FROM samples WHERE {where}"
+                    " ORDER BY sample_id", params)
+        while rows := cur.fetchmany(chunk):
+            yield rows
+        cur.close()
+
+
+def episode_finished(store: EventStore, episode_id: str) -> bool:
+    """Whether the episode's ``episode_finished`` is stored."""
+    with store.db.connection() as conn:
+        return conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM events WHERE stream_id = %s"
+            " AND type = 'episode_finished')",
+            (episode_id,),
+        ).fetchone()[0]

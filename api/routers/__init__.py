@@ -1,0 +1,3 @@
+"""One router per resource."""
+
+__all__: list[str] = []

@@ -1,0 +1,58 @@
+"""The OpenAI-compatible capture gateway: ``/v1/chat/completions`` and ``/v1/completions``.
+
+``X-Trajstore-Episode`` names the episode a call is recorded into (none: the call is
+answered and not recorded); ``X-Trajstore-Agent`` the agent (default ``main``);
+``X-Trajstore-Policy-Version`` the weights version that answered, when the caller knows it
+better than the episode does. A body with ``rollout_id`` is a remote-rollout call
+(TrainGate): see ``api.gateway.service``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Response
+
+from api.deps import Ctx, IngestKey
+from api.errors import ERROR_RESPONSES
+from api.schemas.common import ErrorBody
+from api.schemas.openai import ChatCompletionRequest, CompletionRequest, CompletionResponse
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["gateway"], responses={
+    **ERROR_RESPONSES,
+    404: {"model": ErrorBody, "description": "The episode (or rollout) does not exist."},
+    409: {"model": ErrorBody, "description": "The episode is finished, or a concurrent "
+                                             "call of the same rollout was recorded first."},
+    502: {"model": ErrorBody, "description": "The upstream server failed or answered "
+                                             "without token ids."},
+    503: {"model": ErrorBody, "description": "No generation backend is configured."},
+})
+
+_STREAM = {200: {"content": {"text/event-stream": {}},
+                 "description": "The answer (JSON, or server-sent events with `stream`)."}}
+
+Episode = Annotated[str | None, Header(alias="X-Trajstore-Episode", max_length=200)]
+Agent = Annotated[str | None, Header(alias="X-Trajstore-Agent", min_length=1, max_length=200)]
+PolicyVersion = Annotated[int | None, Header(alias="X-Trajstore-Policy-Version", ge=0,
+                                             le=2**31 - 1)]
+
+
+@router.post("/chat/completions", response_model=CompletionResponse, responses=_STREAM)
+async def chat_completions(body: ChatCompletionRequest, key: IngestKey, ctx: Ctx,
+                           episode: Episode = None, agent: Agent = None,
+                           policy_version: PolicyVersion = None) -> Response:
+    """OpenAI chat completions through the capture gateway."""
+    return await ctx.gateway.chat(body, key=key, episode=episode or None,
+                                  agent=agent or "main", policy_version=policy_version)
+
+
+@router.post("/completions", response_model=CompletionResponse, responses=_STREAM)
+async def completions(body: CompletionRequest, key: IngestKey, ctx: Ctx,
+                      episode: Episode = None, agent: Agent = None,
+                      policy_version: PolicyVersion = None) -> Response:
+    """OpenAI text completions through the capture gateway (and TrainGate's
+    ``/v1/completions`` with ``rollout_id`` and ``messages``)."""
+    return await ctx.gateway.completion(body, key=key, episode=episode or None,
+                                        agent=agent or "main", policy_version=policy_version)

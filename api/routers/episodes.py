@@ -1,0 +1,180 @@
+"""Episodes: start one, append batches of events, list with filters, read one with its
+events, and its merged timelines."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response
+
+from api import queries
+from api.cursor import decode_cursor, encode_cursor
+from api.deps import Ctx, IngestKey, ReadKey
+from api.errors import ERROR_RESPONSES, ApiError
+from api.ingest import EPISODE_TYPES, append_batch
+from api.schemas.episodes import (
+    AppendRequest,
+    AppendResult,
+    EpisodeCreate,
+    EpisodeCreated,
+    EpisodeDetail,
+    EpisodePage,
+    EpisodeStatus,
+    EpisodeSummary,
+    EpisodeTimelines,
+)
+from api.timelines import episode_timelines
+from api.tokens import Encoding, encode_array
+from store import errors as store_errors
+from store.eventlog import NO_STREAM, RecordedEvent
+from store.events import EpisodeStarted
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["episodes"], responses=ERROR_RESPONSES)
+
+_CONFLICT = ERROR_RESPONSES[422] | {
+    "description": "Stale expected_version (`current_version` in the body) or an event id "
+                   "stored before with other content."}
+
+
+@router.post("/v1/runs/{run_id}/episodes", status_code=201, response_model=EpisodeCreated,
+             responses={200: {"model": EpisodeCreated, "description": "A retried start."},
+                        409: _CONFLICT})
+def start_episode(run_id: str, body: EpisodeCreate, key: IngestKey, ctx: Ctx,
+                  response: Response) -> EpisodeCreated:
+    """Start an episode of the run: appends its ``episode_started``."""
+    ctx.access.check_run(key, run_id)
+    episode_id = body.episode_id or f"ep-{uuid.uuid4().hex}"
+    event = EpisodeStarted(
+        run_id=run_id, group_id=body.group_id, task_id=body.task_id, messages=body.messages,
+        tools=body.tools, sampling_params=body.sampling_params,
+        policy_version=body.policy_version, event_id=body.event_id)
+    try:
+        result = ctx.store.append(episode_id, [event], NO_STREAM)
+    except store_errors.ConflictError:
+        raise ApiError(409, "already_exists", f"episode {episode_id!r} exists already",
+                       current_version=ctx.store.stream_version(episode_id)) from None
+    if result.duplicate:
+        response.status_code = 200
+    return EpisodeCreated(episode_id=episode_id, run_id=run_id, group_id=body.group_id,
+                          version=result.version, position=result.positions[0],
+                          duplicate=result.duplicate)
+
+
+def _check_new_stream(ctx: Ctx, key: Any, episode_id: str, events: list[dict[str, Any]]
+                      ) -> None:
+    """A batch opening a new episode stream must start with its ``episode_started``, whose
+    run must be the key's project's."""
+    first = events[0] if events else {}
+    if not isinstance(first, dict) or first.get("type") != "episode_started":
+        raise ApiError(404, "not_found", f"no episode {episode_id!r}; start it first (POST "
+                       "/v1/runs/{run_id}/episodes) or open the batch with its "
+                       "episode_started")
+    run_id = first.get("run_id")
+    if not isinstance(run_id, str) or not run_id:
+        raise ApiError(422, "invalid_event", "episode_started needs a run_id",
+                       event_index=0, field="run_id")
+    ctx.access.check_run(key, run_id)
+
+
+@router.post("/v1/episodes/{episode_id}/events", response_model=AppendResult,
+             responses={409: _CONFLICT})
+def append_events(episode_id: str, body: AppendRequest, key: IngestKey, ctx: Ctx
+                  ) -> AppendResult:
+    """Append a batch of events to an episode, all or nothing (see ``AppendRequest``)."""
+    try:
+        ctx.access.check_episode(key, episode_id)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        _check_new_stream(ctx, key, episode_id, body.events)
+    result = append_batch(ctx.store, episode_id, body.events,
+                          expected_version=body.expected_version, allowed=EPISODE_TYPES)
+    return AppendResult(stream_id=episode_id, version=result.version,
+                        positions=list(result.positions), duplicate=result.duplicate)
+
+
+@router.get("/v1/episodes", response_model=EpisodePage)
+def list_episodes(
+    key: ReadKey,
+    ctx: Ctx,
+    run_id: str | None = None,
+    group_id: str | None = None,
+    status: EpisodeStatus | None = None,
+    reward_min: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    reward_max: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    policy_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    error_type: str | None = None,
+    tool_name: str | None = None,
+    started_after: dt.datetime | None = None,
+    started_before: dt.datetime | None = None,
+    limit: Annotated[int | None, Query(ge=1)] = None,
+    cursor: str | None = None,
+) -> EpisodePage:
+    """Episodes of the key's project (or one run), in start order, filtered, one page at a
+    time: pass ``next_cursor`` back as ``cursor`` for the next page."""
+    if run_id is not None:
+        ctx.access.check_run(key, run_id)
+        runs = [run_id]
+    else:
+        runs = queries.run_ids_of(ctx.store, key.project)
+    size = min(limit or ctx.settings.api_page_size, ctx.settings.api_max_page_size)
+    filters = queries.EpisodeFilters(
+        run_ids=runs, group_id=group_id, status=status, reward_min=reward_min,
+        reward_max=reward_max, policy_version=policy_version, error_type=error_type,
+        tool_name=tool_name, started_after=started_after, started_before=started_before)
+    rows = queries.list_episodes(ctx.store, filters, after=decode_cursor(cursor),
+                                 limit=size + 1)
+    more = len(rows) > size
+    rows = rows[:size]
+    return EpisodePage(
+        episodes=[EpisodeSummary.model_validate(r) for r in rows],
+        next_cursor=encode_cursor(rows[-1]["position"]) if more and rows else None)
+
+
+def _event_out(r: RecordedEvent, *, tokens: bool, encoding: Encoding) -> dict[str, Any]:
+    event = r.event
+    out: dict[str, Any] = {
+        "position": r.position, "stream_version": r.stream_version, "type": r.type,
+        "event_id": str(event.event_id), "occurred_at": event.occurred_at,
+        "recorded_at": r.recorded_at, "data": event.to_data(),
+    }
+    payloads = event.token_payloads()
+    if tokens and payloads:
+        out["tokens"] = {
+            name: encode_array(arr, dtype="<f4" if name == "logprobs" else "<i4",
+                               encoding=encoding)
+            for name, arr in payloads.items()
+        }
+    return out
+
+
+@router.get("/v1/episodes/{episode_id}", response_model=EpisodeDetail)
+def get_episode(episode_id: str, key: ReadKey, ctx: Ctx, tokens: bool = True,
+                encoding: Encoding = "json") -> EpisodeDetail:
+    """One episode: its summary and every event (token payloads unless ``tokens=false``)."""
+    ctx.access.check_episode(key, episode_id)
+    row = queries.episode_row(ctx.store, episode_id)
+    if row is None:  # pragma: no cover - check_episode found it a moment ago
+        raise ApiError(404, "not_found", f"no episode {episode_id!r}")
+    events = ctx.store.read_stream(episode_id)
+    return EpisodeDetail.model_validate({
+        "summary": row,
+        "events": [_event_out(r, tokens=tokens, encoding=encoding) for r in events],
+    })
+
+
+@router.get("/v1/episodes/{episode_id}/timelines", response_model=EpisodeTimelines,
+            responses={409: ERROR_RESPONSES[422] | {
+                "description": "The episode cannot be replayed (reason in the message)."}})
+def get_timelines(episode_id: str, key: ReadKey, ctx: Ctx, encoding: Encoding = "json"
+                  ) -> EpisodeTimelines:
+    """The episode's merged timelines with per-token loss mask and rollout logprobs, its
+    negative samples and fork points, replayed now with the run's tokenizer."""
+    ctx.access.check_episode(key, episode_id)
+    return EpisodeTimelines.model_validate(
+        episode_timelines(ctx.store, episode_id, encoding=encoding))
+

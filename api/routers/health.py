@@ -1,0 +1,51 @@
+"""Liveness (``/health``: the process answers) and readiness (``/ready``: the database is
+reachable and at the schema revision this code needs). Neither needs a key."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from api.deps import AnyKey, Ctx
+from api.errors import ERROR_RESPONSES
+from api.schemas.health import Health, Readiness, WhoAmI
+from store import errors as store_errors
+from store import migrate
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health", response_model=Health)
+async def health() -> Health:
+    """The process is up."""
+    return Health(status="ok")
+
+
+@router.get("/ready", response_model=Readiness,
+            responses={503: {"model": Readiness, "description": "Not ready (reason in detail)."}})
+def ready(ctx: Ctx) -> JSONResponse:
+    """Ready when the database answers and its schema revision is the newest this code
+    knows; 503 otherwise."""
+    head = migrate.head_revision()
+    try:
+        with ctx.store.db.connection() as conn:
+            conn.execute("SELECT 1").fetchone()
+        current = migrate.current_revision(ctx.store.db.url)
+    except (store_errors.StoreError, Exception) as exc:  # any failure means not ready
+        body = Readiness(status="unavailable", database="unreachable", head=head,
+                         detail=str(exc)[:300])
+        return JSONResponse(body.model_dump(), status_code=503)
+    if current != head:
+        body = Readiness(status="unavailable", database="ok", revision=current, head=head,
+                         detail=f"schema at {current}, needs {head}: run `trajstore migrate`")
+        return JSONResponse(body.model_dump(), status_code=503)
+    return JSONResponse(Readiness(status="ready", database="ok", revision=current,
+                                  head=head).model_dump())
+
+
+@router.get("/v1/keys/me", response_model=WhoAmI, tags=["keys"], responses=ERROR_RESPONSES)
+def whoami(key: AnyKey) -> WhoAmI:
+    """The key this request carries: its id, project and role."""
+    return WhoAmI(key_id=key.key_id, project=key.project, role=key.role)

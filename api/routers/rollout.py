@@ -1,0 +1,110 @@
+"""Remote rollout (TrainGate protocol), beside the completions it drives:
+
+- ``POST /v1/rollout/completed``: a RolloutServer reports that a rollout ended; the episode
+  (``rollout_id``) gets its reward (when the report carries one) and ``episode_finished``.
+  Event ids are derived from the rollout id, so a retried report is stored once.
+- ``POST /rollout``: this process as the RolloutServer: it drives the agent loop of one
+  rollout, calling back ``server_url``'s ``/v1/completions``
+  (``workers.rollout.remote.run_remote_rollout``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from api import queries
+from api.deps import Ctx, IngestKey
+from api.errors import ERROR_RESPONSES, ApiError
+from api.schemas.common import ErrorBody
+from api.schemas.remote import RolloutCompleted, RolloutCompletedAck, RolloutRequest
+from store import errors as store_errors
+from store.eventlog import ANY, NO_STREAM
+from store.events import EpisodeFinished, Event, RewardAssigned
+
+__all__ = ["router", "completion_events"]
+
+router = APIRouter(tags=["remote rollout"], responses=ERROR_RESPONSES)
+
+_NAMESPACE = uuid.UUID("6f1f3f5e-3c0e-4d5e-9a57-1c7a1b2d9e10")
+_TRUNCATED = ("max_turns", "max_tokens", "length")
+
+
+def _reward(body: RolloutCompleted) -> float | None:
+    if body.reward is not None:
+        return float(body.reward)
+    value = (body.extra_fields or {}).get("reward")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def completion_events(body: RolloutCompleted) -> tuple[list[Event], str, float | None]:
+    """The events a completion report becomes (reward, then episode_finished), the
+    episode status and the reward. ``COMPLETED`` is ``completed`` (``truncated`` when the
+    finish reason is a turn or token limit), ``ERROR`` is ``error``."""
+    reward = _reward(body)
+    if body.status == "ERROR":
+        status = "error"
+    elif body.finish_reason in _TRUNCATED:
+        status = "truncated"
+    else:
+        status = "completed"
+    events: list[Event] = []
+    if reward is not None:
+        events.append(RewardAssigned(
+            event_id=uuid.uuid5(_NAMESPACE, f"{body.rollout_id}/reward"), value=reward,
+            source="rollout_server"))
+    events.append(EpisodeFinished(
+        event_id=uuid.uuid5(_NAMESPACE, f"{body.rollout_id}/finished"), status=status,
+        reason=body.error_message or body.finish_reason))
+    return events, status, reward
+
+
+@router.post("/v1/rollout/completed", response_model=RolloutCompletedAck,
+             responses={409: {"model": ErrorBody, "description": "The episode was finished "
+                                                                 "otherwise."}})
+def rollout_completed(body: RolloutCompleted, key: IngestKey, ctx: Ctx) -> RolloutCompletedAck:
+    """Record the end of a remote rollout: reward (if given) and ``episode_finished``."""
+    ctx.access.check_episode(key, body.rollout_id)
+    events, status, reward = completion_events(body)
+    finished = queries.episode_finished(ctx.store, body.rollout_id)
+    try:
+        # Already finished: only a faithful retry of this very report may pass (the store
+        # answers a retry before looking at the version; anything else conflicts with
+        # NO_STREAM, as the stream exists).
+        result = ctx.store.append(body.rollout_id, events, NO_STREAM if finished else ANY)
+    except store_errors.ConflictError:
+        raise ApiError(409, "episode_finished", f"episode {body.rollout_id!r} was finished "
+                       "before this report") from None
+    return RolloutCompletedAck(rollout_id=body.rollout_id, status=status, reward=reward,
+                               version=result.version, duplicate=result.duplicate)
+
+
+def _remote_rollout() -> Any:
+    try:
+        module = importlib.import_module("workers.rollout.remote")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("workers.rollout.remote",):
+            return None
+        raise
+    return getattr(module, "run_remote_rollout", None)
+
+
+@router.post("/rollout", responses={
+    200: {"description": "The RolloutResponse: rollout_id, status, final_messages, "
+                         "finish_reason, error_message, metrics."},
+    501: {"model": ErrorBody, "description": "This installation has no RolloutServer."}})
+def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
+    """Drive one remote rollout as the RolloutServer (TrainGate ``RolloutRequest``)."""
+    run = _remote_rollout()
+    if run is None:
+        raise ApiError(501, "not_implemented", "this installation has no RolloutServer "
+                       "(workers.rollout.remote.run_remote_rollout is missing)")
+    result = run(body.model_dump(mode="json"), store=ctx.store, settings=ctx.settings)
+    return JSONResponse(result)

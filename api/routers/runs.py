@@ -1,0 +1,87 @@
+"""Runs: create one (its configuration), list and read them, append to a run's own stream
+(``policy_updated``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from api import queries
+from api.deps import Ctx, IngestKey, ReadKey
+from api.errors import ERROR_RESPONSES, ApiError
+from api.ingest import append_batch
+from api.schemas.episodes import AppendRequest, AppendResult
+from api.schemas.runs import RunCreate, RunCreated, RunList, RunOut
+from store import errors as store_errors
+from store.eventlog import NO_STREAM, run_stream_id
+from store.events import RunCreated as RunCreatedEvent
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
+
+
+def _run_out(ctx: Ctx, record: dict[str, Any]) -> RunOut:
+    data = record["data"]
+    run_id = record["run_id"]
+    return RunOut(
+        run_id=run_id,
+        project=data.get("project") or "default",
+        config=data.get("config") or {},
+        created_at=record["created_at"],
+        version=record.get("version") or ctx.store.stream_version(run_stream_id(run_id)),
+        episodes=queries.run_episode_counts(ctx.store, run_id),
+        samples=ctx.leasing.stats(run_id),
+        policy_version=ctx.leasing.current_policy_version(run_id),
+    )
+
+
+@router.post("", status_code=201, response_model=RunCreated,
+             responses={200: {"model": RunCreated, "description": "A retried create."},
+                        409: ERROR_RESPONSES[422] | {"description": "The run exists."}})
+def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) -> RunCreated:
+    """Create a run with its configuration (appends ``run_created`` to the run's stream)."""
+    project = body.project or key.project
+    if project != key.project:
+        raise ApiError(403, "forbidden", f"this key may create runs in project "
+                                         f"{key.project!r} only, not {project!r}")
+    event = RunCreatedEvent(run_id=body.run_id, project=project, config=body.config,
+                            event_id=body.event_id)
+    try:
+        result = ctx.store.append(run_stream_id(body.run_id), [event], NO_STREAM)
+    except store_errors.ConflictError:
+        raise ApiError(409, "already_exists", f"run {body.run_id!r} exists already") from None
+    if result.duplicate:
+        response.status_code = 200
+    return RunCreated(run_id=body.run_id, project=project, version=result.version,
+                      position=result.positions[0], duplicate=result.duplicate)
+
+
+@router.get("", response_model=RunList)
+def list_runs(key: ReadKey, ctx: Ctx) -> RunList:
+    """Every run of the key's project, oldest first."""
+    return RunList(runs=[_run_out(ctx, r) for r in queries.list_runs(ctx.store, key.project)])
+
+
+@router.get("/{run_id}", response_model=RunOut)
+def get_run(run_id: str, key: ReadKey, ctx: Ctx) -> RunOut:
+    """A run: configuration, episode counts, sample counts by lease status, policy version."""
+    ctx.access.check_run(key, run_id)
+    record = queries.run_record(ctx.store, run_id)
+    if record is None:  # pragma: no cover - check_run found it a moment ago
+        raise ApiError(404, "not_found", f"no run {run_id!r}")
+    return _run_out(ctx, record)
+
+
+@router.post("/{run_id}/events", response_model=AppendResult,
+             responses={409: ERROR_RESPONSES[422] | {"description": "Stale expected_version."}})
+def append_run_events(run_id: str, body: AppendRequest, key: IngestKey, ctx: Ctx
+                      ) -> AppendResult:
+    """Append to the run's own stream (``policy_updated`` events)."""
+    ctx.access.check_run(key, run_id)
+    stream = run_stream_id(run_id)
+    result = append_batch(ctx.store, stream, body.events,
+                          expected_version=body.expected_version, allowed={"policy_updated"})
+    return AppendResult(stream_id=stream, version=result.version,
+                        positions=list(result.positions), duplicate=result.duplicate)

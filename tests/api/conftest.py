@@ -1,0 +1,153 @@
+"""Fixtures of the API tests: the app on the session's PostgreSQL database, keys of two
+projects, a real ``trajstore serve`` process for the gateway tests, tiny models."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.keys import KeyStore
+from store.db import Database
+from store.eventlog import EventStore
+from store.settings import Settings
+
+
+@dataclass
+class Project:
+    """A project with one key of each role."""
+
+    name: str
+    ingest: str
+    read: str
+    admin: str
+
+    def headers(self, role: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {getattr(self, role)}"}
+
+
+def make_project(keys: KeyStore, name: str | None = None) -> Project:
+    name = name or f"proj-{uuid.uuid4().hex[:8]}"
+    tokens = {role: keys.create(project=name, role=role).token
+              for role in ("ingest", "read", "admin")}
+    return Project(name=name, **tokens)
+
+
+@pytest.fixture
+def api_settings(tmp_path: Path, pg_url: str) -> Settings:
+    # Small scrypt cost keeps key creation quick; the default cost has its own test.
+    return Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024,
+                    api_max_request_bytes=2 * 1024 * 1024, api_page_size=50)
+
+
+@pytest.fixture
+def api_store(api_settings: Settings, pg_url: str) -> Iterator[EventStore]:
+    s = EventStore(Database(pg_url, max_size=8), api_settings)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def key_store(api_store: EventStore, api_settings: Settings) -> KeyStore:
+    return KeyStore(api_store.db, api_settings)
+
+
+@pytest.fixture
+def client(api_settings: Settings, api_store: EventStore) -> Iterator[TestClient]:
+    with TestClient(create_app(api_settings, store=api_store)) as c:
+        yield c
+
+
+@pytest.fixture
+def project(key_store: KeyStore) -> Project:
+    return make_project(key_store)
+
+
+@pytest.fixture
+def other_project(key_store: KeyStore) -> Project:
+    return make_project(key_store)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A ``trajstore serve`` process (its own process group) on a free port."""
+
+    def __init__(self, settings: Settings, log: Path, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self._log = open(log, "ab")
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+        environ.update({
+            "TRAJSTORE_DATABASE_URL": settings.database_url or "",
+            "TRAJSTORE_DATA_DIR": str(settings.data_dir),
+            "TRAJSTORE_API_KEY_SCRYPT_N": str(settings.api_key_scrypt_n),
+            "TRAJSTORE_LOG_LEVEL": "WARNING",
+        })
+        environ.update(env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "store.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port)],
+            env=environ, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not up: {self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def start_server(api_settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    servers: list[Server] = []
+
+    def start(**env: str) -> Server:
+        server = Server(api_settings, tmp_path / f"server-{len(servers)}.log", **env)
+        servers.append(server)
+        server.wait_ready()
+        return server
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.rollout.tinymodel import tiny_model_path
+
+    return tiny_model_path(tmp_path_factory.mktemp("api-tiny-model"), seed=0)
