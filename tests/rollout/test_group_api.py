@@ -1,0 +1,111 @@
+"""A group rolled out through the HTTP API (``ApiGroupLog``) against the real API app served by
+uvicorn: events land in the store like direct appends, a second delivery plays nothing, and
+the API's refusals come back as the store's errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from api.app import create_app
+from api.keys import KeyStore
+from store import errors
+from store.db import Database
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import PolicyUpdated, RunConfig, RunCreated, ToolReturned
+from store.settings import Settings
+from tests.rollout.remote_trainer import free_port
+from workers.rollout.agent_tasks import arithmetic_tasks
+from workers.rollout.backend import SamplingParams
+from workers.rollout.backend_transformers import TransformersBackend
+from workers.rollout.group import group_id_for, play_group
+from workers.rollout.group_log import ApiGroupLog, PolicyState, StoreGroupLog
+from workers.rollout.tools import ToolRegistry
+
+TASK = arithmetic_tasks(1, seed=9)[0]
+
+
+@pytest.fixture
+def api(tmp_path: Path, pg_url: str) -> Iterator[tuple[str, EventStore, Settings]]:
+    settings = Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024)
+    store = EventStore(Database(pg_url, max_size=4), settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, store=store),
+                                          host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "API server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", store, settings
+    server.should_exit = True
+    thread.join(timeout=30)
+    store.close()
+
+
+def test_group_through_the_api(api: tuple[str, EventStore, Settings],
+                               hf_backend: TransformersBackend,
+                               registry: ToolRegistry) -> None:
+    url, store, settings = api
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    keys = KeyStore(store.db, settings)
+    admin = keys.create(project=project, role="admin").token
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(run_id), [RunCreated(
+        run_id=run_id, project=project, config=RunConfig(group_size=2))], NO_STREAM)
+    store.append(run_stream_id(run_id), [PolicyUpdated(version=3, step=3, checkpoint="/x")])
+
+    log = ApiGroupLog(url, api_key=admin)
+    try:
+        assert log.run_config(run_id) == RunConfig(group_size=2)
+        assert log.policy(run_id) == PolicyState(3, None)
+
+        def play() -> Any:
+            return play_group(log=log, run_id=run_id, task=TASK, n=2, backend=hf_backend,
+                              tools=registry, policy_version=3,
+                              sampling=SamplingParams(max_tokens=24), max_turns=2)
+
+        result = play()
+        assert result.played == 2
+        assert result.group_id == group_id_for(run_id, TASK.task_id, 3, 0)
+        direct = StoreGroupLog(store)
+        for slot in result.slots:
+            events = store.get_episode(slot.episode_id)
+            assert [e.type for e in events[-2:]] == ["reward_assigned", "episode_finished"]
+            assert events[0].event.policy_version == 3
+            calls = [e.event for e in events if e.type == "llm_called"]
+            assert calls and calls[0].response_ids.size == calls[0].logprobs.size
+            assert log.stream_state(slot.episode_id) == direct.stream_state(slot.episode_id)
+        assert play().played == 0
+        assert len(store.list_episodes(run_id)) == 2
+        assert log.stream_version("no-such-episode") == 0
+
+        stream = result.slots[0].episode_id
+        with pytest.raises(errors.ConflictError) as conflict:
+            log.append(stream, [ToolReturned(name="calculator", output="1",
+                                             event_id=uuid.uuid4())], 1)
+        assert conflict.value.actual == store.stream_version(stream)
+        with pytest.raises(errors.NotFoundError):
+            log.run_config("no-such-run")
+    finally:
+        log.close()
+
+    ingest_only = ApiGroupLog(url, api_key=keys.create(project=project, role="ingest").token)
+    with pytest.raises(errors.StoreError, match="403"):
+        ingest_only.run_config(run_id)
+    ingest_only.close()
+    unreachable = ApiGroupLog(f"http://127.0.0.1:{free_port()}", api_key="k")
+    with pytest.raises(errors.TransientError):
+        unreachable.policy(run_id)
+    with pytest.raises(ValueError, match="api_url"):
+        ApiGroupLog("ftp://x", api_key="k")
+    with pytest.raises(ValueError, match="api_key"):
+        ApiGroupLog(url, api_key="")
