@@ -98,13 +98,24 @@ def _remote_rollout() -> Any:
 
 @router.post("/rollout", responses={
     200: {"description": "The RolloutResponse: rollout_id, status, final_messages, "
-                         "finish_reason, error_message, metrics."},
+                         "finish_reason, error_message, metrics, episode_id."},
+    409: {"model": ErrorBody, "description": "This rollout_id was recorded before."},
     501: {"model": ErrorBody, "description": "This installation has no RolloutServer."}})
 def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
-    """Drive one remote rollout as the RolloutServer (TrainGate ``RolloutRequest``)."""
+    """Drive one remote rollout as the RolloutServer (the seed's ``RolloutRequest``),
+    recording it as episode ``rollout-<rollout_id>`` of ``run_id``."""
     run = _remote_rollout()
     if run is None:
         raise ApiError(501, "not_implemented", "this installation has no RolloutServer "
                        "(workers.rollout.remote.run_remote_rollout is missing)")
-    result = run(body.model_dump(mode="json"), store=ctx.store, settings=ctx.settings)
+    from workers.rollout.remote import DEFAULT_REMOTE_RUN_ID, DuplicateRolloutError
+
+    ctx.access.check_run(key, body.run_id or DEFAULT_REMOTE_RUN_ID)
+    request = body.model_dump(mode="json", exclude_none=True)
+    try:
+        result = run(request, store=ctx.store, settings=ctx.settings)
+    except DuplicateRolloutError as exc:
+        raise ApiError(409, "already_exists", str(exc)) from None
+    except ValueError as exc:
+        raise ApiError(422, "invalid_request", str(exc)) from None
     return JSONResponse(result)

@@ -43,37 +43,53 @@ class RolloutCompletedAck(BaseModel):
 
 
 class RolloutSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    max_tokens: int = Field(default=512, ge=1, le=1_000_000)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[str] | None = None
-    logprobs: bool | None = True
+    logprobs: bool | None = None
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
 
 
 class RolloutRequest(BaseModel):
-    """``POST /rollout``: drive one rollout, calling back ``server_url``'s
-    ``/v1/completions`` for every generation."""
+    """``POST /rollout`` (the seed's RolloutRequest): drive one rollout, calling back
+    ``server_url``'s ``/v1/completions`` for every generation. ``run_id`` (default
+    ``remote``) names the run of this store the rollout is recorded in, which must be the
+    key's project's; ``group_id`` its GRPO group."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
-    rollout_id: str = Field(min_length=1, max_length=256)
+    rollout_id: str = Field(min_length=1, max_length=150)
     server_url: str = Field(min_length=8, max_length=2000)
     messages: list[ChatMessage] = Field(min_length=1)
-    sampling_params: RolloutSamplingParams = Field(default_factory=RolloutSamplingParams)
-    tokenizer_name: str | None = Field(default=None, max_length=500)
+    sampling_params: RolloutSamplingParams | None = None
+    tokenizer_name: str = Field(min_length=1, max_length=500)
     tokenizer_revision: str | None = Field(default=None, max_length=200)
-    max_turns: int = Field(default=10, ge=1, le=100)
-    max_tokens_total: int = Field(default=8192, ge=1, le=1_000_000)
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    api_key: str | None = None
+    max_turns: int | None = Field(default=None, ge=1, le=100)
+    max_tokens_total: int | None = Field(default=None, ge=1, le=1_000_000)
+    callback_api_key: str | None = Field(default=None, max_length=1000)
+    run_id: str | None = Field(default=None, min_length=1, max_length=200)
+    group_id: str | None = Field(default=None, min_length=1, max_length=200)
 
-    @field_validator("rollout_id")
+    @field_validator("rollout_id", "tokenizer_name")
     @classmethod
     def _not_blank(cls, value: str) -> str:
         if not value.strip():
-            raise ValueError("rollout_id must not be blank")
+            raise ValueError("must not be blank")
         return value
 
     @field_validator("server_url")

@@ -1,0 +1,144 @@
+"""The 401/403 matrix over every authenticated route, and key revocation."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.keys import KeyStore
+from store.eventlog import EventStore
+from store.leasing import Leasing
+from tests.api.conftest import Project
+from tests.api.episodes import create_run, record_group
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Any:
+    from workers.tokenizers import load_tokenizer
+
+    return load_tokenizer("qwen3")
+
+
+def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Callable[[], Any]]]:
+    """(method, path, role needed, body factory) of every route that needs a key."""
+    return [
+        ("GET", "/v1/keys/me", "any", lambda: None),
+        ("POST", "/v1/runs", "ingest", lambda: {"run_id": f"r-{uuid.uuid4().hex[:8]}"}),
+        ("GET", "/v1/runs", "read", lambda: None),
+        ("GET", f"/v1/runs/{run}", "read", lambda: None),
+        ("POST", f"/v1/runs/{run}/events", "ingest", lambda: {
+            "expected_version": "any",
+            "events": [{"type": "policy_updated", "version": 1, "step": 1}]}),
+        ("POST", f"/v1/runs/{run}/episodes", "ingest", lambda: {"group_id": "gx"}),
+        ("POST", f"/v1/episodes/{episode}/events", "ingest", lambda: {
+            "expected_version": "any", "events": [{"type": "reward_assigned", "value": 0.5}]}),
+        ("GET", f"/v1/episodes?run_id={run}", "read", lambda: None),
+        ("GET", f"/v1/episodes/{episode}", "read", lambda: None),
+        ("GET", f"/v1/episodes/{episode}/timelines", "read", lambda: None),
+        ("GET", f"/v1/runs/{run}/samples", "read", lambda: None),
+        ("GET", f"/v1/runs/{run}/export.parquet", "read", lambda: None),
+        ("POST", f"/v1/runs/{run}/leases", "read", lambda: {"groups": 1}),
+        ("POST", f"/v1/leases/{lease}/renew", "read", lambda: {"lease_seconds": 60}),
+        ("POST", f"/v1/leases/{lease}/ack", "read", lambda: {"policy_version": 1}),
+        ("POST", f"/v1/leases/{lease}/release", "read", lambda: None),
+        ("POST", "/v1/chat/completions", "ingest", lambda: {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "rollout_id": episode}),
+        ("POST", "/v1/completions", "ingest", lambda: {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "rollout_id": episode}),
+        ("POST", "/v1/rollout/completed", "ingest", lambda: {
+            "rollout_id": episode, "status": "COMPLETED"}),
+        ("POST", "/rollout", "ingest", lambda: {
+            "rollout_id": uuid.uuid4().hex, "server_url": "http://127.0.0.1:9",
+            "messages": [{"role": "user", "content": "hi"}], "tokenizer_name": "qwen3",
+            "run_id": run, "max_turns": 1}),
+    ]
+
+
+#: Routes that touch one resource of a project (another project's key gets 403).
+_SCOPED = {"/v1/runs/", "/v1/episodes/", "/v1/leases/", "/v1/episodes?run_id",
+           "/v1/chat/completions", "/v1/completions", "/v1/rollout/completed", "/rollout"}
+
+
+def _send(client: TestClient, method: str, path: str, body: Any,
+          headers: dict[str, str]) -> Any:
+    return client.request(method, path, json=body, headers=headers)
+
+
+def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
+        client: TestClient, project: Project, other_project: Project,
+        api_store: EventStore, key_store: KeyStore, qwen3: Any) -> None:
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    create_run(api_store, run, project=project.name, group_size=1)
+    episode = record_group(api_store, qwen3, run_id=run, group_id="g0", size=1)[0]
+    record_group(api_store, qwen3, run_id=run, group_id="g1", size=1)
+    lease = Leasing(api_store).lease_batch(run, groups=1, lease_seconds=600)
+    assert lease is not None
+    revoked = key_store.create(project=project.name, role="admin")
+    key_store.revoke(revoked.key.key_id)
+    covered = {(m, p.split("?")[0]) for m, p, *_ in routes(run, episode, str(lease.lease_id))}
+    documented = {(m.upper(), p) for p, item in client.app.openapi()["paths"].items()
+                  for m in item}
+    public = {("GET", "/health"), ("GET", "/ready")}
+    templated = {(m, p.replace(run, "{run_id}").replace(episode, "{episode_id}")
+                  .replace(str(lease.lease_id), "{lease_id}")) for m, p in covered}
+    assert templated | public == documented, "the matrix must cover every route"
+
+    for method, path, role, body in routes(run, episode, str(lease.lease_id)):
+        where = f"{method} {path}"
+        r = _send(client, method, path, body(), {})
+        assert r.status_code == 401, where
+        assert r.json()["error"]["code"] == "unauthorized" and \
+            r.headers["www-authenticate"] == "Bearer", where
+        for bad in ("Bearer nonsense", "Bearer tsk_0123456789abcdef_" + "x" * 43,
+                    f"Bearer {revoked.token}"):
+            r = _send(client, method, path, body(), {"Authorization": bad})
+            assert r.status_code == 401, (where, bad)
+        if role != "any":
+            wrong = "read" if role == "ingest" else "ingest"
+            r = _send(client, method, path, body(), project.headers(wrong))
+            assert r.status_code == 403, where
+            assert r.json()["error"]["code"] == "forbidden", where
+        if any(path.startswith(s) for s in _SCOPED) and role != "any":
+            r = _send(client, method, path, body(), other_project.headers(role))
+            assert r.status_code == 403, (where, r.text)
+            r = _send(client, method, path, body(), other_project.headers("admin"))
+            assert r.status_code == 403, where
+        r = _send(client, method, path, body(),
+                  {"X-API-Key": project.admin})
+        assert r.status_code not in (401, 403), (where, r.text)
+
+
+def test_revocation_takes_effect_at_once(client: TestClient, key_store: KeyStore,
+                                         project: Project) -> None:
+    new = key_store.create(project=project.name, role="read", name="short-lived")
+    headers = {"Authorization": f"Bearer {new.token}"}
+    me = client.get("/v1/keys/me", headers=headers)
+    assert me.status_code == 200
+    assert me.json() == {"key_id": new.key.key_id, "project": project.name, "role": "read"}
+    # A second store process (the CLI) revokes it: this process has it verified in its cache.
+    other = KeyStore(key_store.db, key_store.settings)
+    other.revoke(new.key.key_id)
+    assert client.get("/v1/keys/me", headers=headers).status_code == 401
+
+
+def test_a_project_sees_only_its_runs(client: TestClient, project: Project,
+                                      other_project: Project) -> None:
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    assert client.post("/v1/runs", json={"run_id": run},
+                       headers=project.headers("ingest")).status_code == 201
+    mine = client.get("/v1/runs", headers=project.headers("read")).json()["runs"]
+    theirs = client.get("/v1/runs", headers=other_project.headers("read")).json()["runs"]
+    assert [r["run_id"] for r in mine] == [run]
+    assert theirs == []
+    r = client.post("/v1/runs", json={"run_id": f"r-{uuid.uuid4().hex[:6]}",
+                                      "project": other_project.name},
+                    headers=project.headers("admin"))
+    assert r.status_code == 403
+    assert client.get(f"/v1/runs/{run}-missing",
+                      headers=project.headers("read")).status_code == 404
