@@ -217,7 +217,10 @@ def worker(
                                  param_hint="--queues")
     ensure_configured()
     argv = ["worker", "-Q", ",".join(names), "-c", str(concurrency), "--pool", pool,
-            "--loglevel", get_settings().log_level, "-n", f"trajstore-{'-'.join(names)}@%h"]
+            "--loglevel", get_settings().log_level, "-n", f"trajstore-{'-'.join(names)}@%h",
+            # Worker-to-worker chatter is not used, and its reconnect after a broker outage
+            # is what fails; consumers reconnect without it.
+            "--without-gossip", "--without-mingle", "--without-heartbeat"]
     if beat:
         argv += ["-B", "-s", str(get_settings().data_dir / "celerybeat-schedule")]
     celery_app.worker_main(argv)
