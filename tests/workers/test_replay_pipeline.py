@@ -157,10 +157,13 @@ def test_sigkill_mid_replay_then_redelivery_projects_exactly_once(
 
     def replay_in_flight() -> bool:
         # The projection's rows are written and its transaction is open, not committed.
+        # This test's database is the worker's alone: a transaction open in it that is not
+        # ours is the replay, sleeping before its commit.
         with worker_store.db.connection() as conn:
             return bool(conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
-                " AND query LIKE 'INSERT INTO failures%%'").fetchone()[0])
+                " AND datname = current_database() AND pid <> pg_backend_pid()"
+                " AND query LIKE 'INSERT%%'").fetchone()[0])
 
     wait_for(replay_in_flight, what="the replay to be mid-transaction")
     slow.kill()
