@@ -182,16 +182,16 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
         raise ValueError("rollout request field 'callback_api_key' must be a string")
     run_id = _string(data, "run_id", limit=200, required=False) or DEFAULT_REMOTE_RUN_ID
     group_id = _string(data, "group_id", limit=200, required=False)
-    messages = data.get("messages")
     try:
-        task_from_dict({"task_id": "remote", "messages": messages, "ground_truth": None,
-                        "reward": "unscored"}, where="rollout request")
+        checked = task_from_dict({"task_id": "remote", "messages": data.get("messages"),
+                                  "ground_truth": None, "reward": "unscored"},
+                                 where="rollout request")
     except TaskFormatError as exc:
         raise ValueError(str(exc)) from None
     sampling, extra = _sampling(data.get("sampling_params"))
     return RolloutRequest(
         rollout_id=rollout_id, server_url=server_url,
-        messages=tuple(dict(m) for m in messages), sampling=sampling,
+        messages=checked.messages, sampling=sampling,
         tokenizer_name=tokenizer_name,
         max_turns=_positive(data, "max_turns", 10),
         max_tokens_total=_positive(data, "max_tokens_total", 8192),
