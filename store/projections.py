@@ -1,4 +1,5 @@
-"""Projection tables written by replay: runs, episodes, samples, timeline forks, failures.
+"""Projection tables written by replay: runs, episodes, samples, timeline forks, failures,
+tool calls.
 
 A replayed episode is written in one transaction together with its checkpoint (the stream
 version it was replayed at, ``episodes.projected_version``): writing the same projection
@@ -27,6 +28,7 @@ __all__ = [
     "SampleRow",
     "ForkRow",
     "FailureRow",
+    "ToolCallRow",
     "EpisodeProjection",
     "Projections",
 ]
@@ -118,6 +120,28 @@ class FailureRow:
     retry_index: int | None = None
     recovered: bool = False
     occurred_at: dt.datetime | None = None
+    # the agent rolled back this failure's attempt and tried the position again
+    retried: bool = False
+    # retries from this failure until the position was passed (None: never passed)
+    retries_to_recover: int | None = None
+
+
+@dataclass(frozen=True)
+class ToolCallRow:
+    """One ``tool_returned`` of an episode (the denominators of tool error rates)."""
+
+    run_id: str
+    group_id: str
+    episode_id: str
+    agent: str
+    stream_version: int
+    tool_name: str
+    is_error: bool
+    policy_version: int | None = None
+    error_type: str | None = None
+    position_key: str | None = None
+    duration_ms: float | None = None
+    occurred_at: dt.datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +153,7 @@ class EpisodeProjection:
     samples: list[SampleRow] = field(default_factory=list)
     forks: list[ForkRow] = field(default_factory=list)
     failures: list[FailureRow] = field(default_factory=list)
+    tool_calls: list[ToolCallRow] = field(default_factory=list)
 
 
 def _sample_values(s: SampleRow) -> tuple[Any, ...]:
@@ -242,17 +267,31 @@ class Projections:
                         [(f.episode_id, f.agent, f.timeline, f.other, f.message_index,
                           f.reason) for f in projection.forks],
                     )
+            if projection.tool_calls:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
+                        " stream_version, tool_name, is_error, policy_version, error_type,"
+                        " position_key, duration_ms, occurred_at)"
+                        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                        [(t.run_id, t.group_id, t.episode_id, t.agent, t.stream_version,
+                          t.tool_name, t.is_error, t.policy_version, t.error_type,
+                          t.position_key, t.duration_ms, t.occurred_at)
+                         for t in projection.tool_calls],
+                    )
             if projection.failures:
                 with conn.cursor() as cur:
                     cur.executemany(
                         "INSERT INTO failures (run_id, group_id, episode_id, agent,"
                         " policy_version, source, stream_version, tool_name, error_type,"
-                        " error_message, position_key, retry_index, recovered, occurred_at)"
-                        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                        " error_message, position_key, retry_index, recovered, occurred_at,"
+                        " retried, retries_to_recover)"
+                        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
                         [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
                           f.source, f.stream_version, f.tool_name, f.error_type,
                           f.error_message, f.position_key, f.retry_index, f.recovered,
-                          f.occurred_at) for f in projection.failures],
+                          f.occurred_at, f.retried, f.retries_to_recover)
+                         for f in projection.failures],
                     )
             if before_commit is not None:
                 before_commit()
@@ -306,8 +345,8 @@ class Projections:
                 " lease_id, leased_until, consumed_version FROM samples WHERE status <> 'ready'"
                 " ON CONFLICT DO NOTHING"
             ).rowcount
-            conn.execute("TRUNCATE failures, timeline_forks, samples, episodes, runs,"
-                         " projection_checkpoints")
+            conn.execute("TRUNCATE failures, tool_calls, timeline_forks, samples, episodes,"
+                         " runs, projection_checkpoints")
         return kept
 
     def restore_kept_state(self) -> int:

@@ -33,6 +33,7 @@ from store.projections import (
     Projections,
     RunRow,
     SampleRow,
+    ToolCallRow,
 )
 from workers.replay.episode import ReplayResult, replay_episode
 from workers.replay.errors import ReplayError
@@ -68,14 +69,42 @@ def run_row(recorded: RecordedEvent) -> RunRow:
     )
 
 
+def _retry_outcome(
+    events: Sequence[RecordedEvent], index: int, *, agent: str, checkpoint_id: str | None,
+    position_key: str | None, status: str | None
+) -> tuple[bool, int | None]:
+    """Whether the failure at ``events[index]`` (an attempt under ``checkpoint_id``) was
+    rolled back and retried, and, when the agent then passed its position (a checkpoint
+    elsewhere, or the episode completed), how many retries that took from this failure: the
+    rollbacks to checkpoints at that position that followed it."""
+    if checkpoint_id is None or position_key is None:
+        return False, None
+    at_position = {
+        r.event.checkpoint_id for r in events
+        if isinstance(r.event, CheckpointCreated) and r.event.agent == agent
+        and r.event.position_key == position_key
+    }
+    later = events[index + 1 :]
+    rollbacks = [r.event for r in later if isinstance(r.event, RolledBack)
+                 and r.event.agent == agent and r.event.checkpoint_id in at_position]
+    retried = any(rb.checkpoint_id == checkpoint_id for rb in rollbacks)
+    moved_on = any(
+        isinstance(r.event, CheckpointCreated) and r.event.agent == agent
+        and r.event.position_key != position_key for r in later
+    )
+    recovered = retried and (moved_on or status == "completed")
+    return retried, len(rollbacks) if recovered else None
+
+
 def _failures(
     events: Sequence[RecordedEvent], run_id: str, group_id: str, status: str | None
 ) -> list[FailureRow]:
     """One row per tool error and per failed attempt, with whether it was recovered: a tool
     error when a later call of the same tool by the same agent succeeded; a failed attempt
     when the agent later moved past that position (a checkpoint elsewhere) or the episode
-    completed."""
-    position: dict[str, tuple[str | None, int | None]] = {}
+    completed. ``retried`` and ``retries_to_recover`` say whether the attempt was rolled
+    back and how many retries passing its position took (see ``_retry_outcome``)."""
+    position: dict[str, tuple[str | None, int | None, str | None]] = {}
     policy: dict[str, int] = {}
     rows: list[tuple[int, FailureRow]] = []
     for i, r in enumerate(events):
@@ -83,20 +112,24 @@ def _failures(
         if isinstance(e, LLMCalled):
             policy[e.agent] = e.policy_version
         elif isinstance(e, CheckpointCreated):
-            position[e.agent] = (e.position_key, e.retry_count)
+            position[e.agent] = (e.position_key, e.retry_count, e.checkpoint_id)
         elif isinstance(e, ToolReturned) and e.is_error:
-            key, retry = position.get(e.agent, (None, None))
+            key, retry, checkpoint = position.get(e.agent, (None, None, None))
             recovered = any(
                 isinstance(later.event, ToolReturned) and later.event.agent == e.agent
                 and later.event.name == e.name and not later.event.is_error
                 for later in events[i + 1 :]
             )
+            retried, retries = _retry_outcome(events, i, agent=e.agent,
+                                              checkpoint_id=checkpoint, position_key=key,
+                                              status=status)
             rows.append((i, FailureRow(
                 run_id=run_id, group_id=group_id, episode_id=r.stream_id, agent=e.agent,
                 source="tool", stream_version=r.stream_version,
                 policy_version=policy.get(e.agent), tool_name=e.name,
                 error_type=e.error_type, error_message=e.error_message, position_key=key,
-                retry_index=retry, recovered=recovered, occurred_at=e.occurred_at)))
+                retry_index=retry, recovered=recovered, occurred_at=e.occurred_at,
+                retried=retried, retries_to_recover=retries)))
         elif isinstance(e, AttemptFailed):
             moved_on = any(
                 isinstance(later.event, CheckpointCreated) and later.event.agent == e.agent
@@ -105,6 +138,9 @@ def _failures(
             )
             names = [c.get("name") or (c.get("function") or {}).get("name")
                      for c in e.failed_tool_calls]
+            retried, retries = _retry_outcome(events, i, agent=e.agent,
+                                              checkpoint_id=e.checkpoint_id,
+                                              position_key=e.position_key, status=status)
             rows.append((i, FailureRow(
                 run_id=run_id, group_id=group_id, episode_id=r.stream_id, agent=e.agent,
                 source="attempt", stream_version=r.stream_version,
@@ -113,8 +149,32 @@ def _failures(
                 error_type=e.error_types[0] if e.error_types else None,
                 error_message=e.error_messages[0] if e.error_messages else None,
                 position_key=e.position_key, retry_index=e.retry_index,
-                recovered=moved_on or status == "completed", occurred_at=e.occurred_at)))
+                recovered=moved_on or status == "completed", occurred_at=e.occurred_at,
+                retried=retried, retries_to_recover=retries)))
     return [row for _, row in rows]
+
+
+def _tool_calls(events: Sequence[RecordedEvent], run_id: str, group_id: str
+                ) -> list[ToolCallRow]:
+    """One row per ``tool_returned``, with the policy version of the agent's latest LLM call
+    and the position of its latest checkpoint (as the failure rows have them)."""
+    position: dict[str, str] = {}
+    policy: dict[str, int] = {}
+    rows: list[ToolCallRow] = []
+    for r in events:
+        e = r.event
+        if isinstance(e, LLMCalled):
+            policy[e.agent] = e.policy_version
+        elif isinstance(e, CheckpointCreated):
+            position[e.agent] = e.position_key
+        elif isinstance(e, ToolReturned):
+            rows.append(ToolCallRow(
+                run_id=run_id, group_id=group_id, episode_id=r.stream_id, agent=e.agent,
+                stream_version=r.stream_version, tool_name=e.name, is_error=e.is_error,
+                policy_version=policy.get(e.agent), error_type=e.error_type,
+                position_key=position.get(e.agent), duration_ms=e.duration_ms,
+                occurred_at=e.occurred_at))
+    return rows
 
 
 def _as_mask(values: Sequence[int]) -> np.ndarray:
@@ -141,6 +201,7 @@ def build_projection(
     tools = [r.event for r in events if isinstance(r.event, ToolReturned)]
     policy_version = calls[-1].policy_version if calls else started.policy_version
     failures = _failures(events, started.run_id, started.group_id, status)
+    tool_calls = _tool_calls(events, started.run_id, started.group_id)
     base: dict[str, Any] = dict(
         episode_id=episode_id, run_id=started.run_id, group_id=started.group_id,
         task_id=started.task_id, projected_version=events[-1].stream_version,
@@ -154,7 +215,8 @@ def build_projection(
     )
     if result is None:
         episode = EpisodeRow(status="invalid", invalid_reason=invalid_reason, **base)
-        return EpisodeProjection(run=run, episode=episode, failures=failures)
+        return EpisodeProjection(run=run, episode=episode, failures=failures,
+                                 tool_calls=tool_calls)
 
     samples = [
         SampleRow(
@@ -191,7 +253,7 @@ def build_projection(
         survivors=len(result.survivors), forks=len(forks),
         drifted_messages=result.drifted_messages, negatives=len(negatives), **base)
     return EpisodeProjection(run=run, episode=episode, samples=samples, forks=forks,
-                             failures=failures)
+                             failures=failures, tool_calls=tool_calls)
 
 
 def project_episode(
