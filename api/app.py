@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 
 from api.context import ApiContext
 from api.errors import install_error_handlers
@@ -45,6 +46,10 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
         assert opened is not None
         ctx = ApiContext.build(settings, opened, owns_store=own)
         app.state.ctx = ctx
+        if settings.gateway_engine_model and not settings.gateway_upstream_url:
+            # Load the in-process engine now: a bad model folder fails the start, and the
+            # first call does not wait for the model.
+            await run_in_threadpool(ctx.gateway.engine)
         try:
             yield
         finally:
