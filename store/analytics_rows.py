@@ -158,7 +158,7 @@ class NegativeSampleStat:
 class ErrorSignatureCount:
     """Tool errors of one run, tool, error type and message signature
     (``store.error_signature``), with the policy versions and times they span and the
-    first raw message in sort order as an example."""
+    first raw message in code point order as an example."""
 
     run_id: str
     tool_name: str | None

@@ -93,7 +93,12 @@ UPDATE episodes SET projected_version = 0;
 # every column name in the bodies (a column would win over an argument of the same name).
 # Time windows select episodes by finished_at: since <= finished_at < until. A join to
 # episodes that only serves the window is a LEFT JOIN on its key (every projection row has its
-# episode), which the planner drops when no window is given.
+# episode), which the planner drops when no window is given. Joins to episodes also equate
+# run_id (a projection row's run is its episode's), so that a run filter reaches the episodes'
+# run index rather than a scan of every episode. Filters fold away only when the planner sees
+# their values: constants, or parameters of an unprepared statement (as store.analytics sends
+# them); an expression such as now() - interval '1 hour' is not folded and the plan cannot use
+# the finished_at index.
 FUNCTIONS = r"""
 CREATE FUNCTION analytics_failure_patterns(
     run text DEFAULT NULL, min_version integer DEFAULT NULL, max_version integer DEFAULT NULL,
@@ -115,7 +120,7 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
                count(DISTINCT f.episode_id) FILTER (WHERE e.status = 'terminated')
                    AS terminated_episodes
         FROM failures f
-        JOIN episodes e ON e.episode_id = f.episode_id
+        JOIN episodes e ON e.episode_id = f.episode_id AND e.run_id = f.run_id
         WHERE f.source = 'tool'
           AND (run IS NULL OR f.run_id = run)
           AND (min_version IS NULL OR f.policy_version >= min_version)
@@ -128,7 +133,7 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
     ), calls AS (
         SELECT t.run_id, t.policy_version, t.tool_name, count(*) AS calls
         FROM tool_calls t
-        LEFT JOIN episodes e ON e.episode_id = t.episode_id
+        LEFT JOIN episodes e ON e.episode_id = t.episode_id AND e.run_id = t.run_id
         WHERE (run IS NULL OR t.run_id = run)
           AND (min_version IS NULL OR t.policy_version >= min_version)
           AND (max_version IS NULL OR t.policy_version <= max_version)
@@ -207,7 +212,7 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
                count(DISTINCT t.error_type) FILTER (WHERE t.is_error) AS error_types,
                avg(t.duration_ms) AS mean_duration_ms
         FROM tool_calls t
-        LEFT JOIN episodes e ON e.episode_id = t.episode_id
+        LEFT JOIN episodes e ON e.episode_id = t.episode_id AND e.run_id = t.run_id
         WHERE (run IS NULL OR t.run_id = run)
           AND (min_version IS NULL OR t.policy_version >= min_version)
           AND (max_version IS NULL OR t.policy_version <= max_version)
@@ -219,7 +224,7 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
         SELECT f.run_id, f.policy_version, f.tool_name,
                count(*) FILTER (WHERE f.recovered) AS recovered_errors
         FROM failures f
-        LEFT JOIN episodes e ON e.episode_id = f.episode_id
+        LEFT JOIN episodes e ON e.episode_id = f.episode_id AND e.run_id = f.run_id
         WHERE f.source = 'tool'
           AND (run IS NULL OR f.run_id = run)
           AND (min_version IS NULL OR f.policy_version >= min_version)
@@ -318,7 +323,7 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
            (avg(s.num_trainable) FILTER (WHERE s.kind = 'negative'))::double precision,
            avg(s.reward) FILTER (WHERE s.kind = 'negative')
     FROM samples s
-    LEFT JOIN episodes e ON e.episode_id = s.episode_id
+    LEFT JOIN episodes e ON e.episode_id = s.episode_id AND e.run_id = s.run_id
     WHERE (run IS NULL OR s.run_id = run)
       AND (min_version IS NULL OR s.policy_version >= min_version)
       AND (max_version IS NULL OR s.policy_version <= max_version)
@@ -338,9 +343,11 @@ RETURNS TABLE (
 LANGUAGE sql STABLE PARALLEL SAFE AS $$
     SELECT f.run_id, f.tool_name, f.error_type, f.error_signature, count(*),
            count(DISTINCT f.episode_id), min(f.policy_version), max(f.policy_version),
-           min(f.occurred_at), max(f.occurred_at), min(f.error_message)
+           min(f.occurred_at), max(f.occurred_at),
+           -- the example does not depend on the database's collation
+           min(f.error_message COLLATE "C")
     FROM failures f
-    LEFT JOIN episodes e ON e.episode_id = f.episode_id
+    LEFT JOIN episodes e ON e.episode_id = f.episode_id AND e.run_id = f.run_id
     WHERE f.source = 'tool'
       AND (run IS NULL OR f.run_id = run)
       AND (min_version IS NULL OR f.policy_version >= min_version)
