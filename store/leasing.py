@@ -1,7 +1,7 @@
 """Leasing complete GRPO groups to trainers.
 
-A lease holds whole groups only: every one of the run's ``group_size`` episodes of the group
-projected, with their positive samples and the group's negatives up to the run's cap
+A lease holds whole groups only: ``group_size`` episodes of the group projected (aborted and
+invalid ones do not count), with their positive samples and the group's negatives up to the run's cap
 (earliest failure first; the rest are marked ``skipped``). Samples are locked with
 ``SELECT … FOR UPDATE SKIP LOCKED`` and a group is taken only when every one of its ready
 samples was locked here, so two trainers never get the same sample. A lease that is neither
@@ -177,7 +177,10 @@ class Leasing:
                 FROM episodes e JOIN ready USING (group_id)
                 WHERE e.run_id = %(run)s
                 GROUP BY e.group_id
-                HAVING count(*) >= %(n)s
+                -- aborted and invalid episodes do not count: a group is complete when
+                -- group_size episodes finished and could be replayed
+                HAVING count(*) FILTER (WHERE e.status NOT IN ('aborted', 'invalid'))
+                       >= %(n)s
                 ORDER BY 3, 1
                 LIMIT %(limit)s
                 """,

@@ -32,7 +32,8 @@ def _sample(run: str, group: str, episode: str, kind: str, index: int, *, versio
 
 
 def add_group(store: EventStore, run: str, group: str, *, episodes: int, size: int = 2,
-              negatives: int = 0, version: int = 0, max_negatives: int = 1) -> list[str]:
+              negatives: int = 0, version: int = 0, max_negatives: int = 1,
+              status: str = "completed") -> list[str]:
     """Project ``episodes`` episodes of ``group`` (each one positive sample, ``negatives``
     failures each)."""
     projections = Projections(store)
@@ -48,7 +49,7 @@ def add_group(store: EventStore, run: str, group: str, *, episodes: int, size: i
                        max_negatives_per_group=max_negatives, save_negative_samples=True,
                        config={}, created_at=T0),
             episode=EpisodeRow(episode_id=episode, run_id=run, group_id=group,
-                               status="completed", projected_version=5, reward=1.0,
+                               status=status, projected_version=5, reward=1.0,
                                policy_version=version, finished_at=T0),
             samples=samples))
         ids.append(episode)
@@ -77,6 +78,17 @@ def test_only_complete_groups_with_capped_negatives(store: EventStore) -> None:
     assert s.response_mask.tolist() == [1] * 6 and s.rollout_logprobs.tolist() == [-0.5] * 6
     assert leasing.stats(run) == {"ready": 1, "leased": 3, "consumed": 0, "stale": 0,
                                   "skipped": 3}
+
+
+def test_aborted_episodes_do_not_complete_a_group(store: EventStore) -> None:
+    run = new_run()
+    leasing = Leasing(store)
+    add_group(store, run, "g", episodes=1, size=2)
+    add_group(store, run, "g", episodes=1, size=2, status="aborted")
+    assert leasing.lease_batch(run, groups=1, lease_seconds=60) is None
+    add_group(store, run, "g", episodes=1, size=2)  # the replacement episode
+    lease = leasing.lease_batch(run, groups=1, lease_seconds=60)
+    assert lease is not None and lease.groups == ["g"]
 
 
 def test_two_trainers_never_share_a_sample(store: EventStore) -> None:

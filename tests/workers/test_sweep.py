@@ -13,7 +13,8 @@ from tests.factories import episode_started
 from workers.replay.sweep import abort_stale_episodes
 
 
-def test_stale_episode_is_aborted_live_one_is_not(store: EventStore) -> None:
+def test_stale_episode_is_aborted_live_one_is_not(worker_store: EventStore) -> None:
+    store = worker_store  # a database of its own: no other test's open episodes
     stale, live = f"ep-{uuid.uuid4().hex}", f"ep-{uuid.uuid4().hex}"
     store.append(stale, [episode_started()])
     time.sleep(1.5)
@@ -30,6 +31,7 @@ def test_stale_episode_is_aborted_live_one_is_not(store: EventStore) -> None:
     assert len(store.read_stream(stale)) == before
 
 
-def test_bad_timeout(store: EventStore) -> None:
+def test_bad_timeout(worker_store: EventStore) -> None:
+    store = worker_store
     with pytest.raises(ValueError, match="timeout_s"):
         abort_stale_episodes(store, timeout_s=0)

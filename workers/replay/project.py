@@ -227,6 +227,9 @@ def build_projection(
             loss_mask=_as_mask(s.loss_mask), logprobs=np.asarray(s.logprobs, dtype=np.float32),
             num_drifted=s.num_drifted_messages)
         for s in result.samples
+        # An aborted episode (its worker died, or a redelivery replaced it) has no reward to
+        # train on: its timelines are kept in the episode row's counts, not as samples.
+        if status != "aborted"
     ]
     # Every failed attempt is kept as a negative candidate (when the run saves them); the
     # per-group cap is applied across the whole group when its samples are leased, since
