@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAINER_PROCESS = r"""
 import json, sys, time
 from pathlib import Path
+import torch
+torch.set_num_threads(1)
 from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings

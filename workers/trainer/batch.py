@@ -29,15 +29,24 @@ __all__ = ["SampleLike", "TrainingBatch", "pad_samples", "token_level_rewards"]
 class SampleLike(Protocol):
     """What :func:`pad_samples` reads from a sample (``store.leasing.LeasedSample`` fits)."""
 
-    sample_id: int
-    group_id: str
-    kind: str
-    reward: float
-    policy_version: int | None
-    prompt_length: int
-    token_ids: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
+    @property
+    def sample_id(self) -> int: ...
+    @property
+    def group_id(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def reward(self) -> float: ...
+    @property
+    def policy_version(self) -> int | None: ...
+    @property
+    def prompt_length(self) -> int: ...
+    @property
+    def token_ids(self) -> np.ndarray: ...
+    @property
+    def loss_mask(self) -> np.ndarray: ...
+    @property
+    def logprobs(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,8 @@ def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cp
         raise ValueError(f"model folder {str(folder)!r} does not exist")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=_DTYPES[dtype],
-                                                 local_files_only=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=_DTYPES[dtype],
+                                                      local_files_only=True)
     model.to(torch.device(device))
     model.eval()
     return model
