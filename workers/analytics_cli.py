@@ -18,6 +18,7 @@ import inspect
 import io
 import json
 import re
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
@@ -79,10 +80,15 @@ def _plain(value: Any) -> Any:
     return value.isoformat() if isinstance(value, dt.datetime) else value
 
 
-def render(spec: AnalyticsView, rows: Sequence[Any], output: OutputFormat) -> str:
+def render(spec: AnalyticsView, rows: Sequence[Any], output: OutputFormat, *,
+           width: int | None = None) -> str:
     """``rows`` of ``spec`` as text: a table, a JSON array of objects (every value exact,
-    times in ISO 8601) or CSV with a header (None as an empty field). Raises ValueError for
-    an unknown format."""
+    times in ISO 8601) or CSV with a header (None as an empty field). The table is as wide
+    as its widest cells; when that is wider than ``width`` (a terminal's), each row is
+    printed as a block of ``column | value`` lines instead, as psql's expanded display does.
+    Raises ValueError for an unknown format and for ``width`` < 40."""
+    if width is not None and width < 40:
+        raise ValueError(f"width must be at least 40, got {width}")
     output = OutputFormat(output)
     columns = spec.columns
     if output is OutputFormat.json:
@@ -96,14 +102,22 @@ def render(spec: AnalyticsView, rows: Sequence[Any], output: OutputFormat) -> st
             writer.writerow(["" if v is None else _plain(v) for v in row_as_dict(r).values()])
         return buffer.getvalue()
     cells = [[format_cell(v) for v in row_as_dict(r).values()] for r in rows]
-    table = Table(*columns, title=f"{spec.view} ({len(rows)} rows)")
+    title = f"{spec.view} ({len(rows)} rows)"
+    full = max(40, sum(max([len(c), *(len(line[i]) for line in cells)]) + 3
+                       for i, c in enumerate(columns)) + 1)
+    if width is not None and full > width:
+        name_width = max(len(c) for c in columns)
+        blocks = [title]
+        for number, line in enumerate(cells, start=1):
+            blocks.append(f"-[ row {number} ]".ljust(min(width, 40), "-"))
+            blocks += [f"{c.ljust(name_width)} | {v}" for c, v in zip(columns, line,
+                                                                      strict=True)]
+        return "\n".join(blocks) + "\n"
+    table = Table(*columns, title=title)
     for line in cells:
         table.add_row(*line)
-    # Wide enough for every cell, so that piped output is never folded or cut.
-    width = sum(max([len(c), *(len(line[i]) for line in cells)]) + 3
-                for i, c in enumerate(columns)) + 1
     buffer = io.StringIO()
-    Console(file=buffer, width=max(width, 40), no_color=True, highlight=False).print(table)
+    Console(file=buffer, width=full, no_color=True, highlight=False).print(table)
     return buffer.getvalue()
 
 
@@ -158,7 +172,10 @@ def _show(spec: AnalyticsView, options: dict[str, Any]) -> None:
         raise typer.Exit(1) from None
     finally:
         store.close()
-    typer.echo(render(spec, rows, options["output"]), nl=False)
+    # A terminal gets a table that fits it; piped output is never wrapped.
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    typer.echo(render(spec, rows, options["output"], width=width and max(width, 40)),
+               nl=False)
 
 
 def _view_command(spec: AnalyticsView) -> Callable[..., None]:
@@ -190,8 +207,11 @@ def _grant(
         "--password-stdin", help="Read the LOGIN role's password from standard input.")]
     = False,
 ) -> None:
-    """Create a read-only role for analysts: it can read the analytics views and projection
-    tables, and write nothing (events included)."""
+    """Create a read-only analyst role: it reads views and projections, writes nothing.
+
+    The role may SELECT the analytics views and the projection tables, not the event log;
+    every write (events included) is refused by its privileges.
+    """
     from store.analyst_role import grant_read_only
 
     password = None

@@ -22,7 +22,7 @@ from store import analytics
 from store.analytics import Filters
 from store.settings import get_settings
 from tests.analytics.conftest import RUN, Seeded
-from workers.analytics_cli import format_cell, parse_time, register
+from workers.analytics_cli import OutputFormat, format_cell, parse_time, register, render
 
 
 @pytest.fixture
@@ -207,3 +207,23 @@ def test_format_cell() -> None:
         "", "3", "0.5", "0.3333", "2", "0", "x", "yes"]
     when = dt.datetime(2026, 5, 1, 12, 0, 7, 123456, tzinfo=dt.UTC)
     assert format_cell(when) == "2026-05-01T12:00:07+00:00"
+
+
+def test_render_fits_a_terminal_and_refuses_bad_arguments(seeded: Seeded) -> None:
+    spec = analytics.VIEWS["failures"]
+    rows = analytics.failure_patterns(seeded.db, Filters(run_id=RUN))
+    narrow = render(spec, rows, OutputFormat.table, width=80)
+    # Too wide for 80 columns: one block of "column | value" lines per row.
+    blocks = narrow.split("-[ row ")[1:]
+    assert len(blocks) == len(rows)
+    first = dict(line.split(" | ") for line in blocks[0].splitlines()[1:])
+    assert {k.strip(): v for k, v in first.items()} == {
+        k: format_cell(v) for k, v in analytics.row_as_dict(rows[0]).items()}
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    wide = render(spec, rows, OutputFormat.table)
+    assert len(table_lines(wide)) == len(rows) + 1
+    assert render(spec, rows, OutputFormat.table, width=10_000) == wide
+    with pytest.raises(ValueError, match="width must be at least 40, got 10"):
+        render(spec, rows, OutputFormat.table, width=10)
+    with pytest.raises(ValueError, match="xml"):
+        render(spec, rows, "xml")  # type: ignore[arg-type]
