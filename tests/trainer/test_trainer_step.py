@@ -4,6 +4,7 @@ and the rollout engine's new output."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +138,22 @@ def test_open_refuses_run_without_model(trainer_store, tiny_model: Path) -> None
         Trainer.open(trainer_store, "bare")
     with pytest.raises(NotFoundError):
         Trainer.open(trainer_store, "no-such-run")
+
+
+def test_long_steps_renew_their_lease(trainer_store, tiny_model: Path) -> None:
+    run_id = new_run(trainer_store, tiny_model, group_size=2)
+    record_group(trainer_store, TransformersBackend(tiny_model), run_id, size=2, seed=5)
+    trainer = Trainer.open(trainer_store, run_id,
+                           config=TrainerConfig(lr=1e-3, lease_seconds=60.0))
+    leasing = Leasing(trainer_store)
+    lease = leasing.lease_batch(run_id, groups=1, lease_seconds=1.0)
+    assert lease is not None
+    now = time.monotonic()
+    assert trainer._keep_lease(lease, now) == now  # within the first half: no renewal
+    renewed_at = trainer._keep_lease(lease, now - 31.0)  # past half of 60 s: renewed
+    assert renewed_at > now - 31.0
+    with trainer_store.db.connection() as conn:
+        expires_at = conn.execute("SELECT expires_at FROM leases WHERE lease_id = %s",
+                                  (lease.lease_id,)).fetchone()[0]
+    assert (expires_at - lease.expires_at).total_seconds() > 30  # 1 s became about 60 s
+    leasing.release(lease.lease_id)

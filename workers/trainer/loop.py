@@ -216,10 +216,14 @@ class Trainer:
                 responses=batch.responses, settings=self.advantage_settings)
 
             changed = True
+            renewed = [started]
+
+            def keep_lease() -> None:
+                renewed[0] = self._keep_lease(lease, renewed[0])
+
             stats = ppo_update(self.model, self.optimizer, batch, old_log_probs=old_log_probs,
                                advantages=advantages, config=config,
-                               ref_log_probs=ref_log_probs,
-                               between_steps=lambda: self._keep_lease(lease, started))
+                               ref_log_probs=ref_log_probs, between_steps=keep_lease)
             self.steps_done += stats.optimizer_steps
 
             metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
@@ -293,10 +297,14 @@ class Trainer:
             prune_checkpoints(path.parent, keep=self.config.keep_checkpoints)
             return version, path
 
-    def _keep_lease(self, lease: Lease, started: float) -> None:
-        """Renew the lease once half of it has passed, so a long step keeps its samples."""
-        if time.monotonic() - started > self.config.lease_seconds / 2:
-            self.leasing.renew(lease.lease_id, self.config.lease_seconds)
+    def _keep_lease(self, lease: Lease, since: float) -> float:
+        """Renew the lease when half of it has passed since ``since`` (a ``time.monotonic()``
+        reading: the lease or its last renewal); returns the new reading."""
+        now = time.monotonic()
+        if now - since <= self.config.lease_seconds / 2:
+            return since
+        self.leasing.renew(lease.lease_id, self.config.lease_seconds)
+        return now
 
     def _metrics(self, batch: TrainingBatch, lease: Lease, old_log_probs: torch.Tensor,
                  entropies: torch.Tensor, advantages: torch.Tensor, ppo: dict[str, float],
