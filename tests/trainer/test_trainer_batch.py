@@ -115,7 +115,7 @@ def test_token_level_rewards_match_loop_reference(seed: int) -> None:
     lengths = [rng.randint(0, length) for _ in range(bs)]
     rewards = [rng.uniform(-2, 2) for _ in range(bs)]
     got = token_level_rewards(torch.tensor(rewards), torch.tensor(masks, dtype=torch.float32),
-                              torch.tensor(lengths))
+                              response_lengths=torch.tensor(lengths))
     expected = torch.tensor(loop_token_rewards(rewards, masks, lengths), dtype=torch.float32)
     assert torch.equal(got, expected)
     assert got.sum(dim=1).tolist() == pytest.approx(rewards)
@@ -163,6 +163,8 @@ def test_bad_samples_are_named() -> None:
 
 def test_token_level_rewards_refuses_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="rewards and response_lengths"):
-        token_level_rewards(torch.zeros(2), torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))
+        token_level_rewards(torch.zeros(2), torch.zeros(2, 3),
+                            response_lengths=torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="response_mask must have shape"):
-        token_level_rewards(torch.zeros(2), torch.zeros(3, 3), torch.zeros(2, dtype=torch.long))
+        token_level_rewards(torch.zeros(2), torch.zeros(3, 3),
+                            response_lengths=torch.zeros(2, dtype=torch.long))

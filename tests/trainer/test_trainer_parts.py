@@ -141,7 +141,7 @@ def test_checkpoint_round_trip_with_optimizer(model: Any, tiny_model: Path,
     ids = torch.tensor([[5, 6, 7, 8]])
     trained(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    folder = checkpoint_dir(tmp_path, "run/odd name", 3)
+    folder = checkpoint_dir(tmp_path, "run/odd name", version=3)
     path = save_checkpoint(folder, model=trained, state={"version": 3, "step": 7},
                            tokenizer=load_tokenizer(str(tiny_model)), optimizer=optimizer)
     assert path == folder and (path / OPTIMIZER_FILE).is_file()
@@ -169,13 +169,14 @@ def test_checkpoint_round_trip_with_optimizer(model: Any, tiny_model: Path,
 
 def test_checkpoint_errors_and_pruning(model: Any, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="run_id"):
-        checkpoint_dir(tmp_path, "", 1)
+        checkpoint_dir(tmp_path, "", version=1)
     with pytest.raises(ValueError, match="version"):
-        checkpoint_dir(tmp_path, "r", -1)
+        checkpoint_dir(tmp_path, "r", version=-1)
     with pytest.raises(ValueError, match="tag"):
-        checkpoint_dir(tmp_path, "r", 1, tag="A/B")
-    assert checkpoint_dir(tmp_path, "a/b", 1) != checkpoint_dir(tmp_path, "a_b", 1)
-    assert checkpoint_dir(tmp_path, "r", 12, tag="ab12").name == "v000012-ab12"
+        checkpoint_dir(tmp_path, "r", version=1, tag="A/B")
+    assert (checkpoint_dir(tmp_path, "a/b", version=1)
+            != checkpoint_dir(tmp_path, "a_b", version=1))
+    assert checkpoint_dir(tmp_path, "r", version=12, tag="ab12").name == "v000012-ab12"
     with pytest.raises(TypeError, match="transformers model"):
         save_checkpoint(tmp_path / "x", model=object(), state={})
     with pytest.raises(FileNotFoundError, match="not a trainer checkpoint"):
@@ -184,7 +185,7 @@ def test_checkpoint_errors_and_pruning(model: Any, tmp_path: Path) -> None:
         load_model(tmp_path / "missing")
     run = tmp_path / "checkpoints" / "run"
     for version, tag in ((1, None), (2, "aa"), (10, None), (3, None)):
-        (checkpoint_dir(tmp_path, "run", version, tag=tag)).mkdir(parents=True)
+        (checkpoint_dir(tmp_path, "run", version=version, tag=tag)).mkdir(parents=True)
     (run / "notes.txt").write_text("kept")
     deleted = prune_checkpoints(run, keep=2)
     assert sorted(p.name for p in deleted) == ["v000001", "v000002-aa"]

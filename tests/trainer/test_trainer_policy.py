@@ -144,8 +144,8 @@ def test_gradient_accumulation_equals_one_micro_batch(model: Any, mode: str) -> 
         trained = copy.deepcopy(model)
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
         config = TrainerConfig(micro_batch_size=micro, loss_agg_mode=mode, grad_clip=None)
-        stats = ppo_update(trained, optimizer, batch, old_log_probs=old, advantages=advantages,
-                           config=config)
+        stats = ppo_update(trained, batch, optimizer=optimizer, old_log_probs=old,
+                           advantages=advantages, config=config)
         assert stats.optimizer_steps == 1
         results.append((trained.state_dict(), stats.metrics()))
     reference, reference_metrics = results[0]
@@ -162,7 +162,7 @@ def test_mini_batches_and_epochs_count_optimizer_steps(model: Any) -> None:
     trained = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
     calls = []
-    stats = ppo_update(trained, optimizer, batch, old_log_probs=old,
+    stats = ppo_update(trained, batch, optimizer=optimizer, old_log_probs=old,
                        advantages=torch.ones_like(old) * batch.response_mask,
                        config=TrainerConfig(mini_batch_size=2, ppo_epochs=2),
                        between_steps=lambda: calls.append(1))
@@ -170,7 +170,7 @@ def test_mini_batches_and_epochs_count_optimizer_steps(model: Any) -> None:
     metrics = stats.metrics()
     assert metrics["ppo_kl"] != 0.0  # later mini-batches see a moved policy
     with pytest.raises(ValueError, match="ref_log_probs"):
-        ppo_update(trained, optimizer, batch, old_log_probs=old, advantages=old,
+        ppo_update(trained, batch, optimizer=optimizer, old_log_probs=old, advantages=old,
                    config=TrainerConfig(kl_coef=0.1))
 
 
@@ -191,7 +191,7 @@ def test_kl_to_reference_pulls_back(model: Any) -> None:
     before = kl_now()
     old, _ = score_batch(moved, batch, config=config)
     optimizer = torch.optim.SGD(moved.parameters(), lr=0.01)
-    stats = ppo_update(moved, optimizer, batch, old_log_probs=old,
+    stats = ppo_update(moved, batch, optimizer=optimizer, old_log_probs=old,
                        advantages=torch.zeros_like(old), config=config, ref_log_probs=ref)
     assert stats.metrics()["kl_loss"] > 0
     assert kl_now() < before

@@ -217,7 +217,7 @@ def pad_samples(
 
 
 def token_level_rewards(
-    rewards: torch.Tensor, response_mask: torch.Tensor, response_lengths: torch.Tensor
+    rewards: torch.Tensor, response_mask: torch.Tensor, *, response_lengths: torch.Tensor
 ) -> torch.Tensor:
     """Each row's scalar reward placed on its last trainable response token,
     ``(bs, response_length)`` (zeros elsewhere); a row with no trainable token gets it on its

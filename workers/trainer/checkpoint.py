@@ -50,7 +50,7 @@ def _run_folder_name(run_id: str) -> str:
     return f"{safe}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
 
 
-def checkpoint_dir(data_dir: str | os.PathLike[str], run_id: str, version: int, *,
+def checkpoint_dir(data_dir: str | os.PathLike[str], run_id: str, *, version: int,
                    tag: str | None = None) -> Path:
     """``<data_dir>/checkpoints/<run>/v<version, 6 digits>[-<tag>]``; characters of ``run_id``
     that are unsafe in a file name are replaced (and a hash of the id appended). Raises

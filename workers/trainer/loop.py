@@ -58,7 +58,7 @@ from workers.trainer.config import TrainerConfig
 from workers.trainer.ppo import ppo_update, score_batch
 from workers.trainer.weights import push_weights
 
-__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken"]
+__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device"]
 
 
 class TrainerBroken(RuntimeError):
@@ -210,7 +210,7 @@ class Trainer:
                              if self.reference is not None else None)
 
             rewards = token_level_rewards(batch.rewards, batch.response_mask,
-                                          batch.response_lengths)
+                                          response_lengths=batch.response_lengths)
             advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
                 rewards, batch.response_mask, batch.group_ids, entropies=entropies,
                 responses=batch.responses, settings=self.advantage_settings)
@@ -221,7 +221,8 @@ class Trainer:
             def keep_lease() -> None:
                 renewed[0] = self._keep_lease(lease, renewed[0])
 
-            stats = ppo_update(self.model, self.optimizer, batch, old_log_probs=old_log_probs,
+            stats = ppo_update(self.model, batch, optimizer=self.optimizer,
+                               old_log_probs=old_log_probs,
                                advantages=advantages, config=config,
                                ref_log_probs=ref_log_probs, between_steps=keep_lease)
             self.steps_done += stats.optimizer_steps
@@ -283,7 +284,8 @@ class Trainer:
             expected = self.store.stream_version(stream)
             version = self.leasing.current_policy_version(self.run_id) + 1
             path = save_checkpoint(
-                checkpoint_dir(self.data_dir, self.run_id, version, tag=lease.lease_id.hex[:8]),
+                checkpoint_dir(self.data_dir, self.run_id, version=version,
+                               tag=lease.lease_id.hex[:8]),
                 model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                 state={"run_id": self.run_id, "version": version, "step": self.steps_done,
                        "metrics": metrics, "config": self.config.to_dict()})

@@ -31,17 +31,21 @@ from workers.trainer.policy import response_log_probs
 __all__ = ["PPOStats", "micro_batches", "ppo_update", "score_batch"]
 
 
-def micro_batches(batch: TrainingBatch, rows: list[int], size: int
+def micro_batches(batch: TrainingBatch, rows: list[int], *, size: int
                   ) -> Iterator[tuple[list[int], TrainingBatch]]:
     """``(rows, trimmed sub-batch)`` for consecutive slices of ``rows`` of at most ``size``;
-    each sub-batch is cut to its own longest sequence and response."""
+    each sub-batch is cut to its own longest sequence and response. Raises ValueError for
+    ``size < 1`` and IndexError for a row outside the batch."""
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size!r}")
     for start in range(0, len(rows), size):
         part = rows[start:start + size]
         yield part, trim(batch.select(part))
 
 
 def trim(batch: TrainingBatch) -> TrainingBatch:
-    """``batch`` without the padding columns no row of it needs."""
+    """``batch`` without the padding columns no row of it needs (positions clamped into the
+    shorter sequences). A batch is never empty, so this cannot fail."""
     seq = max(int(batch.attention_mask.sum(dim=1).max().item()), 1)
     response_length = max(int(batch.response_lengths.max().item()), 1)
     return TrainingBatch(
@@ -64,12 +68,14 @@ def trim(batch: TrainingBatch) -> TrainingBatch:
 def score_batch(model: torch.nn.Module, batch: TrainingBatch, *, config: TrainerConfig
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``(bs, response_length)`` of the whole batch without
-    gradients, computed ``micro_batch_size`` rows at a time (zeros on padding)."""
+    gradients, computed ``micro_batch_size`` rows at a time (zeros on padding). Raises the
+    errors of :func:`workers.trainer.policy.response_log_probs`."""
     shape = tuple(batch.responses.shape)
     device = batch.responses.device
     log_probs = torch.zeros(shape, dtype=torch.float32, device=device)
     entropies = torch.zeros(shape, dtype=torch.float32, device=device)
-    for rows, part in micro_batches(batch, list(range(len(batch))), config.micro_batch_size):
+    for rows, part in micro_batches(batch, list(range(len(batch))),
+                                     size=config.micro_batch_size):
         lp, ent = response_log_probs(model, part, temperature=config.temperature,
                                      chunk_size=config.logit_chunk_size)
         width = lp.shape[1]
@@ -119,9 +125,9 @@ class PPOStats:
 
 def ppo_update(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
     batch: TrainingBatch,
     *,
+    optimizer: torch.optim.Optimizer,
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     config: TrainerConfig,
@@ -152,7 +158,7 @@ def ppo_update(
                 loss_scale_factor=float(batch.responses.shape[1]),
             )
             optimizer.zero_grad(set_to_none=True)
-            for part_rows, part in micro_batches(batch, rows, config.micro_batch_size):
+            for part_rows, part in micro_batches(batch, rows, size=config.micro_batch_size):
                 width = part.responses.shape[1]
                 old = old_log_probs[part_rows, :width]
                 adv = advantages[part_rows, :width]
