@@ -10,7 +10,6 @@ import importlib
 import json
 import re
 import sys
-import uuid
 from typing import Annotated, Any
 
 import typer
@@ -172,26 +171,79 @@ def events(
 
 @app.command()
 def demo(
-    seed: Annotated[int, typer.Option(help="Random seed of the sample episode.")] = 0,
+    steps: Annotated[int, typer.Option(min=1, help="Policy versions to train.")] = 12,
+    group_size: Annotated[int, typer.Option(min=1, help="Episodes per GRPO group.")] = 8,
+    groups: Annotated[int, typer.Option(min=1, help="Groups per training step.")] = 4,
+    backend: Annotated[str, typer.Option(help="Rollout engine: transformers or vllm.")]
+    = "transformers",
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the tiny model and trainer.")] = 0,
+    resume: Annotated[str | None, typer.Option(help="Continue this run from its last "
+                                               "policy_updated.")] = None,
 ) -> None:
-    """The main job. For now: record a sample tool-using episode and print it back."""
-    from store.demo import record_sample_episode
+    """The main job: roll out groups with a tiny model through Celery workers, replay them,
+    train with EGPO, push each new policy to the rollout engine, and chart the result."""
+    from rich.live import Live
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from workers.demo import DemoOptions, run_demo, summary, write_charts
 
     settings = get_settings()
-    store = _open_store(settings)
+    options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
+                          backend=backend, seed=seed, resume=resume)
     try:
-        run_id, episode_id = record_sample_episode(
-            store, seed=seed, run_id=f"demo-{uuid.uuid4().hex[:8]}"
-        )
-        console.print(f"[bold]run[/bold] {run_id}  [bold]episode[/bold] {episode_id}")
-        for r in store.read_stream(episode_id):
-            console.print(_event_line(r), markup=False, highlight=False)
-        where = (
-            f"the embedded database under {settings.data_dir}"
-            if settings.database_url is None
-            else _redact(settings.database_url)
-        )
-        console.print(f"\nstored in {where}\nread it again with: trajstore events {episode_id}")
+        options.check()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    store = _open_store(settings)
+    progress = Progress(TextColumn("{task.description:<16}"), BarColumn(),
+                        MofNCompleteColumn(), console=console)
+    task = progress.add_task("starting", total=1)
+    table_rows: list[Any] = []
+
+    def render() -> Any:
+        from rich.console import Group
+
+        table = Table("ver", "eps", "reward", "tool err", "rb", "neg", "adv", "H", "pg loss",
+                      title="per policy version (rb: rollbacks, neg: negative samples, "
+                      "adv: mean advantage, H: entropy)")
+        for r in table_rows:
+            t = r.train
+            table.add_row(str(r.version), str(r.episodes), f"{r.reward_mean:.3f}",
+                          f"{r.tool_error_rate:.1%}", str(r.rollbacks), str(r.negatives),
+                          f"{t.get('advantage_mean', 0.0):+.3f}",
+                          f"{t.get('old_entropy', 0.0):.2f}", f"{t.get('pg_loss', 0.0):+.4f}")
+        return Group(progress, table)
+
+    try:
+        with Live(render(), console=console, refresh_per_second=4) as live:
+            def on_progress(what: str, done: int, total: int) -> None:
+                progress.update(task, description=what, completed=done, total=total)
+                live.update(render())
+
+            def on_version(rows: list[Any]) -> None:
+                table_rows[:] = rows
+                live.update(render())
+
+            run_id, rows = run_demo(store, settings, options, on_version=on_version,
+                                    on_progress=on_progress)
+        out = settings.data_dir / "demo" / run_id
+        reward_png, failures_png = write_charts(rows, out)
+        result = summary(rows)
+        console.print(
+            f"\n[bold]run {run_id}[/bold]: mean reward {result['first']:.3f} at version "
+            f"{rows[0].version} -> {result['last']:.3f} at version {rows[-1].version} "
+            f"({result['gain']:+.3f})")
+        console.print(f"charts: {reward_png}\n        {failures_png}")
+        console.print(
+            "next: [bold]trajstore serve[/bold] and open http://127.0.0.1:"
+            f"{settings.api_port}/docs (API) — query the run with "
+            f"[bold]trajstore analytics failures --run {run_id}[/bold], or in SQL:\n"
+            f"  SELECT policy_version, avg(reward) FROM episodes WHERE run_id = '{run_id}'"
+            " GROUP BY 1 ORDER BY 1;\n"
+            f"continue training with: trajstore demo --resume {run_id} --steps {steps + 4}")
+    except (RuntimeError, ValueError, errors.NotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
     finally:
         store.close()
 

@@ -32,6 +32,7 @@ __all__ = [
     "MergeConfig",
     "RollbackConfig",
     "NegativeConfig",
+    "RolloutConfig",
     "RunConfig",
     "RunCreated",
     "EpisodeStarted",
@@ -183,8 +184,19 @@ class NegativeConfig(_Frozen):
     max_negative_samples_per_group: int = Field(default=1, ge=0)
 
 
+class RolloutConfig(_Frozen):
+    """How a run's rollout workers sample: per-call sampling and per-episode limits."""
+
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+    max_turns: int = Field(default=8, ge=1)
+    max_total_tokens: int = Field(default=4096, ge=1)
+
+
 class RunConfig(_Frozen):
     group_size: int = Field(default=8, ge=1)
+    rollout: RolloutConfig = RolloutConfig()
     egpo: EgpoConfig = EgpoConfig()
     merge: MergeConfig = MergeConfig()
     rollback: RollbackConfig = RollbackConfig()

@@ -44,6 +44,7 @@ from workers.rollout.rewards import Reward, Transcript, check_ground_truth, get_
 from workers.rollout.tools import ToolRegistry, function_schema, validate_tool_schema
 
 __all__ = [
+    "DIGITS_TASK",
     "Task",
     "TaskFormatError",
     "MAX_BUILTIN_INDEX",
@@ -292,10 +293,25 @@ MAX_BUILTIN_INDEX = 99_999
 _BUILTIN_ID = re.compile(r"^(arith|fc)-(\d+)-(\d+)$")
 
 
+#: The demo's task: write digits (reward ``digit_share``), with the calculator on offer, so
+#: that a tiny untrained model measurably learns within minutes on a CPU while its stray tool
+#: calls exercise tool errors, rollbacks and negative samples.
+DIGITS_TASK = Task(
+    task_id="digits",
+    messages=({"role": "user", "content": "Write digits only."},),
+    tools=(Calculator.schema,),
+    ground_truth=None,
+    reward="digit_share",
+    max_turns=2,
+)
+
+
 def builtin_task(task_id: str) -> Task | None:
-    """The built-in task ``arith-<seed>-<index>`` or ``fc-<seed>-<index>``, or None when
-    ``task_id`` has neither form. Raises ValueError for an index above
+    """The built-in task ``digits``, ``arith-<seed>-<index>`` or ``fc-<seed>-<index>``, or
+    None when ``task_id`` has none of these forms. Raises ValueError for an index above
     :data:`MAX_BUILTIN_INDEX`."""
+    if task_id == DIGITS_TASK.task_id:
+        return DIGITS_TASK
     match = _BUILTIN_ID.match(task_id) if isinstance(task_id, str) else None
     if match is None:
         return None
@@ -323,5 +339,6 @@ def resolve_task(task_id: str, *, tasks_dir: str | os.PathLike[str] | None = Non
             for candidate in load_tasks(path, registry=registry):
                 if candidate.task_id == task_id:
                     return candidate
-    raise ValueError(f"unknown task_id {task_id!r}: not a built-in id (arith-<seed>-<index>, "
+    raise ValueError(f"unknown task_id {task_id!r}: not a built-in id (digits, "
+                     f"arith-<seed>-<index>, "
                      f"fc-<seed>-<index>) nor in the JSONL files of {folder}")

@@ -147,7 +147,8 @@ def play_group(
 
     ``backend`` must already hold that policy's weights; ``run_config`` (read from ``log``
     when None) gives the rollback configuration; ``sampling`` defaults to
-    :data:`DEFAULT_GROUP_SAMPLING`, with each episode's seed derived from its id. Raises
+    the run's ``RunConfig.rollout`` (which then also sets ``max_turns`` and
+    ``max_total_tokens``), with each episode's seed derived from its id. Raises
     ValueError for ``n`` < 1, a negative ``group_index`` or ``policy_version``, and the log's
     errors (``NotFoundError`` for an unknown run, ``TransientError`` when it is unreachable).
     Failures inside an episode (backend, tools, reward) end that episode with status
@@ -160,7 +161,13 @@ def play_group(
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
     config = run_config if run_config is not None else log.run_config(run_id)
-    sampling = sampling or DEFAULT_GROUP_SAMPLING
+    if sampling is None:
+        # The run's own rollout settings (RunConfig.rollout) unless the caller overrides them.
+        sampling = DEFAULT_GROUP_SAMPLING.replace(
+            temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+            max_tokens=config.rollout.max_tokens)
+        max_turns = config.rollout.max_turns
+        max_total_tokens = config.rollout.max_total_tokens
     group_id = group_id_for(run_id, task.task_id, policy_version, group_index)
     writer = EpisodeWriter(log, namespace=uuid.uuid5(_NAMESPACE, group_id))
     slots: list[SlotOutcome] = []

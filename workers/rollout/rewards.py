@@ -42,6 +42,7 @@ __all__ = [
     "normalize_call",
     "register_reward",
     "unscored_reward",
+    "digit_share_reward",
 ]
 
 
@@ -234,3 +235,13 @@ def unscored_reward(ground_truth: Any, transcript: Transcript) -> Reward:
     rollouts). Raises ValueError when ``ground_truth`` is not None."""
     _no_ground_truth(ground_truth)
     return Reward(0.0, {}, source="unscored")
+
+
+@register_reward("digit_share")
+def digit_share_reward(ground_truth: Any, transcript: Transcript) -> Reward:
+    """Share of the last assistant text's characters that are ASCII digits (0 when empty):
+    the demo's task, one a tiny model learns in minutes on a CPU. ``ground_truth`` is
+    ignored."""
+    text = transcript.assistant_texts[-1] if transcript.assistant_texts else ""
+    share = sum(ch.isascii() and ch.isdigit() for ch in text) / len(text) if text else 0.0
+    return Reward(share, {"digits": share})

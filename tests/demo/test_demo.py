@@ -1,0 +1,54 @@
+"""The main job end to end: ``trajstore demo`` on the embedded default, through real Celery
+workers, with a fixed seed. The tiny model must measurably learn the ``digits`` task: the
+mean reward at the last policy version above the first by at least MARGIN."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MARGIN = 0.2
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env["TRAJSTORE_DATA_DIR"] = str(tmp_path)
+    env["COLUMNS"] = "140"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--seed", "0"],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=1400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    match = re.search(r"run (demo-\w+): mean reward ([\d.]+) at version 0 -> ([\d.]+) at "
+                      r"version (\d+)", done.stdout)
+    assert match, done.stdout[-3000:]
+    run_id, first, last, version = match[1], float(match[2]), float(match[3]), int(match[4])
+    assert version == 11
+    assert last >= first + MARGIN, (first, last)
+    out = tmp_path / "demo" / run_id
+    for chart in ("reward.png", "failures.png"):
+        assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --resume continues the same run from its last policy_updated.
+    more = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--resume", run_id,
+                           "--steps", "13"], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=600)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert f"run {run_id}" in more.stdout and "at version 12" in more.stdout
+
+
+def test_bad_options_are_named(tmp_path: Path) -> None:
+    bad = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--backend", "tpu"],
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--backend" in bad.stdout + bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--resume", "nope"],
+                             env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and "no run 'nope'" in missing.stdout

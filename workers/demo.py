@@ -1,0 +1,275 @@
+"""The main job: rollouts -> events -> replay -> EGPO training -> new policy -> rollouts.
+
+``run_demo`` creates a run (or resumes one), starts real Celery workers (``rollout`` and
+``replay`` in one process, ``train`` in another) on the configured servers or the embedded
+default, and for every policy version sends the rollout groups, waits until they are
+replayed, sends one training step and waits for its ``policy_updated``. The rollout worker
+loads each new checkpoint before its next group, so every version's rollouts come from the
+policy just trained. The task is the built-in ``digits`` (reward: the share of digits in
+the answer, with the calculator on offer, so stray tool calls give tool errors, rollbacks and
+negative samples).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import PolicyUpdated, RolloutConfig, RunConfig, RunCreated
+from store.settings import Settings
+
+__all__ = ["DemoOptions", "VersionRow", "run_demo", "version_rows", "write_charts"]
+
+TASK_ID = "digits"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    steps: int = 12
+    group_size: int = 8
+    groups_per_step: int = 4
+    backend: str = "transformers"
+    seed: int = 0
+    resume: str | None = None
+    lr: float = 3e-2
+    max_tokens: int = 8
+    timeout_s: float = 900.0
+
+    def check(self) -> None:
+        """Raise ValueError naming the first option out of range."""
+        for name in ("steps", "group_size", "groups_per_step", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, name)}")
+        if self.backend not in ("transformers", "vllm"):
+            raise ValueError(f"--backend must be transformers or vllm, got {self.backend!r}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class VersionRow:
+    """What the live table shows for one policy version."""
+
+    version: int
+    episodes: int = 0
+    reward_mean: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    rollbacks: int = 0
+    negatives: int = 0
+    failures_by_type: dict[str, int] = field(default_factory=dict)
+    train: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tool_error_rate(self) -> float:
+        return self.tool_errors / self.tool_calls if self.tool_calls else 0.0
+
+
+def version_rows(store: EventStore, run_id: str) -> list[VersionRow]:
+    """Per policy version of the run: episodes, mean reward, tool errors, rollbacks,
+    negatives, failures by error type, and the metrics of the training step that consumed
+    that version's samples."""
+    with store.db.connection() as conn:
+        episodes = conn.execute(
+            "SELECT policy_version, count(*), avg(reward), sum(tool_calls), sum(tool_errors),"
+            " sum(rollbacks), sum(negatives) FROM episodes WHERE run_id = %s"
+            " AND status NOT IN ('aborted', 'invalid') GROUP BY policy_version"
+            " ORDER BY policy_version", (run_id,)).fetchall()
+        failures = conn.execute(
+            "SELECT policy_version, coalesce(error_type, 'unknown'), count(*) FROM failures"
+            " WHERE run_id = %s GROUP BY 1, 2", (run_id,)).fetchall()
+    rows = {v: VersionRow(v, int(n), float(r or 0.0), int(tc or 0), int(te or 0), int(rb or 0),
+                          int(ng or 0))
+            for v, n, r, tc, te, rb, ng in episodes if v is not None}
+    for v, kind, n in failures:
+        if v in rows:
+            rows[v].failures_by_type[kind] = int(n)
+    for recorded in store.read_stream(run_stream_id(run_id)):
+        event = recorded.event
+        if isinstance(event, PolicyUpdated) and event.version - 1 in rows:
+            rows[event.version - 1].train = dict(event.metrics)
+    return [rows[v] for v in sorted(rows)]
+
+
+def write_charts(rows: list[VersionRow], directory: Path) -> tuple[Path, Path]:
+    """``reward.png`` (mean reward per policy version) and ``failures.png`` (failures by
+    error type per version) in ``directory``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    versions = [r.version for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(versions, [r.reward_mean for r in rows], marker="o")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("mean reward")
+    ax.set_title("reward by policy version")
+    ax.grid(alpha=0.3)
+    reward = directory / "reward.png"
+    fig.tight_layout()
+    fig.savefig(reward, dpi=120)
+    plt.close(fig)
+
+    kinds = sorted({k for r in rows for k in r.failures_by_type})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bottom = [0] * len(rows)
+    for kind in kinds:
+        counts = [r.failures_by_type.get(kind, 0) for r in rows]
+        ax.bar(versions, counts, bottom=bottom, label=kind)
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("failures")
+    ax.set_title("failures by error type")
+    if kinds:
+        ax.legend(fontsize=7)
+    failures = directory / "failures.png"
+    fig.tight_layout()
+    fig.savefig(failures, dpi=120)
+    plt.close(fig)
+    return reward, failures
+
+
+@contextmanager
+def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[list[Any]]:
+    """The demo's worker processes (rollout + replay, and train), stopped on exit."""
+    from store.up import _child_env
+
+    env = _child_env(settings)
+    env["TRAJSTORE_ROLLOUT_BACKEND"] = options.backend
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for name, queues in (("rollout", "rollout,replay"), ("train", "train")):
+        log = open(logs / f"{name}.log", "ab")
+        procs.append((name, log, subprocess.Popen(
+            [sys.executable, "-m", "store.cli", "worker", "--queues", queues],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)))
+    try:
+        yield procs
+    finally:
+        import signal
+
+        for _, _, proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, log, proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+
+def _create_run(store: EventStore, settings: Settings, options: DemoOptions) -> str:
+    from workers.rollout.tinymodel import tiny_model_path
+
+    model = str(tiny_model_path(settings.data_dir, seed=options.seed))
+    run_id = f"demo-{uuid.uuid4().hex[:8]}"
+    config = RunConfig(group_size=options.group_size, model=model, tokenizer=model,
+                       rollout=RolloutConfig(max_tokens=options.max_tokens, max_turns=2))
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project="demo",
+                                                     config=config)], NO_STREAM)
+    return run_id
+
+
+def run_demo(
+    store: EventStore,
+    settings: Settings,
+    options: DemoOptions,
+    *,
+    on_version: Callable[[list[VersionRow]], None] | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[str, list[VersionRow]]:
+    """Run the loop (module docstring) until the run's policy reaches ``options.steps``.
+    Returns the run id and the per-version rows. Raises ValueError for bad options or an
+    unknown ``resume`` run, and RuntimeError naming the worker log when a worker dies or
+    nothing happens for ``timeout_s``."""
+    from workers.app import ensure_configured
+
+    options.check()
+    if options.resume:
+        store.get_run(options.resume)  # NotFoundError (a LookupError) when unknown
+        run_id = options.resume
+    else:
+        run_id = _create_run(store, settings, options)
+    app = ensure_configured()
+    leasing_version = _policy_version(store, run_id)
+    train_config = {"lr": options.lr, "groups_per_step": options.groups_per_step,
+                    "micro_batch_size": 16, "seed": options.seed}
+    logs = settings.data_dir / "demo" / run_id / "logs"
+    with _workers(settings, options, logs) as procs:
+        version = leasing_version
+        while version < options.steps:
+            for g in range(options.groups_per_step):
+                app.send_task("trajstore.rollout_group", args=[run_id, TASK_ID,
+                                                             options.group_size, g],
+                              queue="rollout")
+            want = options.groups_per_step * options.group_size
+            _wait(lambda v=version: _episodes_done(store, run_id, v), want, procs, logs,
+                  options.timeout_s, on_progress, f"rollouts v{version}")
+            app.send_task("trajstore.train_step", args=[run_id, train_config], queue="train")
+            _wait(lambda: _policy_version(store, run_id), version + 1, procs, logs,
+                  options.timeout_s, on_progress, f"training v{version}")
+            version = _policy_version(store, run_id)
+            if on_version is not None:
+                on_version(version_rows(store, run_id))
+    return run_id, version_rows(store, run_id)
+
+
+def _policy_version(store: EventStore, run_id: str) -> int:
+    from store.leasing import Leasing
+
+    return Leasing(store).current_policy_version(run_id)
+
+
+def _episodes_done(store: EventStore, run_id: str, version: int) -> int:
+    with store.db.connection() as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM episodes WHERE run_id = %s AND policy_version = %s"
+            " AND status NOT IN ('aborted', 'invalid')", (run_id, version)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _wait(value: Callable[[], int], target: int, procs: list[Any], logs: Path,
+          timeout_s: float, on_progress: Callable[[str, int, int], None] | None,
+          what: str) -> None:
+    last, changed = -1, time.monotonic()
+    while True:
+        current = value()
+        if on_progress is not None:
+            on_progress(what, min(current, target), target)
+        if current >= target:
+            return
+        if current != last:
+            last, changed = current, time.monotonic()
+        for name, _, proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the {name} worker exited ({proc.returncode}); "
+                                   f"see {logs / (name + '.log')}")
+        if time.monotonic() - changed > timeout_s:
+            raise RuntimeError(f"no progress on {what} for {timeout_s:g} s; see the worker "
+                               f"logs in {logs}")
+        time.sleep(0.5)
+
+
+def summary(rows: list[VersionRow]) -> dict[str, float]:
+    """Mean reward at the first and the last version, and the gain."""
+    if not rows:
+        return {"first": 0.0, "last": 0.0, "gain": 0.0}
+    first, last = rows[0].reward_mean, rows[-1].reward_mean
+    return {"first": first, "last": last, "gain": last - first,
+            "best": max(r.reward_mean for r in rows),
+            "mean_last_three": statistics.mean(r.reward_mean for r in rows[-3:])}
