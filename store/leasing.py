@@ -1,8 +1,8 @@
 """Leasing complete GRPO groups to trainers.
 
-A lease holds whole groups only: ``group_size`` episodes of the group projected (aborted and
-invalid ones do not count), with their positive samples and the group's negatives up to the run's cap
-(earliest failure first; the rest are marked ``skipped``). Samples are locked with
+A lease holds whole groups only: ``group_size`` episodes of the group projected (aborted
+and invalid ones do not count), with their positive samples and the group's negatives up to
+the run's cap (earliest failure first; the rest are marked ``skipped``). Samples are locked with
 ``SELECT … FOR UPDATE SKIP LOCKED`` and a group is taken only when every one of its ready
 samples was locked here, so two trainers never get the same sample. A lease that is neither
 acknowledged nor released before it expires gives its samples back (``expire``, run by every
