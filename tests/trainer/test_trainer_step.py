@@ -82,8 +82,11 @@ def test_reopened_trainer_resumes_from_checkpoint(trainer_store, tiny_model: Pat
     config = TrainerConfig(lr=1e-3, groups_per_step=1)
     first = Trainer.open(trainer_store, run_id, config=config)
     assert first.step().version == 1
-    second = Trainer.open(trainer_store, run_id, config=config)
+    fresh_engine = TransformersBackend(tiny_model)
+    second = Trainer.open(trainer_store, run_id, config=config, engine=fresh_engine)
     assert second.steps_done == 1
+    assert fresh_engine.policy_version == 1  # the resumed weights were pushed at once
+    assert torch.equal(fresh_engine.model.lm_head.weight, first.model.lm_head.weight)
     assert all(torch.equal(second.model.state_dict()[k], v)
                for k, v in first.model.state_dict().items())
     moments = [s["exp_avg"] for s in second.optimizer.state.values()]

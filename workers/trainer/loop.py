@@ -152,7 +152,8 @@ class Trainer:
         optimizer moments and step count) or, before the first update, loaded from ``model``
         (default: the run's ``RunConfig.model``). The tokenizer is the run's
         (``RunConfig.tokenizer``, else the model's). Checkpoints go under ``data_dir``
-        (default: the store's settings). ``engine`` receives the weights after each update.
+        (default: the store's settings). ``engine`` receives the weights after each update,
+        and the resumed weights at once.
 
         Raises ``store.errors.NotFoundError`` for an unknown run, ValueError when neither
         ``model`` nor the run names a model folder, and the loaders' errors.
@@ -178,8 +179,11 @@ class Trainer:
                       step=int(read_state(resume).get("step", 0)) if resume else 0, name=name)
         if resume is not None:
             load_optimizer_state(resume, trainer.optimizer)
-            for group in trainer.optimizer.param_groups:  # the configured rate wins
-                group["lr"] = config.lr
+            for group in trainer.optimizer.param_groups:  # the configured settings win
+                group.update(lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                             weight_decay=config.weight_decay)
+            if engine is not None:  # the engine may hold older weights than the checkpoint
+                push_weights(policy, engine, version=int(read_state(resume)["version"]))
         return trainer
 
     def step(self, *, hooks: StepHooks | None = None) -> StepResult:
