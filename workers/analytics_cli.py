@@ -102,7 +102,7 @@ def render(spec: AnalyticsView, rows: Sequence[Any], output: OutputFormat, *,
             writer.writerow(["" if v is None else _plain(v) for v in row_as_dict(r).values()])
         return buffer.getvalue()
     cells = [[format_cell(v) for v in row_as_dict(r).values()] for r in rows]
-    title = f"{spec.view} ({len(rows)} rows)"
+    title = f"{spec.view} ({len(rows)} {'row' if len(rows) == 1 else 'rows'})"
     full = max(40, sum(max([len(c), *(len(line[i]) for line in cells)]) + 3
                        for i, c in enumerate(columns)) + 1)
     if width is not None and full > width:
@@ -113,7 +113,7 @@ def render(spec: AnalyticsView, rows: Sequence[Any], output: OutputFormat, *,
             blocks += [f"{c.ljust(name_width)} | {v}" for c, v in zip(columns, line,
                                                                       strict=True)]
         return "\n".join(blocks) + "\n"
-    table = Table(*columns, title=title)
+    table = Table(*columns, title=title, title_justify="left")
     for line in cells:
         table.add_row(*line)
     buffer = io.StringIO()
