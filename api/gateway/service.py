@@ -370,6 +370,10 @@ class Gateway:
             prompt, sampling)
         latency = (time.perf_counter() - started) * 1000
         message = assistant_message(text, call_id=call_id, parse_tools=True)
+        if message.get("content") is None:
+            # A RolloutServer renders the message it gets back with its chat template;
+            # templates concatenate content, so it is "" rather than null.
+            message["content"] = ""
         finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" \
             else finish
         captured = Captured(

@@ -26,7 +26,7 @@ from store.events import LLMCalled
 from store.settings import Settings
 from tests.api.conftest import Project, Server, make_project
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
