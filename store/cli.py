@@ -364,7 +364,7 @@ def up(
 
 def _register_extensions() -> None:
     """Commands that other packages contribute (each module has ``register(app)``)."""
-    for module in ("api.cli", "workers.trainer.cli"):
+    for module in ("api.cli", "workers.trainer.cli", "workers.analytics_cli"):
         try:
             extension = importlib.import_module(module)
         except ModuleNotFoundError as exc:
