@@ -42,7 +42,7 @@ def coerce_event(item: Event | Mapping[str, Any], index: int) -> Event:
             event_index=index,
         )
     type_name = item.get("type")
-    if type_name not in EVENT_TYPES:
+    if not isinstance(type_name, str) or type_name not in EVENT_TYPES:
         raise ValidationError(
             f"unknown event type {type_name!r}; known: {', '.join(sorted(EVENT_TYPES))}",
             event_index=index,

@@ -37,6 +37,8 @@ CASES = [
     (call(surprise=1), "surprise", "Extra inputs"),
     ({"type": "no_such_event"}, "type", "unknown event type"),
     ({"call_id": "x"}, "type", "unknown event type"),
+    ({"type": {}}, "type", "unknown event type"),
+    ({"type": ["llm_called"]}, "type", "unknown event type"),
     ({"type": "episode_finished", "status": "exploded"}, "status", "completed"),
     ({"type": "checkpoint_created", "checkpoint_id": "k", "position_key": "t3"},
      "position_key", "pattern"),
