@@ -11,7 +11,7 @@ from store.eventlog import EventStore
 from store.settings import get_settings
 from workers.app import app
 
-__all__ = ["replay_episode", "sweep", "worker_store"]
+__all__ = ["replay_episode", "sweep", "train_step", "worker_store"]
 
 _store: EventStore | None = None
 _lock = threading.Lock()
