@@ -66,16 +66,22 @@ class Settings(BaseSettings):
     )
 
     # Database connections.
-    pool_min_size: int = Field(default=1, ge=0)
-    pool_max_size: int = Field(default=8, ge=1)
-    statement_timeout_ms: int = Field(default=60_000, ge=0)
+    pool_min_size: int = Field(
+        default=1, ge=0, description="Database connections kept open per process."
+    )
+    pool_max_size: int = Field(
+        default=8, ge=1, description="Most database connections per process."
+    )
+    statement_timeout_ms: int = Field(
+        default=60_000, ge=0, description="Server-side limit on one SQL statement (0: none)."
+    )
 
     # Serving.
-    api_host: str = "127.0.0.1"
-    api_port: int = Field(default=8600, ge=1, le=65535)
-    api_workers: int = Field(default=1, ge=1)
+    api_host: str = Field(default="127.0.0.1", description="Interface the API listens on.")
+    api_port: int = Field(default=8600, ge=1, le=65535, description="Port of the API.")
+    api_workers: int = Field(default=1, ge=1, description="API server processes.")
 
-    log_level: str = "INFO"
+    log_level: str = Field(default="INFO", description="Log level of every process.")
 
     # Workers.
     redis_key_prefix: str = Field(
@@ -118,8 +124,9 @@ class Settings(BaseSettings):
         "transaction, before commit.",
     )
 
-    @field_validator("database_url", "redis_url", "test_database_url", "api_url", "api_key",
-                     mode="before")
+    @field_validator(
+        "database_url", "redis_url", "test_database_url", "api_url", "api_key", mode="before"
+    )
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
@@ -174,8 +181,13 @@ class Settings(BaseSettings):
         default=4096, ge=1, description="Largest max_tokens the gateway accepts per call."
     )
 
-    @field_validator("gateway_upstream_url", "gateway_upstream_api_key",
-                     "gateway_upstream_model", "gateway_engine_model", mode="before")
+    @field_validator(
+        "gateway_upstream_url",
+        "gateway_upstream_api_key",
+        "gateway_upstream_model",
+        "gateway_engine_model",
+        mode="before",
+    )
     @classmethod
     def _api_empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
