@@ -29,8 +29,14 @@ def append_batch(store: EventStore, stream_id: str, events: Sequence[Mapping[str
     ``EventStore.append`` raises (validation, conflict, idempotency)."""
     decoded = []
     for index, event in enumerate(events):
-        kind = event.get("type") if isinstance(event, Mapping) else None
-        if isinstance(kind, str) and kind in RUN_TYPES | EPISODE_TYPES and kind not in allowed:
+        if not isinstance(event, Mapping):
+            raise ValidationError(f"an event must be a JSON object, got "
+                                  f"{type(event).__name__}", event_index=index)
+        kind = event.get("type")
+        if not isinstance(kind, str):
+            raise ValidationError(f"type must be a string naming the event type, got "
+                                  f"{kind!r:.60}", event_index=index, field="type")
+        if kind in RUN_TYPES | EPISODE_TYPES and kind not in allowed:
             raise ValidationError(
                 f"a {kind} event does not belong in this stream; it takes "
                 f"{', '.join(sorted(allowed))}",
