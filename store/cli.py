@@ -378,6 +378,9 @@ _register_extensions()
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m store.cli`
+    from store.logs import configure_logging
+
+    configure_logging(get_settings())
     try:
         app()
     except errors.StoreError as exc:

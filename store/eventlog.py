@@ -24,6 +24,7 @@ from psycopg.rows import dict_row
 from store import errors
 from store.db import Database, scalar
 from store.events import EpisodeStarted, Event, LLMCalled, RunCreated
+from store.metrics import observe_append
 from store.rows import (
     ROW_COLUMNS,
     START,
@@ -190,9 +191,11 @@ class EventStore:
             e if e.event_id is not None else e.model_copy(update={"event_id": uuid.uuid4()})
             for e in events
         ]
+        started = time.perf_counter()
         for attempt in range(5):
             try:
                 result = self._append_once(stream_id, events, expected)
+                observe_append(time.perf_counter() - started)
                 if not result.duplicate:
                     self._notify(stream_id, events, result)
                 return result

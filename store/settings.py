@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     api_workers: int = Field(default=1, ge=1, description="API server processes.")
 
     log_level: str = Field(default="INFO", description="Log level of every process.")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text, or json: one JSON object per log line."
+    )
 
     # Workers.
     redis_key_prefix: str = Field(

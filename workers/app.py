@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
+from celery.signals import setup_logging
 
 from store.settings import get_settings
 
@@ -67,3 +68,12 @@ def ensure_configured() -> Celery:
     if not _configured:
         configure(app)
     return app
+
+
+@setup_logging.connect
+def _logging(**_: Any) -> None:
+    """Workers log like every other trajstore process (TRAJSTORE_LOG_FORMAT text or json);
+    a receiver here also stops Celery from installing its own handlers."""
+    from store.logs import configure_logging
+
+    configure_logging(get_settings())
