@@ -18,7 +18,16 @@ from api.context import ApiContext
 from api.errors import install_error_handlers
 from api.limits import BodyLimit
 from api.openapi import install_openapi
-from api.routers import completions, episodes, health, leases, rollout, runs, samples
+from api.routers import (
+    completions,
+    episodes,
+    health,
+    leases,
+    metrics,
+    rollout,
+    runs,
+    samples,
+)
 from store.eventlog import EventStore
 from store.settings import Settings, get_settings
 
@@ -61,7 +70,7 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
                   lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_request_bytes)
     install_error_handlers(app)
-    for module in (health, runs, episodes, samples, leases, completions, rollout):
+    for module in (health, metrics, runs, episodes, samples, leases, completions, rollout):
         app.include_router(module.router)
     install_openapi(app)
     return app
