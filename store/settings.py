@@ -158,6 +158,12 @@ class Settings(BaseSettings):
     )
     api_key_scrypt_r: int = Field(default=8, ge=1, description="scrypt block size r.")
     api_key_scrypt_p: int = Field(default=1, ge=1, description="scrypt parallelism p.")
+    api_key_cache_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds an API process trusts a key it checked, while it hears "
+        "revocations (LISTEN); 0 checks the database on every request.",
+    )
     gateway_upstream_url: str | None = Field(
         default=None,
         description="OpenAI-compatible server (vLLM) the capture gateway forwards to, "
