@@ -44,6 +44,7 @@ class ApiContext:
         return self._gateway
 
     def close(self) -> None:
+        self.keys.close()
         if self._gateway is not None:
             self._gateway.close()
         if self.owns_store:

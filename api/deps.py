@@ -23,7 +23,7 @@ _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer tsk_â
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="`X-API-Key: tsk_â€¦`")
 
 
-def get_context(request: Request) -> ApiContext:
+async def get_context(request: Request) -> ApiContext:
     """The process's shared context."""
     return request.app.state.ctx  # type: ignore[no-any-return]
 
@@ -54,7 +54,7 @@ AnyKey = Annotated[ApiKey, Depends(authenticate)]
 
 
 def _role(role: str):  # type: ignore[no-untyped-def]
-    def check(key: AnyKey) -> ApiKey:
+    async def check(key: AnyKey) -> ApiKey:
         if not key.allows(role):
             raise ApiError(403, "forbidden",
                            f"this key has role {key.role!r}; this route needs {role!r}")

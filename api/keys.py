@@ -9,8 +9,12 @@ the stored row; ``secret`` (43 URL-safe characters, 256 bits) is checked against
 - ``admin``: everything the other two may do.
 
 Checking scrypt on every request would cost tens of milliseconds, so a key whose secret
-passed once is remembered by the SHA-256 of the presented key; the row is still read on
-every request, so a revoked key stops working at once.
+passed once is remembered by the SHA-256 of the presented key. For ``api_key_cache_s``
+seconds an API process then trusts it without reading its row, but only while it listens
+for revocations: ``revoke`` sends a PostgreSQL notification with the key id when it
+commits, and every process listening drops the key at once. A process that cannot listen
+(the connection dropped) reads the row on every request until it listens again, so a
+revoked key never keeps working.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from store import errors
-from store.db import Database
+from store.db import Database, connect
 from store.settings import Settings
 
 __all__ = [
@@ -38,7 +45,11 @@ __all__ = [
     "parse_key",
 ]
 
+log = logging.getLogger(__name__)
+
 ROLES = ("ingest", "read", "admin")
+#: The notification channel revocations are announced on.
+REVOKED_CHANNEL = "trajstore_api_keys_revoked"
 KEY_PREFIX = "tsk_"
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 _SECRET = re.compile(r"^[A-Za-z0-9_-]{20,200}$")
@@ -118,8 +129,13 @@ class KeyStore:
     def __init__(self, db: Database, settings: Settings) -> None:
         self.db = db
         self.settings = settings
-        self._verified: OrderedDict[str, bytes] = OrderedDict()
+        # key_id -> (fingerprint of the presented key, the key, when its row was read)
+        self._verified: OrderedDict[str, tuple[bytes, ApiKey, float]] = OrderedDict()
         self._lock = threading.Lock()
+        self._generation = 0  # bumped by every revocation heard
+        self._listening = False
+        self._listener: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def create(self, *, project: str, role: str, name: str | None = None) -> NewKey:
         """Create a key of ``project`` with ``role``; returns it with its token (shown once).
@@ -155,18 +171,20 @@ class KeyStore:
         return [_key(r) for r in rows]
 
     def revoke(self, key_id: str) -> ApiKey:
-        """Revoke a key (revoking twice keeps the first time). Raises ``NotFoundError`` for
-        an unknown key id."""
+        """Revoke a key (revoking twice keeps the first time) and tell every listening API
+        process. Raises ``NotFoundError`` for an unknown key id."""
         with self.db.transaction() as conn:
             row = conn.execute(
                 f"UPDATE api_keys SET revoked_at = coalesce(revoked_at, now())"
                 f" WHERE key_id = %s RETURNING {_COLUMNS}",
                 (key_id,),
             ).fetchone()
+            if row is not None:
+                # Delivered when this transaction commits, never before.
+                conn.execute("SELECT pg_notify(%s, %s)", (REVOKED_CHANNEL, key_id))
         if row is None:
             raise errors.NotFoundError(f"no API key {key_id!r}")
-        with self._lock:
-            self._verified.pop(key_id, None)
+        self._forget(key_id)
         return _key(row)
 
     def verify(self, token: str) -> ApiKey | None:
@@ -176,6 +194,17 @@ class KeyStore:
             key_id, secret = parse_key(token)
         except ValueError:
             return None
+        fingerprint = hashlib.sha256(token.encode()).digest()
+        ttl = self.settings.api_key_cache_s
+        if ttl > 0:
+            self._ensure_listener()
+            with self._lock:
+                cached = self._verified.get(key_id) if self._listening else None
+            if cached is not None and time.monotonic() - cached[2] < ttl:
+                return cached[1] if hmac.compare_digest(cached[0], fingerprint) else None
+        with self._lock:
+            generation = self._generation
+            known = self._verified.get(key_id)
         with self.db.connection() as conn:
             row = conn.execute(
                 f"SELECT {_COLUMNS}, secret_hash, salt, hash_params FROM api_keys"
@@ -183,21 +212,77 @@ class KeyStore:
                 (key_id,),
             ).fetchone()
         if row is None or row[5] is not None:
+            self._forget(key_id)
             return None
-        fingerprint = hashlib.sha256(token.encode()).digest()
+        key = _key(row[:6])
+        if known is None or not hmac.compare_digest(known[0], fingerprint):
+            match = _PARAMS.match(row[8])
+            if match is None:
+                return None
+            n, r, p = (int(g) for g in match.groups())
+            if not hmac.compare_digest(hash_secret(secret, salt=bytes(row[7]), n=n, r=r, p=p),
+                                       bytes(row[6])):
+                return None
         with self._lock:
-            known = self._verified.get(key_id)
-        if known is not None:
-            return _key(row[:6]) if hmac.compare_digest(known, fingerprint) else None
-        match = _PARAMS.match(row[8])
-        if match is None:
-            return None
-        n, r, p = (int(g) for g in match.groups())
-        if not hmac.compare_digest(hash_secret(secret, salt=bytes(row[7]), n=n, r=r, p=p),
-                                   bytes(row[6])):
-            return None
+            # A revocation heard while the row was being read may be about this key: do
+            # not trust the row then (it is read again next time).
+            if self._generation == generation:
+                self._verified[key_id] = (fingerprint, key, time.monotonic())
+                self._verified.move_to_end(key_id)
+                while len(self._verified) > 10_000:
+                    self._verified.popitem(last=False)
+        return key
+
+    def _forget(self, key_id: str) -> None:
         with self._lock:
-            self._verified[key_id] = fingerprint
-            while len(self._verified) > 10_000:
-                self._verified.popitem(last=False)
-        return _key(row[:6])
+            self._verified.pop(key_id, None)
+            self._generation += 1
+
+    # --- hearing revocations ---------------------------------------------------------------
+
+    def _ensure_listener(self) -> None:
+        if self._listener is not None and self._listener.is_alive():
+            return
+        with self._lock:
+            if self._listener is not None and self._listener.is_alive():
+                return
+            self._stop.clear()
+            self._listener = threading.Thread(target=self._listen, name="api-key-revocations",
+                                              daemon=True)
+            self._listener.start()
+
+    def _listen(self) -> None:
+        """Drop revoked keys as their notifications arrive; while not listening, trust
+        nothing cached (``verify`` reads the row every time)."""
+        while not self._stop.is_set():
+            conn: Any = None
+            try:
+                conn = connect(self.db.url, autocommit=True)
+                conn.execute(f"LISTEN {REVOKED_CHANNEL}")
+                with self._lock:
+                    # Anything revoked while nobody listened is unknown: start afresh.
+                    self._verified.clear()
+                    self._generation += 1
+                    self._listening = True
+                while not self._stop.is_set():
+                    for note in conn.notifies(timeout=1.0):
+                        self._forget(note.payload)
+            except Exception as exc:  # connection lost: fall back to reading rows
+                log.warning("not hearing API key revocations (%s); checking every request",
+                            exc)
+            finally:
+                with self._lock:
+                    self._listening = False
+                    self._verified.clear()
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except Exception:  # already broken
+                        pass
+            self._stop.wait(1.0)
+
+    def close(self) -> None:
+        """Stop listening for revocations."""
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.join(timeout=5)

@@ -34,6 +34,7 @@ __all__ = [
     "run_episode_counts",
     "run_ids_of",
     "run_record",
+    "stream_event_rows",
 ]
 
 
@@ -290,3 +291,17 @@ def episode_finished(store: EventStore, episode_id: str) -> bool:
             " AND type = 'episode_finished')",
             (episode_id,),
         ).fetchone()[0]
+
+
+def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]:
+    """A stream's events without their token payloads, in version order: position,
+    stream_version, type, schema_version, event_id, data (as stored), occurred_at,
+    recorded_at. Cheaper than ``EventStore.read_stream`` when no tokens are wanted (no
+    payload decoding, no models built)."""
+    with store.db.connection() as conn:
+        return conn.cursor(row_factory=dict_row).execute(
+            "SELECT position, stream_version, type, schema_version, event_id, data,"
+            " occurred_at, recorded_at FROM events WHERE stream_id = %s"
+            " ORDER BY stream_version",
+            (stream_id,),
+        ).fetchall()

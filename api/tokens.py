@@ -55,7 +55,7 @@ def decode_array(value: Any, *, dtype: str, field: str) -> Any:
         raise TypeError(f"{field} must be a JSON array or a base64 string, got "
                         f"{type(value).__name__}")
     try:
-        raw = base64.b64decode(value, validate=True)
+        raw = binascii.a2b_base64(value, strict_mode=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{field} is a string but not valid base64") from None
     size = np.dtype(dtype).itemsize

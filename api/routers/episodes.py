@@ -29,7 +29,7 @@ from api.timelines import episode_timelines
 from api.tokens import Encoding, encode_array
 from store import errors as store_errors
 from store.eventlog import NO_STREAM, RecordedEvent
-from store.events import EpisodeStarted
+from store.events import EVENT_TYPES, EpisodeStarted
 
 __all__ = ["router"]
 
@@ -64,35 +64,46 @@ def start_episode(run_id: str, body: EpisodeCreate, key: IngestKey, ctx: Ctx,
                           duplicate=result.duplicate)
 
 
-def _check_new_stream(ctx: Ctx, key: Any, episode_id: str, events: list[dict[str, Any]]
-                      ) -> None:
-    """A batch opening a new episode stream must start with its ``episode_started``, whose
-    run must be the key's project's."""
-    first = events[0] if events else {}
-    if not isinstance(first, dict) or first.get("type") != "episode_started":
-        raise ApiError(404, "not_found", f"no episode {episode_id!r}; start it first (POST "
-                       "/v1/runs/{run_id}/episodes) or open the batch with its "
-                       "episode_started")
-    run_id = first.get("run_id")
-    if not isinstance(run_id, str) or not run_id:
-        raise ApiError(422, "invalid_event", "episode_started needs a run_id",
-                       event_index=0, field="run_id")
-    ctx.access.check_run(key, run_id)
+def _opening_run(events: list[dict[str, Any]]) -> str | None:
+    """The run named by the ``episode_started`` a batch opens with, if it does."""
+    first = events[0] if events else None
+    if isinstance(first, dict) and first.get("type") == "episode_started":
+        run_id = first.get("run_id")
+        if isinstance(run_id, str) and run_id:
+            return run_id
+    return None
 
 
 @router.post("/v1/episodes/{episode_id}/events", response_model=AppendResult,
              responses={409: _CONFLICT})
 def append_events(episode_id: str, body: AppendRequest, key: IngestKey, ctx: Ctx
                   ) -> AppendResult:
-    """Append a batch of events to an episode, all or nothing (see ``AppendRequest``)."""
-    try:
-        ctx.access.check_episode(key, episode_id)
-    except ApiError as exc:
-        if exc.status != 404:
+    """Append a batch of events to an episode, all or nothing (see ``AppendRequest``).
+    A batch that opens a new episode starts with its ``episode_started``."""
+    opening = _opening_run(body.events)
+    if opening is not None and body.expected_version in (0, "no_stream"):
+        # A batch opening a new stream: the run it names decides the project. Should the
+        # stream exist, the store refuses the batch (or, for a faithful retry, answers with
+        # the stored positions: the same batch, so the same run).
+        ctx.access.check_run(key, opening)
+        try:
+            result = append_batch(ctx.store, episode_id, body.events,
+                                  expected_version=body.expected_version,
+                                  allowed=EPISODE_TYPES)
+        except (store_errors.ConflictError, store_errors.IdempotencyError):
+            ctx.access.check_episode(key, episode_id)  # 403 for another project's stream
             raise
-        _check_new_stream(ctx, key, episode_id, body.events)
-    result = append_batch(ctx.store, episode_id, body.events,
-                          expected_version=body.expected_version, allowed=EPISODE_TYPES)
+    else:
+        try:
+            ctx.access.check_episode(key, episode_id)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            raise ApiError(404, "not_found", f"no episode {episode_id!r}; start it first "
+                           "(POST /v1/runs/{run_id}/episodes) or open the batch with its "
+                           "episode_started and expected_version \"no_stream\"") from None
+        result = append_batch(ctx.store, episode_id, body.events,
+                              expected_version=body.expected_version, allowed=EPISODE_TYPES)
     return AppendResult(stream_id=episode_id, version=result.version,
                         positions=list(result.positions), duplicate=result.duplicate)
 
@@ -152,6 +163,19 @@ def _event_out(r: RecordedEvent, *, tokens: bool, encoding: Encoding) -> dict[st
     return out
 
 
+def _current(row: dict[str, Any]) -> bool:
+    cls = EVENT_TYPES.get(row["type"])
+    return cls is not None and row["schema_version"] == cls.schema_version
+
+
+def _row_out(row: dict[str, Any]) -> dict[str, Any]:
+    """An event read without its tokens (its data as stored: the current schema)."""
+    return {"position": row["position"], "stream_version": row["stream_version"],
+            "type": row["type"], "event_id": str(row["event_id"]),
+            "occurred_at": row["occurred_at"], "recorded_at": row["recorded_at"],
+            "data": row["data"], "tokens": None}
+
+
 @router.get("/v1/episodes/{episode_id}", response_model=EpisodeDetail)
 def get_episode(episode_id: str, key: ReadKey, ctx: Ctx, tokens: bool = True,
                 encoding: Encoding = "json") -> EpisodeDetail:
@@ -160,11 +184,17 @@ def get_episode(episode_id: str, key: ReadKey, ctx: Ctx, tokens: bool = True,
     row = queries.episode_row(ctx.store, episode_id)
     if row is None:  # pragma: no cover - check_episode found it a moment ago
         raise ApiError(404, "not_found", f"no episode {episode_id!r}")
-    events = ctx.store.read_stream(episode_id)
-    return EpisodeDetail.model_validate({
-        "summary": row,
-        "events": [_event_out(r, tokens=tokens, encoding=encoding) for r in events],
-    })
+    if tokens:
+        events = [_event_out(r, tokens=True, encoding=encoding)
+                  for r in ctx.store.read_stream(episode_id)]
+    else:
+        rows = queries.stream_event_rows(ctx.store, episode_id)
+        if all(_current(r) for r in rows):
+            events = [_row_out(r) for r in rows]
+        else:  # data stored under an older schema version: read it upcast
+            events = [_event_out(r, tokens=False, encoding=encoding)
+                      for r in ctx.store.read_stream(episode_id)]
+    return EpisodeDetail.model_validate({"summary": row, "events": events})
 
 
 @router.get("/v1/episodes/{episode_id}/timelines", response_model=EpisodeTimelines,

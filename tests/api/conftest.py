@@ -60,8 +60,10 @@ def api_store(api_settings: Settings, pg_url: str) -> Iterator[EventStore]:
 
 
 @pytest.fixture
-def key_store(api_store: EventStore, api_settings: Settings) -> KeyStore:
-    return KeyStore(api_store.db, api_settings)
+def key_store(api_store: EventStore, api_settings: Settings) -> Iterator[KeyStore]:
+    keys = KeyStore(api_store.db, api_settings)
+    yield keys
+    keys.close()
 
 
 @pytest.fixture

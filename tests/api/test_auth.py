@@ -9,11 +9,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from api.app import create_app
 from api.keys import KeyStore
 from store.eventlog import EventStore
 from store.leasing import Leasing
+from store.settings import Settings
 from tests.api.conftest import Project
 from tests.api.episodes import create_run, record_group
+from tests.workers.conftest import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +118,36 @@ def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
         assert r.status_code not in (401, 403), (where, r.text)
 
 
-def test_revocation_takes_effect_at_once(client: TestClient, key_store: KeyStore,
-                                         project: Project) -> None:
+def test_revocation_reaches_a_process_that_trusts_the_key(
+        client: TestClient, key_store: KeyStore, project: Project) -> None:
     new = key_store.create(project=project.name, role="read", name="short-lived")
     headers = {"Authorization": f"Bearer {new.token}"}
+    app_keys = client.app.state.ctx.keys
+    # Once the app hears revocations, it trusts the checked key without reading its row.
+    wait_for(lambda: client.get("/v1/keys/me", headers=headers).status_code == 200
+             and app_keys._listening, timeout=30, what="the app listening for revocations")
     me = client.get("/v1/keys/me", headers=headers)
-    assert me.status_code == 200
     assert me.json() == {"key_id": new.key.key_id, "project": project.name, "role": "read"}
-    # A second store process (the CLI) revokes it: this process has it verified in its cache.
-    other = KeyStore(key_store.db, key_store.settings)
-    other.revoke(new.key.key_id)
-    assert client.get("/v1/keys/me", headers=headers).status_code == 401
+    with app_keys.db.connection() as conn:  # proof that the row is not read: change it
+        conn.execute("UPDATE api_keys SET project = 'elsewhere' WHERE key_id = %s",
+                     (new.key.key_id,))
+    assert client.get("/v1/keys/me", headers=headers).json()["project"] == project.name
+    # Another process (the CLI) revokes it: the app drops it as the notification arrives.
+    key_store.revoke(new.key.key_id)
+    wait_for(lambda: client.get("/v1/keys/me", headers=headers).status_code == 401,
+             timeout=30, what="the revocation to reach the app")
+
+
+def test_without_trust_window_every_request_reads_the_row(
+        api_settings: Settings, api_store: EventStore, key_store: KeyStore,
+        project: Project) -> None:
+    settings = api_settings.model_copy(update={"api_key_cache_s": 0.0})
+    with TestClient(create_app(settings, store=api_store)) as c:
+        new = key_store.create(project=project.name, role="read")
+        headers = {"Authorization": f"Bearer {new.token}"}
+        assert c.get("/v1/keys/me", headers=headers).status_code == 200
+        KeyStore(key_store.db, settings).revoke(new.key.key_id)
+        assert c.get("/v1/keys/me", headers=headers).status_code == 401
 
 
 def test_a_project_sees_only_its_runs(client: TestClient, project: Project,

@@ -15,7 +15,7 @@ from store.settings import Settings, get_settings
 
 def test_key_is_stored_as_a_scrypt_hash_with_default_cost(key_store: KeyStore,
                                                           pg_url: str) -> None:
-    keys = KeyStore(key_store.db, Settings(database_url=pg_url))  # default scrypt cost
+    keys = KeyStore(key_store.db, Settings(database_url=pg_url, api_key_cache_s=0))
     new = keys.create(project="p-hash", role="read", name="ci")
     key_id, secret = parse_key(new.token)
     assert new.token.startswith(KEY_PREFIX) and key_id == new.key.key_id
@@ -29,14 +29,15 @@ def test_key_is_stored_as_a_scrypt_hash_with_default_cost(key_store: KeyStore,
     assert secret.encode() not in bytes(stored) and len(secret) == 43
     assert keys.verify(new.token) == new.key
     # A fresh store (no cache) checks the hash itself; a wrong secret fails.
-    assert KeyStore(key_store.db, key_store.settings).verify(new.token) == new.key
+    assert KeyStore(key_store.db, keys.settings).verify(new.token) == new.key
     assert keys.verify(new.token[:-1] + ("A" if new.token[-1] != "A" else "B")) is None
 
 
 def test_keys_made_with_other_parameters_still_verify(key_store: KeyStore, pg_url: str
                                                       ) -> None:
     old = key_store.create(project="p-params", role="ingest")  # n=1024 in these tests
-    later = KeyStore(key_store.db, Settings(database_url=pg_url, api_key_scrypt_n=4096))
+    later = KeyStore(key_store.db, Settings(database_url=pg_url, api_key_scrypt_n=4096,
+                                             api_key_cache_s=0))
     assert later.verify(old.token) == old.key
 
 
