@@ -10,6 +10,7 @@ import importlib
 import json
 import re
 import sys
+import uuid
 from typing import Annotated, Any
 
 import typer
@@ -165,6 +166,28 @@ def events(
         else:
             for r in store.read_all(position, limit=limit):
                 show(r)
+    finally:
+        store.close()
+
+
+@app.command()
+def sample(
+    seed: Annotated[int, typer.Option(help="Random seed of the sample episode.")] = 0,
+) -> None:
+    """Record one sample tool-using episode through the store API and print it back (a few
+    seconds; no model needed)."""
+    from store.sample import record_sample_episode
+
+    settings = get_settings()
+    store = _open_store(settings)
+    try:
+        run_id, episode_id = record_sample_episode(
+            store, seed=seed, run_id=f"sample-{uuid.uuid4().hex[:8]}"
+        )
+        console.print(f"[bold]run[/bold] {run_id}  [bold]episode[/bold] {episode_id}")
+        for r in store.read_stream(episode_id):
+            console.print(_event_line(r), markup=False, highlight=False)
+        console.print(f"read it again with: trajstore events {episode_id}")
     finally:
         store.close()
 

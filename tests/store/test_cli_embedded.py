@@ -28,9 +28,9 @@ def _env(**extra: str) -> dict[str, str]:
 @pytest.mark.timeout(400)
 def test_embedded_default_starts_migrates_and_stops(tmp_path: Path) -> None:
     env = _env(TRAJSTORE_DATA_DIR=str(tmp_path))
-    demo = _run(["demo", "--seed", "3"], env)
-    assert demo.returncode == 0, demo.stderr
-    episode = demo.stdout.split("episode", 1)[1].split()[0]
+    sample = _run(["sample", "--seed", "3"], env)
+    assert sample.returncode == 0, sample.stderr
+    episode = sample.stdout.split("episode", 1)[1].split()[0]
     status = _run(["status"], env)
     assert status.returncode == 0, status.stderr
     assert "(embedded)" in status.stdout and str(tmp_path) in status.stdout

@@ -1,7 +1,8 @@
-"""A sample tool-using episode, recorded through the store API (the interim main job).
+"""A sample tool-using episode recorded through the store API: ``trajstore sample``.
 
-Tokens are the UTF-8 bytes of a ChatML rendering, so the sample needs no tokenizer files;
-the full demo (rollouts with a tiny model, replay, EGPO training) replaces it.
+Tokens are the UTF-8 bytes of a ChatML rendering, so the sample needs no tokenizer files or
+model; it shows what an episode's events look like in a few seconds (the real loop is
+``trajstore demo``).
 """
 
 from __future__ import annotations
