@@ -5,11 +5,12 @@ event rejects the batch and nothing is stored)."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from api.tokens import decode_event_tokens
 from store.errors import ValidationError
 from store.eventlog import AppendResult, EventStore, ExpectedVersion
+from store.events import Event
 
 __all__ = ["EPISODE_TYPES", "RUN_TYPES", "append_batch"]
 
@@ -43,4 +44,5 @@ def append_batch(store: EventStore, stream_id: str, events: Sequence[Mapping[str
                 event_index=index, field="type",
             )
         decoded.append(decode_event_tokens(event, index))
-    return store.append(stream_id, decoded, expected_version)
+    # The store validates mappings as it does models (store.validation.coerce_event).
+    return store.append(stream_id, cast(Sequence[Event], decoded), expected_version)

@@ -156,6 +156,7 @@ class KeyStore:
                 f" hash_params) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING {_COLUMNS}",
                 (key_id, project, role, name, digest, salt, params),
             ).fetchone()
+        assert row is not None  # INSERT … RETURNING gives the row
         return NewKey(_key(row), f"{KEY_PREFIX}{key_id}_{secret}")
 
     def list(self, *, project: str | None = None, include_revoked: bool = False

@@ -56,18 +56,20 @@ class EpisodeFilters:
     started_before: dt.datetime | None = None
 
 
-_EPISODE_SELECT = """
-SELECT s.position, s.stream_id AS episode_id, s.run_id, s.group_id, s.recorded_at AS started_at,
-       s.data->>'task_id' AS task_id,
-       coalesce(p.policy_version, (s.data->>'policy_version')::int) AS policy_version,
-       coalesce(p.status,
+_STATUS = """coalesce(p.status,
                 (SELECT f.data->>'status' FROM events f
                   WHERE f.stream_id = s.stream_id AND f.type = 'episode_finished' LIMIT 1),
-                'running') AS status,
-       coalesce(p.reward,
+                'running')"""
+_REWARD = """coalesce(p.reward,
                 (SELECT (r.data->>'value')::float8 FROM events r
                   WHERE r.stream_id = s.stream_id AND r.type = 'reward_assigned'
-                  ORDER BY r.stream_version DESC LIMIT 1)) AS reward,
+                  ORDER BY r.stream_version DESC LIMIT 1))"""
+_POLICY = "coalesce(p.policy_version, (s.data->>'policy_version')::int)"
+
+_EPISODE_SELECT = f"""
+SELECT s.position, s.stream_id AS episode_id, s.run_id, s.group_id, s.recorded_at AS started_at,
+       s.data->>'task_id' AS task_id, {_POLICY} AS policy_version, {_STATUS} AS status,
+       {_REWARD} AS reward,
        (SELECT max(v.stream_version) FROM events v WHERE v.stream_id = s.stream_id) AS events,
        p.finished_at, p.invalid_reason, p.projected_version, p.llm_calls, p.tool_calls,
        p.tool_errors, p.attempts_failed, p.rollbacks, p.timelines, p.survivors, p.forks,
@@ -94,48 +96,38 @@ def list_episodes(store: EventStore, filters: EpisodeFilters, *, after: int = 0,
                   limit: int = 100) -> list[dict[str, Any]]:
     """One page of episodes matching ``filters`` whose start position is past ``after``, in
     start order (dicts of the columns of ``_EPISODE_SELECT``). Raises ValueError for a
-    ``limit`` below 1 or an empty ``run_ids``."""
+    ``limit`` below 1; an empty ``run_ids`` gives no episodes."""
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if not filters.run_ids:
         return []
-    where = ["s.type = 'episode_started'", "s.run_id = ANY(%(runs)s)", "s.position > %(after)s"]
-    params: dict[str, Any] = {"runs": list(filters.run_ids), "after": after, "limit": limit}
-    if filters.group_id is not None:
-        where.append("s.group_id = %(group)s")
-        params["group"] = filters.group_id
-    if filters.started_after is not None:
-        where.append("s.recorded_at >= %(t0)s")
-        params["t0"] = filters.started_after
-    if filters.started_before is not None:
-        where.append("s.recorded_at < %(t1)s")
-        params["t1"] = filters.started_before
-    outer = []
-    if filters.status is not None:
-        outer.append("e.status = %(status)s")
-        params["status"] = filters.status
-    if filters.reward_min is not None:
-        outer.append("e.reward >= %(rmin)s")
-        params["rmin"] = filters.reward_min
-    if filters.reward_max is not None:
-        outer.append("e.reward <= %(rmax)s")
-        params["rmax"] = filters.reward_max
-    if filters.policy_version is not None:
-        outer.append("e.policy_version = %(pv)s")
-        params["pv"] = filters.policy_version
-    if filters.error_type is not None:
-        where.append(_ERROR_TYPE)
-        params["error_type"] = filters.error_type
-    if filters.tool_name is not None:
-        where.append(_TOOL_NAME)
-        params["tool_name"] = filters.tool_name
-    # The inner query walks events_episodes_idx in position order; filters on computed
-    # columns (status, reward, policy) sit outside it so they see the coalesced values.
-    sql = (f"SELECT * FROM ({_EPISODE_SELECT} WHERE {' AND '.join(where)}"
-           f" ORDER BY s.position) e")
-    if outer:
-        sql += " WHERE " + " AND ".join(outer)
-    sql += " ORDER BY e.position LIMIT %(limit)s"
+    # Walk the episode starts in position order (events_episodes_idx for one run) and test
+    # each against the filters, so that a page costs about its own rows, not the run's.
+    where = ["s.type = 'episode_started'", "s.position > %(after)s"]
+    params: dict[str, Any] = {"after": after, "limit": limit}
+    if len(filters.run_ids) == 1:
+        where.append("s.run_id = %(run)s")
+        params["run"] = filters.run_ids[0]
+    else:
+        where.append("s.run_id = ANY(%(runs)s)")
+        params["runs"] = list(filters.run_ids)
+    conditions = (
+        ("group_id", "s.group_id = %(group)s", "group"),
+        ("started_after", "s.recorded_at >= %(t0)s", "t0"),
+        ("started_before", "s.recorded_at < %(t1)s", "t1"),
+        ("status", f"{_STATUS} = %(status)s", "status"),
+        ("reward_min", f"{_REWARD} >= %(rmin)s", "rmin"),
+        ("reward_max", f"{_REWARD} <= %(rmax)s", "rmax"),
+        ("policy_version", f"{_POLICY} = %(pv)s", "pv"),
+        ("error_type", _ERROR_TYPE, "error_type"),
+        ("tool_name", _TOOL_NAME, "tool_name"),
+    )
+    for name, sql, param in conditions:
+        value = getattr(filters, name)
+        if value is not None:
+            where.append(sql)
+            params[param] = value
+    sql = f"{_EPISODE_SELECT} WHERE {' AND '.join(where)} ORDER BY s.position LIMIT %(limit)s"
     with store.db.connection() as conn:
         return conn.cursor(row_factory=dict_row).execute(sql, params).fetchall()
 
@@ -205,10 +197,11 @@ def run_ids_of(store: EventStore, project: str) -> list[str]:
 def run_episode_counts(store: EventStore, run_id: str) -> dict[str, int]:
     """Episodes of a run: ``started`` (from the log) and, per status, those replayed."""
     with store.db.connection() as conn:
-        started = conn.execute(
+        row = conn.execute(
             "SELECT count(*) FROM events WHERE run_id = %s AND type = 'episode_started'",
             (run_id,),
-        ).fetchone()[0]
+        ).fetchone()
+        started = int(row[0]) if row is not None else 0
         rows = conn.execute(
             "SELECT status, count(*) FROM episodes WHERE run_id = %s GROUP BY status",
             (run_id,),
@@ -286,11 +279,12 @@ def iter_samples(store: EventStore, filters: SampleFilters, *, chunk: int = 256
 def episode_finished(store: EventStore, episode_id: str) -> bool:
     """Whether the episode's ``episode_finished`` is stored."""
     with store.db.connection() as conn:
-        return conn.execute(
+        row = conn.execute(
             "SELECT EXISTS (SELECT 1 FROM events WHERE stream_id = %s"
             " AND type = 'episode_finished')",
             (episode_id,),
-        ).fetchone()[0]
+        ).fetchone()
+    return bool(row is not None and row[0])
 
 
 def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]:

@@ -204,8 +204,8 @@ def run_append(store: EventStore, server_url: str, token: str, *, run_id: str,
                 store.append(item[0], item[1], "no_stream")
 
             # Alternate the order so that neither side always runs on the fuller table.
-            runs = [("models", models, direct), ("maps", mappings, direct),
-                    ("http", bodies, post)]
+            runs: list[tuple[str, list[Any], Any]] = [
+                ("models", models, direct), ("maps", mappings, direct), ("http", bodies, post)]
             took = {name: _in_threads(work, fn, clients)
                     for name, work, fn in (runs if rnd % 2 == 0 else runs[::-1])}
             t_models, t_maps, t_http = took["models"], took["maps"], took["http"]

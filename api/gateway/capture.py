@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from api import queries
 from api.access import Access
 from api.errors import ApiError
@@ -91,8 +93,9 @@ class Capture:
             response["mask_check"] = mask_check
         event = LLMCalled(
             event_id=uuid.uuid4(), agent=agent, call_id=call_id, messages=messages,
-            tools=tools or None, prompt_ids=captured.prompt_ids,
-            response_ids=captured.response_ids, logprobs=captured.logprobs,
+            tools=tools or None, prompt_ids=np.asarray(captured.prompt_ids, dtype=np.int64),
+            response_ids=np.asarray(captured.response_ids, dtype=np.int64),
+            logprobs=np.asarray(captured.logprobs, dtype=np.float64),
             response=response, finish_reason=captured.finish_reason,
             policy_version=target.policy_version if policy_version is None else policy_version,
             latency_ms=latency_ms, usage=captured.usage)

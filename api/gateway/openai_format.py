@@ -208,9 +208,10 @@ def completion_chunks(*, request_id: str, created: int, model: str, text: str,
         token_text=token_text if want_logprobs else None, return_token_ids=return_token_ids)
     body.pop("usage")
     body["choices"][0]["finish_reason"] = None
-    end = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": "", "logprobs": None,
-                        "finish_reason": finish_reason, "stop_reason": None}]}
+    end: dict[str, Any] = {
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": "", "logprobs": None,
+                     "finish_reason": finish_reason, "stop_reason": None}]}
     if return_token_ids:
         end["choices"][0]["token_ids"] = []
     out = [body, end]

@@ -167,7 +167,7 @@ class Gateway:
         target = await self._target(key, episode)
         messages = normalize_messages(body.messages)
         tools = body.tools or None
-        record = {"agent": agent, "messages": messages, "tools": tools,
+        record: dict[str, Any] = {"agent": agent, "messages": messages, "tools": tools,
                   "policy_version": policy_version}
         if self.has_upstream:
             return await self._forward(body.model_dump(exclude_unset=True), chat=True,
@@ -188,10 +188,11 @@ class Gateway:
         captured = self._captured(result, message)
         await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
         engine = self.engine()
-        common = dict(request_id=call_id, created=int(time.time()), model=engine.name,
-                      message=message, finish_reason=result.finish_reason,
-                      prompt_ids=captured.prompt_ids, response_ids=captured.response_ids,
-                      logprobs=captured.logprobs, return_token_ids=bool(body.return_token_ids))
+        common: dict[str, Any] = dict(
+            request_id=call_id, created=int(time.time()), model=engine.name, message=message,
+            finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
+            response_ids=captured.response_ids, logprobs=captured.logprobs,
+            return_token_ids=bool(body.return_token_ids))
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             chunks = chat_chunks(**common, token_text=engine.token_text,
@@ -214,7 +215,7 @@ class Gateway:
             raise ApiError(422, "invalid_request", "echo is not supported", field="body.echo")
         target = await self._target(key, episode)
         want_logprobs = body.logprobs is not None and body.logprobs is not False
-        record = {"agent": agent, "messages": [], "tools": None,
+        record: dict[str, Any] = {"agent": agent, "messages": [], "tools": None,
                   "policy_version": policy_version}
         if self.has_upstream:
             return await self._forward(body.model_dump(exclude_unset=True), chat=False,
@@ -236,10 +237,11 @@ class Gateway:
         call_id = f"cmpl-{uuid.uuid4().hex}"
         captured = self._captured(result, {"role": "assistant", "content": result.text})
         await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
-        common = dict(request_id=call_id, created=int(time.time()), model=engine.name,
-                      text=result.text, finish_reason=result.finish_reason,
-                      prompt_ids=captured.prompt_ids, response_ids=captured.response_ids,
-                      logprobs=captured.logprobs, return_token_ids=bool(body.return_token_ids))
+        common: dict[str, Any] = dict(
+            request_id=call_id, created=int(time.time()), model=engine.name, text=result.text,
+            finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
+            response_ids=captured.response_ids, logprobs=captured.logprobs,
+            return_token_ids=bool(body.return_token_ids))
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             chunks = completion_chunks(**common, token_text=engine.token_text,

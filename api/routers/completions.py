@@ -9,7 +9,7 @@ better than the episode does. A body with ``rollout_id`` is a remote-rollout cal
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Response
 
@@ -30,7 +30,7 @@ router = APIRouter(prefix="/v1", tags=["gateway"], responses={
     503: {"model": ErrorBody, "description": "No generation backend is configured."},
 })
 
-_STREAM = {200: {"content": {"text/event-stream": {}},
+_STREAM: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}},
                  "description": "The answer (JSON, or server-sent events with `stream`)."}}
 
 Episode = Annotated[str | None, Header(alias="X-Trajstore-Episode", max_length=200)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import math
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -49,6 +49,7 @@ def completion_events(body: RolloutCompleted) -> tuple[list[Event], str, float |
     episode status and the reward. ``COMPLETED`` is ``completed`` (``truncated`` when the
     finish reason is a turn or token limit), ``ERROR`` is ``error``."""
     reward = _reward(body)
+    status: Literal["completed", "truncated", "error"]
     if body.status == "ERROR":
         status = "error"
     elif body.finish_reason in _TRUNCATED:

@@ -17,7 +17,6 @@ def test_episode_events_shape_and_bad_size() -> None:
         episode_events(run_id="r", group_id="g", n_events=4, prompt=1, response=1, seed=0)
 
 
-@pytest.mark.slow
 def test_bench_runs_at_tiny_sizes() -> None:
     results = main(["--episodes", "2", "--rounds", "1", "--batch-events", "10",
                     "--events", "400", "--episode-events", "20", "--runs", "2",
