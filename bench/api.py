@@ -169,11 +169,12 @@ def _as_mapping(event: Event) -> dict[str, Any]:
 
 def run_append(store: EventStore, server_url: str, token: str, *, run_id: str,
                episodes: int, batch_events: int, prompt: int, response: int, encoding: str,
-               rounds: int, clients: int = 1) -> dict[str, list[float]]:
+               rounds: int, clients: int = 1, warmup: int = 1) -> dict[str, list[float]]:
     """Alternate three ways of appending the same kind of episodes, ``clients`` threads
     each: ``store.append`` of event models built beforehand (no validation timed), of plain
-    mappings (the store validates them, as the API must), and HTTP batches. Returns the
-    HTTP/direct events/s ratio per round against each."""
+    mappings (the store validates them, as the API must), and HTTP batches. The first
+    ``warmup`` rounds are run and not counted. Returns the HTTP/direct events/s ratio per
+    counted round against each."""
     import json
 
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
@@ -189,7 +190,7 @@ def run_append(store: EventStore, server_url: str, token: str, *, run_id: str,
             return episode_events(run_id=run_id, group_id=f"{tag}-{i}", n_events=batch_events,
                                   prompt=prompt, response=response, seed=i)
 
-        for rnd in range(rounds):
+        for rnd in range(warmup + rounds):
             models = [(f"m-{rnd}-{i}-{uuid.uuid4().hex[:6]}", make("m", i))
                       for i in range(episodes)]
             mappings = [(f"d-{rnd}-{i}-{uuid.uuid4().hex[:6]}",
@@ -210,9 +211,11 @@ def run_append(store: EventStore, server_url: str, token: str, *, run_id: str,
                     for name, work, fn in (runs if rnd % 2 == 0 else runs[::-1])}
             t_models, t_maps, t_http = took["models"], took["maps"], took["http"]
             mb = sum(len(b) for _, b in bodies) / 1e6
+            if rnd < warmup:
+                continue
             ratios["models"].append(t_models / t_http)
             ratios["mappings"].append(t_maps / t_http)
-            print(f"  round {rnd}: direct (models) {n / t_models:7.0f} ev/s   direct "
+            print(f"  round {rnd - warmup}: direct (models) {n / t_models:7.0f} ev/s   direct "
                   f"(mappings) {n / t_maps:7.0f} ev/s   HTTP {n / t_http:7.0f} ev/s "
                   f"({mb / t_http:5.1f} MB/s)   HTTP/direct {t_models / t_http:.2f}x, "
                   f"{t_maps / t_http:.2f}x", flush=True)
@@ -301,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--response", type=int, default=100, help="generated tokens per call")
     parser.add_argument("--encoding", choices=("base64", "json"), default="base64")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="append rounds not counted")
     parser.add_argument("--append-clients", type=int, default=1,
                         help="threads appending at once, on each side")
     parser.add_argument("--events", type=int, default=1_000_000,
@@ -337,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     episodes=args.episodes, batch_events=args.batch_events,
                                     prompt=args.prompt, response=args.response,
                                     encoding=args.encoding, rounds=args.rounds,
-                                    clients=args.append_clients)
+                                    clients=args.append_clients, warmup=args.warmup)
                 results["append_ratio"] = statistics.median(ratios["models"])
                 results["append_ratio_mappings"] = statistics.median(ratios["mappings"])
                 print(f"HTTP append / direct append: median {results['append_ratio']:.2f}x "
