@@ -204,11 +204,19 @@ def run_append(store: EventStore, server_url: str, token: str, *, run_id: str,
             def direct(item: tuple[str, list[Any]]) -> None:
                 store.append(item[0], item[1], "no_stream")
 
-            # Alternate the order so that neither side always runs on the fuller table.
             runs: list[tuple[str, list[Any], Any]] = [
                 ("models", models, direct), ("maps", mappings, direct), ("http", bodies, post)]
-            took = {name: _in_threads(work, fn, clients)
-                    for name, work, fn in (runs if rnd % 2 == 0 else runs[::-1])}
+            if clients == 1:
+                # Interleave one episode of each kind at a time, the order rotating, so that
+                # all three meet the same table size and the same machine load.
+                took = dict.fromkeys(("models", "maps", "http"), 0.0)
+                for i in range(episodes):
+                    turn = runs[i % 3:] + runs[: i % 3]
+                    for name, work, fn in turn:
+                        took[name] += _in_threads([work[i]], fn, 1)
+            else:
+                took = {name: _in_threads(work, fn, clients)
+                        for name, work, fn in (runs if rnd % 2 == 0 else runs[::-1])}
             t_models, t_maps, t_http = took["models"], took["maps"], took["http"]
             mb = sum(len(b) for _, b in bodies) / 1e6
             if rnd < warmup:
