@@ -255,8 +255,9 @@ def load_events(store: EventStore, *, runs: list[str], total: int, per_episode: 
 
 
 async def _phase(url: str, token: str, paths: list[str], clients: int
-                 ) -> tuple[list[float], float]:
+                 ) -> tuple[list[float], float, list[str]]:
     latencies: list[float] = []
+    failures: list[str] = []
     queue = list(reversed(paths))
     headers = {"Authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -267,14 +268,18 @@ async def _phase(url: str, token: str, paths: list[str], clients: int
             while queue:
                 path = queue.pop()
                 t0 = time.perf_counter()
-                r = await http.get(path)
+                try:
+                    r = await http.get(path)
+                except httpx.TransportError as exc:  # counted and reported, not hidden
+                    failures.append(f"GET {path}: {type(exc).__name__} {exc}")
+                    continue
                 latencies.append(time.perf_counter() - t0)
                 if r.status_code != 200:
                     raise RuntimeError(f"GET {path}: {r.status_code} {r.text[:200]}")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
-        return latencies, time.perf_counter() - t0
+        return latencies, time.perf_counter() - t0, failures
 
 
 def run_queries(url: str, token: str, *, episodes: list[str], runs: list[str],
@@ -295,12 +300,14 @@ def run_queries(url: str, token: str, *, episodes: list[str], runs: list[str],
     }
     out = {}
     for name, paths in kinds.items():
-        latencies, wall = asyncio.run(_phase(url, token, paths, clients))
+        latencies, wall, failures = asyncio.run(_phase(url, token, paths, clients))
         ms = np.asarray(latencies) * 1000
         out[name] = {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
-                     "rps": len(paths) / wall}
+                     "rps": len(latencies) / wall, "failed": len(failures)}
         print(f"  {name:<36} p50 {out[name]['p50']:8.1f} ms   p99 {out[name]['p99']:8.1f} ms"
-              f"   {out[name]['rps']:7.1f} req/s", flush=True)
+              f"   {out[name]['rps']:7.1f} req/s"
+              + (f"   {len(failures)} failed, e.g. {failures[0][:160]}" if failures else ""),
+              flush=True)
     return out
 
 
@@ -331,7 +338,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with scratch_database() as url, tempfile.TemporaryDirectory() as tmp:
         settings = Settings(database_url=url, api_key_scrypt_n=1024)
-        store = EventStore(Database(url, max_size=4), settings)
+        # Four connections in turn: appends on one long-lived connection slow down over
+        # time, which would flatter the HTTP side (the server spreads them over its pool).
+        store = EventStore(Database(url, min_size=4, max_size=4), settings)
         token = KeyStore(store.db, settings).create(project="bench", role="admin").token
         runs = [f"bench-{i}" for i in range(args.runs)]
         for run_id in runs:
@@ -370,6 +379,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results["queries"] = run_queries(server.url, token, episodes=episodes,
                                                  runs=runs, queries=args.queries,
                                                  clients=args.clients)
+        except BaseException:
+            print(f"server exit status {server.proc.poll()}; log (tail):\n"
+                  f"{server.log.read_text()[-3000:]}", file=sys.stderr)
+            raise
         finally:
             server.stop()
             store.close()
