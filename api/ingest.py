@@ -1,12 +1,14 @@
-"""Appending a batch received over HTTP: decode base64 token fields, keep each stream to the
-event types it may hold, hand the batch to the store (which validates it whole: one bad
-event rejects the batch and nothing is stored)."""
+"""Appending a batch received over HTTP: decode base64 token fields, rebuild prompts given by
+reference (``api.prompt_refs``), keep each stream to the event types it may hold, hand the
+batch to the store (which validates it whole: one bad event rejects the batch and nothing is
+stored)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, cast
 
+from api.prompt_refs import resolve_prompt_refs
 from api.tokens import decode_event_tokens
 from store.errors import ValidationError
 from store.eventlog import AppendResult, EventStore, ExpectedVersion
@@ -44,5 +46,6 @@ def append_batch(store: EventStore, stream_id: str, events: Sequence[Mapping[str
                 event_index=index, field="type",
             )
         decoded.append(decode_event_tokens(event, index))
+    resolved = resolve_prompt_refs(decoded)
     # The store validates mappings as it does models (store.validation.coerce_event).
-    return store.append(stream_id, cast(Sequence[Event], decoded), expected_version)
+    return store.append(stream_id, cast(Sequence[Event], resolved), expected_version)

@@ -18,6 +18,17 @@ _TOKENS = {"anyOf": [{"type": "array", "items": {"type": "number"}},
                                                        "or float32 logprobs"}]}
 
 
+_PROMPT_REF = {
+    "type": "object", "additionalProperties": False, "required": ["extends"],
+    "description": "The prompt of an earlier llm_called of the batch (event `extends`) "
+                   "followed by its response ids, cut to `keep` tokens, then `suffix`.",
+    "properties": {"extends": {"type": "integer", "minimum": 0},
+                   "keep": {"type": "integer", "minimum": 0},
+                   "suffix": {"anyOf": [{"type": "array", "items": {"type": "integer"}},
+                                        {"type": "string"}]}},
+}
+
+
 class _TokenArrays(GenerateJsonSchema):
     """Token payloads are numpy arrays in the store; over HTTP a list or base64 text."""
 
@@ -38,6 +49,8 @@ def event_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
                             **js.get("properties", {})}
         js["required"] = ["type", *js.get("required", [])]
         js["title"] = f"{cls.__name__}Event"
+        if "prompt_ids" in js.get("properties", {}) and name == "llm_called":
+            js["properties"]["prompt_ids"] = {"anyOf": [*_TOKENS["anyOf"], _PROMPT_REF]}
         schemas[f"{cls.__name__}Event"] = js
     return schemas, defs
 

@@ -6,8 +6,9 @@ latency under concurrent clients, in one run against a real ``trajstore serve`` 
    call, in turn three ways: ``EventStore.append`` of event models built beforehand (their
    validation is not timed), ``EventStore.append`` of plain mappings (the store validates
    them, as it must for what arrives over HTTP), and HTTP batches (token payloads base64 or
-   JSON lists, ``--encoding``). Prints events/s and the HTTP/direct ratio against both
-   direct forms per round; target: HTTP >= 0.5x direct.
+   JSON lists, ``--encoding``; each prompt by reference to the previous call, or in full
+   with ``--no-prompt-refs``). Prints events/s and the HTTP/direct ratio against both direct
+   forms per round; target: HTTP >= 0.5x direct.
 2. Queries: ``--events`` events (``--episode-events`` per episode, spread over ``--runs``
    runs) are loaded straight into the store, then ``--clients`` concurrent clients send
    ``--queries`` requests of each kind: one episode with its events (without and with token
@@ -55,7 +56,7 @@ from store.events import (  # noqa: E402
 )
 from store.settings import Settings  # noqa: E402
 
-__all__ = ["episode_events", "main", "to_json", "run_append", "run_queries"]
+__all__ = ["batch_json", "episode_events", "main", "to_json", "run_append", "run_queries"]
 
 
 def episode_events(*, run_id: str, group_id: str, n_events: int, prompt: int,
@@ -97,6 +98,28 @@ def to_json(event: Event, *, encoding: str) -> dict[str, Any]:
         body[name] = (base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes())
                       .decode() if encoding == "base64" else arr.tolist())
     return body
+
+
+def batch_json(events: list[Event], *, encoding: str, prompt_refs: bool) -> list[dict[str, Any]]:
+    """A batch as the HTTP API takes it; with ``prompt_refs`` each LLM call whose prompt
+    extends the previous call's prompt and generation sends only the new tokens."""
+    out = []
+    base: np.ndarray | None = None
+    base_index = -1
+    for i, event in enumerate(events):
+        body = to_json(event, encoding=encoding)
+        if prompt_refs and isinstance(event, LLMCalled):
+            prompt = event.prompt_ids
+            if base is not None and len(prompt) >= len(base) and \
+                    np.array_equal(prompt[: len(base)], base):
+                suffix = np.ascontiguousarray(prompt[len(base):], dtype="<i4")
+                body["prompt_ids"] = {"extends": base_index, "suffix": (
+                    base64.b64encode(suffix.tobytes()).decode() if encoding == "base64"
+                    else suffix.tolist())}
+            base = np.concatenate([prompt, event.response_ids])
+            base_index = i
+        out.append(body)
+    return out
 
 
 def _free_port() -> int:
@@ -169,7 +192,8 @@ def _as_mapping(event: Event) -> dict[str, Any]:
 
 def run_append(store: EventStore, server_url: str, token: str, *, run_id: str,
                episodes: int, batch_events: int, prompt: int, response: int, encoding: str,
-               rounds: int, clients: int = 1, warmup: int = 1) -> dict[str, list[float]]:
+               rounds: int, clients: int = 1, warmup: int = 1, prompt_refs: bool = True
+               ) -> dict[str, list[float]]:
     """Alternate three ways of appending the same kind of episodes, ``clients`` threads
     each: ``store.append`` of event models built beforehand (no validation timed), of plain
     mappings (the store validates them, as the API must), and HTTP batches. The first
@@ -197,7 +221,8 @@ def run_append(store: EventStore, server_url: str, token: str, *, run_id: str,
                          [_as_mapping(e) for e in make("d", i)]) for i in range(episodes)]
             bodies = [(f"h-{rnd}-{i}-{uuid.uuid4().hex[:6]}", json.dumps({
                 "expected_version": "no_stream",
-                "events": [to_json(e, encoding=encoding) for e in make("h", i)]}).encode())
+                "events": batch_json(make("h", i), encoding=encoding,
+                                     prompt_refs=prompt_refs)}).encode())
                 for i in range(episodes)]
             n = episodes * batch_events
 
@@ -318,6 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt", type=int, default=200, help="new prompt tokens per call")
     parser.add_argument("--response", type=int, default=100, help="generated tokens per call")
     parser.add_argument("--encoding", choices=("base64", "json"), default="base64")
+    parser.add_argument("--no-prompt-refs", action="store_true",
+                        help="send every prompt in full (default: by reference to the "
+                             "previous call of the batch, see docs/api.md)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="append rounds not counted")
     parser.add_argument("--append-clients", type=int, default=1,
@@ -352,13 +380,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"append: {args.episodes} episodes x {args.batch_events} events per "
                       f"round, one episode per call, +{args.prompt} prompt / "
                       f"{args.response} generated tokens per LLM call, {args.encoding} "
-                      f"tokens over HTTP, {args.append_clients} client thread(s) on each side, "
+                      f"tokens over HTTP, prompts "
+                      f"{'in full' if args.no_prompt_refs else 'by reference'}, "
+                      f"{args.append_clients} client thread(s) on each side, "
                       f"{args.workers} API worker(s)")
                 ratios = run_append(store, server.url, token, run_id=runs[0],
                                     episodes=args.episodes, batch_events=args.batch_events,
                                     prompt=args.prompt, response=args.response,
                                     encoding=args.encoding, rounds=args.rounds,
-                                    clients=args.append_clients, warmup=args.warmup)
+                                    clients=args.append_clients, warmup=args.warmup,
+                                    prompt_refs=not args.no_prompt_refs)
                 results["append_ratio"] = statistics.median(ratios["models"])
                 results["append_ratio_mappings"] = statistics.median(ratios["mappings"])
                 print(f"HTTP append / direct append: median {results['append_ratio']:.2f}x "

@@ -248,3 +248,46 @@ def test_policy_updated_goes_to_the_run_stream(client: TestClient, project: Proj
         "expected_version": "any", "events": [{"type": "reward_assigned", "value": 1}]},
         headers=project.headers("ingest"))
     assert r.status_code == 422 and r.json()["error"]["field"] == "type"
+
+
+def test_prompts_by_reference_are_stored_in_full(client: TestClient, project: Project,
+                                                 api_store: EventStore) -> None:
+    rng = np.random.default_rng(7)
+    run_id = create_run(client, project)
+    episode = start_episode(client, project, run_id)
+    first = llm_event(rng, n_prompt=40, n_response=8)
+    second = llm_event(rng, n_prompt=1, n_response=6, base64_tokens=True)
+    suffix = rng.integers(0, 150_000, 12).astype(np.int32)
+    second["prompt_ids"] = {"extends": 0, "suffix": base64.b64encode(
+        suffix.astype("<i4").tobytes()).decode()}
+    third = llm_event(rng, n_prompt=1, n_response=5)
+    third["prompt_ids"] = {"extends": 1, "keep": 50, "suffix": [7, 8, 9]}
+    r = client.post(f"/v1/episodes/{episode}/events",
+                    json={"expected_version": 1, "events": [first, second, third]},
+                    headers=project.headers("ingest"))
+    assert r.status_code == 200, r.text
+    stored = [e.event for e in api_store.read_stream(episode)[1:]]
+    expected_second = first["prompt_ids"] + first["response_ids"] + suffix.tolist()
+    assert stored[1].prompt_ids.tolist() == expected_second
+    base = expected_second + stored[1].response_ids.tolist()
+    assert stored[2].prompt_ids.tolist() == base[:50] + [7, 8, 9]
+    # Bad references name the event and the field; nothing is stored.
+    for ref, field in (({"extends": 1}, "prompt_ids.extends"),
+                       ({"extends": 0, "keep": 999}, "prompt_ids.keep"),
+                       ({"extends": 0, "suffix": "%%"}, "prompt_ids.suffix"),
+                       ({"extends": 0, "from": 1}, "prompt_ids")):
+        bad = llm_event(rng)
+        bad["prompt_ids"] = ref
+        r = client.post(f"/v1/episodes/{episode}/events",
+                        json={"expected_version": 4, "events": [llm_event(rng), bad]},
+                        headers=project.headers("ingest"))
+        assert r.status_code == 422, (ref, r.text)
+        assert r.json()["error"]["event_index"] == 1 and r.json()["error"]["field"] == field
+    tool = {"type": "tool_returned", "name": "t"}
+    bad = llm_event(rng)
+    bad["prompt_ids"] = {"extends": 0}
+    r = client.post(f"/v1/episodes/{episode}/events",
+                    json={"expected_version": 4, "events": [tool, bad]},
+                    headers=project.headers("ingest"))
+    assert r.status_code == 422 and "not an llm_called" in r.json()["error"]["message"]
+    assert api_store.stream_version(episode) == 4
