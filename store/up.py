@@ -22,7 +22,7 @@ from typing import IO
 from store import embedded, migrate
 from store.settings import Settings
 
-__all__ = ["Child", "default_children", "supervise"]
+__all__ = ["Child", "child_env", "default_children", "supervise"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,9 @@ def default_children(*, with_api: bool) -> list[Child]:
     return children
 
 
-def _child_env(settings: Settings) -> dict[str, str]:
+def child_env(settings: Settings) -> dict[str, str]:
+    """The environment of a child process: the parent's, with the database and Redis URLs
+    it resolved (starting the embedded servers when the settings name none)."""
     env = dict(os.environ)
     env["TRAJSTORE_DATABASE_URL"] = embedded.database_url(settings)
     env["TRAJSTORE_REDIS_URL"] = embedded.redis_url(settings)
@@ -60,7 +62,7 @@ def supervise(settings: Settings, children: Sequence[Child], *, out: IO[str] | N
     """Run ``children`` (``trajstore`` subcommands) until Ctrl-C or until one dies. Returns
     the exit status for ``up``: 0 after a requested stop, 1 when a child died."""
     out = out or sys.stdout
-    env = _child_env(settings)
+    env = child_env(settings)
     migrate.upgrade(env["TRAJSTORE_DATABASE_URL"])
     procs: dict[str, subprocess.Popen[bytes]] = {}
     selector = selectors.DefaultSelector()

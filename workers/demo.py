@@ -145,9 +145,9 @@ def write_charts(rows: list[VersionRow], directory: Path) -> tuple[Path, Path]:
 @contextmanager
 def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[list[Any]]:
     """The demo's worker processes (rollout + replay, and train), stopped on exit."""
-    from store.up import _child_env
+    from store.up import child_env
 
-    env = _child_env(settings)
+    env = child_env(settings)
     env["TRAJSTORE_ROLLOUT_BACKEND"] = options.backend
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
