@@ -19,6 +19,7 @@ from api.errors import install_error_handlers
 from api.limits import BodyLimit
 from api.openapi import install_openapi
 from api.routers import (
+    analytics,
     completions,
     episodes,
     health,
@@ -70,7 +71,8 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
                   lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_request_bytes)
     install_error_handlers(app)
-    for module in (health, metrics, runs, episodes, samples, leases, completions, rollout):
+    for module in (health, metrics, runs, episodes, samples, leases, completions, rollout,
+                   analytics):
         app.include_router(module.router)
     install_openapi(app)
     return app

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -39,6 +40,7 @@ __all__ = [
     "Filters",
     "VIEWS",
     "PROJECTION_TABLES",
+    "parse_time",
     "query",
     "view_named",
     "row_as_dict",
@@ -71,6 +73,26 @@ _ARGUMENTS = {
     "tool": "tool",
     "error_type": "error_kind",
 }
+
+
+_DURATION = re.compile(r"(\d+)([smhd])")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def parse_time(text: str, *, now: dt.datetime | None = None) -> dt.datetime:
+    """``text`` as a timezone-aware time for ``since``/``until``: an ISO 8601 time (UTC when
+    it has no offset) or a duration back from ``now`` (``90s``, ``30m``, ``24h``, ``7d``).
+    Raises ValueError quoting the text otherwise."""
+    now = now or dt.datetime.now(dt.UTC)
+    match = _DURATION.fullmatch(text.strip())
+    if match:
+        return now - dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        value = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO 8601 time nor a duration such as 30m, 24h "
+                         "or 7d") from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
 
 
 def _check_name(field: str, value: object) -> None:

@@ -17,7 +17,6 @@ import enum
 import inspect
 import io
 import json
-import re
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from store import errors
+from store import analytics, errors
 from store.analytics import VIEWS, AnalyticsView, Filters, query, row_as_dict
 from store.settings import get_settings
 
@@ -40,25 +39,13 @@ class OutputFormat(enum.StrEnum):
     csv = "csv"
 
 
-_DURATION = re.compile(r"(\d+)([smhd])")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
-
-
 def parse_time(text: str, *, option: str, now: dt.datetime | None = None) -> dt.datetime:
-    """``text`` as a timezone-aware time: an ISO 8601 time (UTC when it has no offset) or a
-    duration back from ``now`` (``30m``, ``24h``, ``7d``). Raises ``typer.BadParameter``
-    naming ``option`` and the text otherwise."""
-    now = now or dt.datetime.now(dt.UTC)
-    match = _DURATION.fullmatch(text.strip())
-    if match:
-        return now - dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    """``text`` as a timezone-aware time (:func:`store.analytics.parse_time`). Raises
+    ``typer.BadParameter`` naming ``option`` and the text otherwise."""
     try:
-        value = dt.datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise typer.BadParameter(
-            f"{text!r} is not an ISO 8601 time nor a duration such as 30m, 24h or 7d",
-            param_hint=option) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+        return analytics.parse_time(text, now=now)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
 def format_cell(value: Any) -> str:

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.keys import KeyStore
+from store.analytics import VIEWS
 from store.eventlog import EventStore
 from store.leasing import Leasing
 from store.settings import Settings
@@ -61,6 +62,8 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
             "rollout_id": uuid.uuid4().hex, "server_url": "http://127.0.0.1:9",
             "messages": [{"role": "user", "content": "hi"}], "tokenizer_name": "qwen3",
             "run_id": run, "max_turns": 1}),
+        *(("GET", f"/v1/runs/{run}/analytics/{name}", "read", lambda: None)
+          for name in VIEWS),
     ]
 
 
