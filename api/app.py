@@ -29,6 +29,7 @@ from api.routers import (
     runs,
     samples,
 )
+from api.ui import routes as ui
 from store.eventlog import EventStore
 from store.settings import Settings, get_settings
 
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     for module in (health, metrics, runs, episodes, samples, leases, completions, rollout,
                    analytics):
         app.include_router(module.router)
+    ui.install(app)
     install_openapi(app)
     return app
 

@@ -32,6 +32,7 @@ __all__ = [
     "list_runs",
     "list_samples",
     "run_episode_counts",
+    "run_groups",
     "run_ids_of",
     "run_record",
     "stream_event_rows",
@@ -209,6 +210,31 @@ def run_episode_counts(store: EventStore, run_id: str) -> dict[str, int]:
     out = {"started": started}
     out.update({status: n for status, n in rows})
     return out
+
+
+def run_groups(store: EventStore, run_id: str, *, limit: int = 1000) -> list[dict[str, Any]]:
+    """The groups of a run in the order their first episode started, at most ``limit``:
+    ``group_id``, ``episodes`` started, ``replayed`` (projected), ``completed``,
+    ``mean_reward`` over replayed episodes with a reward, the lowest and highest
+    ``policy_version``, ``tool_errors``, ``rollbacks`` and ``negatives`` summed over the
+    replayed episodes. Raises ValueError for a ``limit`` below 1."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    with store.db.connection() as conn:
+        return conn.cursor(row_factory=dict_row).execute(
+            f"""SELECT s.group_id, count(*) AS episodes, count(p.episode_id) AS replayed,
+                       count(*) FILTER (WHERE p.status = 'completed') AS completed,
+                       avg(p.reward) AS mean_reward,
+                       min({_POLICY}) AS min_version, max({_POLICY}) AS max_version,
+                       coalesce(sum(p.tool_errors), 0) AS tool_errors,
+                       coalesce(sum(p.rollbacks), 0) AS rollbacks,
+                       coalesce(sum(p.negatives), 0) AS negatives,
+                       min(s.recorded_at) AS started_at
+                FROM events s LEFT JOIN episodes p ON p.episode_id = s.stream_id
+                WHERE s.run_id = %(run)s AND s.type = 'episode_started'
+                GROUP BY s.group_id ORDER BY min(s.position) LIMIT %(limit)s""",
+            {"run": run_id, "limit": limit},
+        ).fetchall()
 
 
 @dataclass(frozen=True)

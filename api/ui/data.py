@@ -1,0 +1,251 @@
+"""What the pages show, assembled from the store: plain dicts and lists for the templates.
+
+The numbers come from the same places as the REST routes (the run summary, the analytics
+views, the episode listing) and an episode's timeline is the same replay the workers run, so
+the page, ``/v1/...`` and ``trajstore analytics`` never disagree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from api import queries
+from api.timelines import replay_stored_episode
+from store import analytics
+from store.analytics import Filters
+from store.eventlog import EventStore, run_stream_id
+from store.events import AttemptFailed, RolledBack, ToolReturned
+from store.leasing import Leasing
+from workers.replay import ReplayResult
+from workers.tokenizers import load_tokenizer
+
+__all__ = [
+    "dashboard",
+    "episode_page",
+    "group_page",
+    "run_summaries",
+    "token_pieces",
+]
+
+
+def run_summaries(store: EventStore, leasing: Leasing, records: Iterable[dict[str, Any]]
+                  ) -> list[dict[str, Any]]:
+    """One line per run record (``queries.run_record`` / ``list_runs``): id, creation time,
+    tokenizer, group size, episode counts, sample counts by status and policy version."""
+    out = []
+    for record in records:
+        run_id = record["run_id"]
+        config = record["data"].get("config") or {}
+        out.append({
+            "run_id": run_id,
+            "created_at": record["created_at"],
+            "tokenizer": config.get("tokenizer") or config.get("model") or "",
+            "group_size": config.get("group_size"),
+            "episodes": queries.run_episode_counts(store, run_id),
+            "samples": leasing.stats(run_id),
+            "policy_version": leasing.current_policy_version(run_id),
+        })
+    return out
+
+
+def _series(rows: Iterable[Any], versions: Sequence[int], key: Callable[[Any], str | None],
+            value: Callable[[Any], float]) -> list[dict[str, Any]]:
+    """``[{"label", "data": [per version]}]`` summing ``value`` by ``key`` and version."""
+    sums: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for r in rows:
+        if r.policy_version is not None:
+            sums[key(r) or "(none)"][r.policy_version] += value(r)
+    ranked = sorted(sums, key=lambda label: (-sum(sums[label].values()), label))
+    return [{"label": label, "data": [sums[label].get(v, 0) for v in versions]}
+            for label in ranked]
+
+
+def dashboard(store: EventStore, run_id: str) -> dict[str, Any]:
+    """The run's failure dashboard: chart data by policy version (failures by error type and
+    by tool, mean reward, rollback recovery rate, tool error rate) and the tables beside it
+    (failure patterns, error signatures, tool error rates), from the analytics views."""
+    only = Filters(run_id=run_id)
+    failures = analytics.failure_patterns(store.db, only)
+    rollbacks = analytics.rollback_outcomes(store.db, only)
+    outcomes = analytics.episode_outcomes(store.db, only)
+    tools = analytics.tool_error_rates(store.db, only)
+    signatures = analytics.error_signatures(store.db, only, limit=20)
+    versions = sorted({r.policy_version for r in [*failures, *rollbacks, *outcomes, *tools]
+                       if r.policy_version is not None})
+
+    rewarded: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for o in outcomes:
+        if o.policy_version is not None and o.mean_reward is not None:
+            rewarded[o.policy_version][0] += o.mean_reward * o.episodes
+            rewarded[o.policy_version][1] += o.episodes
+    reward = [rewarded[v][0] / rewarded[v][1] if rewarded[v][1] else None for v in versions]
+    recovery = {r.policy_version: r.recovery_rate for r in rollbacks}
+    calls: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for t in tools:
+        if t.policy_version is not None:
+            calls[t.policy_version][0] += t.errors
+            calls[t.policy_version][1] += t.calls
+    charts = {
+        "versions": versions,
+        "failures_by_error_type": _series(failures, versions, lambda r: r.error_type,
+                                          lambda r: r.failures),
+        "failures_by_tool": _series(failures, versions, lambda r: r.tool_name,
+                                    lambda r: r.failures),
+        "reward": reward,
+        "recovery_rate": [recovery.get(v) for v in versions],
+        "tool_error_rate": [calls[v][0] / calls[v][1] if calls[v][1] else None
+                            for v in versions],
+    }
+    return {
+        "charts": charts,
+        "failures": [analytics.row_as_dict(r) for r in failures],
+        "rollbacks": [analytics.row_as_dict(r) for r in rollbacks],
+        "tools": [analytics.row_as_dict(r) for r in tools],
+        "signatures": [analytics.row_as_dict(r) for r in signatures],
+        "total_failures": sum(r.failures for r in failures),
+    }
+
+
+def group_page(store: EventStore, run_id: str, group_id: str, *, limit: int = 500
+               ) -> list[dict[str, Any]]:
+    """The episodes of one group in start order (the episode listing's rows)."""
+    return queries.list_episodes(store, queries.EpisodeFilters(run_ids=[run_id],
+                                                               group_id=group_id),
+                                 limit=limit)
+
+
+def token_pieces(tokenizer: Any, token_ids: Sequence[int]) -> list[str]:
+    """Each token's own text (a token that is part of a multi-byte character shows as the
+    replacement character, as decoding it alone gives)."""
+    if not token_ids:
+        return []
+    return list(tokenizer.batch_decode([[int(t)] for t in token_ids],
+                                       skip_special_tokens=False,
+                                       clean_up_tokenization_spaces=False))
+
+
+def _tokens(pieces: Sequence[str], ids: Sequence[int], mask: Sequence[int],
+            logprobs: Sequence[float], start: int, end: int) -> list[dict[str, Any]]:
+    return [{"i": i, "id": int(ids[i]), "text": pieces[i], "mask": int(mask[i]),
+             "logprob": float(logprobs[i])} for i in range(start, end)]
+
+
+def _event_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
+    """The episode's events as rows of the page's event log, with what each one means."""
+    rows = []
+    for r in records:
+        e = r.event
+        summary = ""
+        flag = ""
+        if r.type == "llm_called":
+            summary = (f"{e.agent} · call {e.call_id} · {len(e.prompt_ids)} prompt + "
+                       f"{len(e.response_ids)} generated tokens · policy v{e.policy_version}")
+        elif isinstance(e, ToolReturned):
+            if e.is_error or e.error_type:
+                flag = "error"
+                summary = f"{e.name}: {e.error_type or 'error'}: {e.error_message or e.output}"
+            else:
+                summary = f"{e.name} → {e.output[:160]}"
+        elif r.type == "checkpoint_created":
+            summary = f"{e.position_key} (checkpoint {e.checkpoint_id}, retry {e.retry_count})"
+        elif isinstance(e, AttemptFailed):
+            flag = "rollback"
+            summary = (f"{e.position_key} retry {e.retry_index}: "
+                       f"{'; '.join(e.error_messages) or ', '.join(e.error_types)}")
+        elif isinstance(e, RolledBack):
+            flag = "rollback"
+            summary = (f"back to {e.checkpoint_id}, discarding "
+                       f"{', '.join(e.discarded_call_ids) or 'nothing'}")
+        elif r.type == "reward_assigned":
+            summary = f"{e.value:g}" + (f" {e.components}" if e.components else "")
+        elif r.type == "episode_finished":
+            summary = e.status + (f" ({e.reason})" if e.reason else "")
+        elif r.type == "episode_started":
+            summary = f"group {e.group_id}, policy v{e.policy_version}"
+        rows.append({"version": r.stream_version, "type": r.type, "summary": summary,
+                     "flag": flag, "at": r.recorded_at})
+    return rows
+
+
+def _timeline_view(result: ReplayResult, pieces: Callable[[Sequence[int]], list[str]],
+                   errors: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    views = []
+    for index, merged, sample in zip(result.survivor_indices, result.survivors,
+                                     result.samples, strict=True):
+        text = pieces(sample.token_ids)
+        messages = []
+        start = 0
+        for m in merged.messages:
+            end = start + len(m.token_ids)
+            error = errors.get(m.text) if m.role == "tool" else None
+            messages.append({
+                "role": m.role, "author": m.author, "text": m.text,
+                "tool_calls": m.tool_calls or [], "truncated": m.truncated, "error": error,
+                "trainable": sum(sample.loss_mask[start:end]),
+                "tokens": _tokens(text, sample.token_ids, sample.loss_mask, sample.logprobs,
+                                  start, end),
+            })
+            start = end
+        views.append({
+            "agent": merged.agent, "index": index,
+            "absorbed": [i for i, a in enumerate(result.absorber) if a == index],
+            "num_tokens": sample.num_tokens, "num_trainable": sample.num_trainable_tokens,
+            "prompt_length": sample.prompt_length, "drifted": sample.num_drifted_messages,
+            "messages": messages,
+        })
+    return views
+
+
+def episode_page(store: EventStore, episode_id: str, *,
+                 tokenizer_loader: Callable[[str | None], Any] = load_tokenizer
+                 ) -> dict[str, Any]:
+    """Everything the episode page shows: the listing row, the merged timelines token by
+    token (text, id, loss mask, logprob), the failed attempts as negative samples (kept or
+    over the cap), forks, and the event log with tool errors and rollbacks flagged. Raises
+    ApiError 404/409 as ``replay_stored_episode`` does."""
+    result = replay_stored_episode(store, episode_id, tokenizer_loader=tokenizer_loader)
+    record = queries.run_record(store, result.run_id)
+    config = (record or {}).get("data", {}).get("config") or {}
+    tokenizer = tokenizer_loader(config.get("tokenizer") or config.get("model"))
+
+    def pieces(ids: Sequence[int]) -> list[str]:
+        return token_pieces(tokenizer, ids)
+
+    records = store.read_stream(episode_id)
+    errors = {}
+    for r in records:
+        e = r.event
+        if isinstance(e, ToolReturned) and (e.is_error or e.error_type):
+            errors[e.output] = {"tool": e.name, "type": e.error_type or "error",
+                                "message": e.error_message or e.output}
+    kept = {id(n) for n in result.negatives}
+    negatives = []
+    for n in result.failures:
+        s = n.sample
+        text = pieces(s.token_ids)
+        negatives.append({
+            "call_id": n.call_id, "position_key": n.position_key,
+            "retry_index": n.retry_index, "error_types": n.error_types,
+            "error_messages": n.error_messages, "tool_calls": n.tool_calls,
+            "reward": s.reward, "kept": id(n) in kept, "num_tokens": s.num_tokens,
+            "prompt_length": s.prompt_length,
+            # The context up to the checkpoint is long and already shown above: the page
+            # shows the failed generation and a little context before it.
+            "tokens": _tokens(text, s.token_ids, s.loss_mask, s.logprobs,
+                              max(0, s.prompt_length - 24), s.num_tokens),
+        })
+    return {
+        "episode_id": episode_id,
+        "row": queries.episode_row(store, episode_id) or {},
+        "run_id": result.run_id, "group_id": result.group_id, "status": result.status,
+        "reward": result.reward,
+        "timelines": _timeline_view(result, pieces, errors),
+        "negatives": negatives,
+        "forks": [{"agent": f.agent, "timeline": f.timeline_index, "other": f.parent_index,
+                   "message_index": f.message_index, "reason": str(f.reason)}
+                  for f in result.forks],
+        "events": _event_rows(records),
+        "run_stream": run_stream_id(result.run_id),
+    }

@@ -1,0 +1,205 @@
+"""The web page: ``/ui``, read-only, server-rendered HTML over the same keys as the REST API.
+
+Pages: ``/ui`` (the key's runs) → ``/ui/runs/{run}`` (the failure dashboard: charts by policy
+version, failure patterns, error signatures, tool error rates, and the run's groups) →
+``/ui/runs/{run}/groups/{group}`` (its episodes) → ``/ui/episodes/{episode}`` (the merged
+timelines token by token, coloured by loss mask with the logprob on hover; tool calls and
+errors inline; the rolled-back attempts as negative samples; the event log).
+
+A browser cannot send a bearer header on a link, so ``/ui/login`` takes a key once (any key
+with the ``read`` role, or ``admin``) and keeps it in an HttpOnly, SameSite=Strict cookie
+scoped to ``/ui``; a request may also carry the key as the REST API takes it. Without a
+valid key a page redirects to the login form; a key of the wrong role is refused there;
+another project's run or episode is a 403 page, an unknown one a 404 page. The page loads
+nothing from outside the server: the chart library is vendored under ``/ui/static``.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
+
+from api import queries
+from api.deps import Ctx
+from api.errors import ApiError
+from api.keys import ApiKey
+from api.ui import data
+
+__all__ = ["COOKIE", "STATIC_DIR", "LoginRequired", "PageError", "install", "router"]
+
+COOKIE = "trajstore_key"
+HERE = Path(__file__).resolve().parent
+STATIC_DIR = HERE / "static"
+templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.filters["num"] = lambda v, digits=3: "" if v is None else (
+    f"{v:.{digits}f}".rstrip("0").rstrip(".") if isinstance(v, float) else str(v))
+templates.env.filters["pct"] = lambda v: "" if v is None else f"{100 * v:.1f}%"
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+
+
+class LoginRequired(Exception):
+    """No usable key: the page sends the browser to the login form."""
+
+    def __init__(self, next_path: str) -> None:
+        super().__init__(next_path)
+        self.next_path = next_path
+
+
+class PageError(Exception):
+    """A page that cannot be shown: rendered as an error page with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _token_of(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip() or None
+    return (request.headers.get("x-api-key") or request.cookies.get(COOKIE) or "").strip() or None
+
+
+async def _check(ctx: Any, token: str | None) -> ApiKey | None:
+    if not token:
+        return None
+    return ctx.keys.trusted(token) or await run_in_threadpool(ctx.keys.verify, token)
+
+
+async def page_key(request: Request, ctx: Ctx) -> ApiKey:
+    """The request's key, when it is live and may read; otherwise LoginRequired."""
+    key = await _check(ctx, _token_of(request))
+    if key is None or not key.allows("read"):
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        raise LoginRequired(path)
+    return key
+
+
+PageKey = Annotated[ApiKey, Depends(page_key)]
+
+
+def _page(request: Request, name: str, status_code: int = 200, **context: Any
+          ) -> HTMLResponse:
+    return templates.TemplateResponse(request, name, context, status_code=status_code)
+
+
+def _safe_next(value: str | None) -> str:
+    """Only a path of this UI: never an absolute URL (no open redirect)."""
+    if value and value.startswith("/ui") and not value.startswith("//"):
+        return value
+    return "/ui"
+
+
+def install(app: Any) -> None:
+    """Add the pages, the static files and the page errors to ``app``."""
+    from fastapi.staticfiles import StaticFiles
+
+    app.include_router(router)
+    app.mount("/ui/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
+
+    @app.exception_handler(LoginRequired)
+    async def login_required(request: Request, exc: LoginRequired) -> Response:
+        target = "/ui/login?" + urllib.parse.urlencode({"next": exc.next_path})
+        return RedirectResponse(target, status_code=303)
+
+    @app.exception_handler(PageError)
+    async def page_error(request: Request, exc: PageError) -> Response:
+        return _page(request, "error.html", exc.status, status=exc.status,
+                     message=exc.message, key=None)
+
+
+async def _guard(call: Any, *args: Any) -> Any:
+    """Run a store call in a thread; an ApiError (403, 404, 409) becomes an error page."""
+    try:
+        return await run_in_threadpool(call, *args)
+    except ApiError as exc:
+        raise PageError(exc.status, exc.message) from None
+
+
+@router.get("/login", response_class=HTMLResponse)
+async def login_form(request: Request, next: str = "/ui") -> HTMLResponse:
+    """The form that takes a key."""
+    return _page(request, "login.html", next=_safe_next(next), error=None, key=None)
+
+
+@router.post("/login")
+async def login(request: Request, ctx: Ctx) -> Response:
+    """Check the posted key; on success keep it in the cookie and go on to ``next``."""
+    form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
+    token = (form.get("key") or [""])[0].strip()
+    target = _safe_next((form.get("next") or ["/ui"])[0])
+    key = await _check(ctx, token)
+    if key is None:
+        return _page(request, "login.html", 401, next=target, key=None,
+                     error="That key is unknown, malformed or revoked.")
+    if not key.allows("read"):
+        return _page(request, "login.html", 403, next=target, key=None,
+                     error=f"That key has role {key.role!r}; the pages need 'read' or "
+                           "'admin'.")
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui",
+                        secure=request.url.scheme == "https")
+    return response
+
+
+@router.post("/logout")
+async def logout() -> Response:
+    """Forget the key."""
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/ui")
+    return response
+
+
+@router.get("", response_class=HTMLResponse)
+async def runs_page(request: Request, key: PageKey, ctx: Ctx) -> HTMLResponse:
+    """The key's project's runs, newest first."""
+    def load() -> list[dict[str, Any]]:
+        records = queries.list_runs(ctx.store, key.project)
+        return data.run_summaries(ctx.store, ctx.leasing, reversed(records))
+
+    runs = await run_in_threadpool(load)
+    return _page(request, "runs.html", key=key, runs=runs)
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+async def run_page(request: Request, run_id: str, key: PageKey, ctx: Ctx) -> HTMLResponse:
+    """One run: summary, failure dashboard and its groups."""
+    await _guard(ctx.access.check_run, key, run_id)
+
+    def load() -> dict[str, Any]:
+        record = queries.run_record(ctx.store, run_id)
+        (summary,) = data.run_summaries(ctx.store, ctx.leasing, [record])
+        return {"run": summary, "config": record["data"].get("config") or {},
+                "dashboard": data.dashboard(ctx.store, run_id),
+                "groups": queries.run_groups(ctx.store, run_id)}
+
+    return _page(request, "run.html", key=key, **await run_in_threadpool(load))
+
+
+@router.get("/runs/{run_id}/groups/{group_id}", response_class=HTMLResponse)
+async def group_page(request: Request, run_id: str, group_id: str, key: PageKey, ctx: Ctx
+                     ) -> HTMLResponse:
+    """The episodes of one group."""
+    await _guard(ctx.access.check_run, key, run_id)
+    episodes = await run_in_threadpool(data.group_page, ctx.store, run_id, group_id)
+    if not episodes:
+        raise PageError(404, f"run {run_id!r} has no group {group_id!r}")
+    return _page(request, "group.html", key=key, run_id=run_id, group_id=group_id,
+                 episodes=episodes)
+
+
+@router.get("/episodes/{episode_id}", response_class=HTMLResponse)
+async def episode_page(request: Request, episode_id: str, key: PageKey, ctx: Ctx
+                       ) -> HTMLResponse:
+    """One episode: its merged timelines token by token, negatives, forks and events."""
+    await _guard(ctx.access.check_episode, key, episode_id)
+    page = await _guard(data.episode_page, ctx.store, episode_id)
+    return _page(request, "episode.html", key=key, **page)
