@@ -258,9 +258,11 @@ def demo(
             f"({result['gain']:+.3f})")
         console.print(f"charts: {reward_png}\n        {failures_png}")
         console.print(
-            "next: [bold]trajstore serve[/bold] and open http://127.0.0.1:"
-            f"{settings.api_port}/docs (API) — query the run with "
-            f"[bold]trajstore analytics failures --run {run_id}[/bold], or in SQL:\n"
+            f"look at it in the browser: [bold]trajstore serve[/bold], then open "
+            f"http://127.0.0.1:{settings.api_port}/ui/runs/{run_id} and sign in with the read "
+            f"key {_demo_key(store, settings, run_id)}\n"
+            f"where and why it fails: [bold]trajstore analytics failures --run {run_id}"
+            f"[/bold] (also GET /v1/runs/{run_id}/analytics/failures), or in SQL:\n"
             f"  SELECT policy_version, avg(reward) FROM episodes WHERE run_id = '{run_id}'"
             " GROUP BY 1 ORDER BY 1;\n"
             f"continue training with: trajstore demo --resume {run_id} --steps {steps + 4}")
@@ -269,6 +271,18 @@ def demo(
         raise typer.Exit(1) from None
     finally:
         store.close()
+
+
+def _demo_key(store: Any, settings: Any, run_id: str) -> str:
+    """A read key of the demo's project, made for looking at ``run_id`` in the web page."""
+    from api.keys import KeyStore
+
+    keys = KeyStore(store.db, settings)
+    try:
+        made = keys.create(project="demo", role="read", name=f"demo {run_id}")
+    finally:
+        keys.close()
+    return f"{made.token} (revoke it with: trajstore keys revoke {made.key.key_id})"
 
 
 @app.command()

@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+
+from store.settings import Settings
+from tests.api.conftest import Server
 
 MARGIN = 0.2
 
@@ -43,6 +47,24 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
                           text=True, timeout=600)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
     assert f"run {run_id}" in more.stdout and "at version 12" in more.stdout
+    # The closing message's key opens the run in the web page of a real server.
+    key = re.search(r"sign in with the read\s+key\s+(tsk_\S+)", more.stdout)
+    assert key, more.stdout[-3000:]
+    server = Server(Settings(data_dir=tmp_path), tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        headers = {"Authorization": f"Bearer {key[1]}"}
+        run_page = httpx.get(f"{server.url}/ui/runs/{run_id}", headers=headers, timeout=60)
+        assert run_page.status_code == 200 and 'id="chart-data"' in run_page.text
+        group = re.search(r'href="(/ui/runs/[^"]+/groups/[^"]+)"', run_page.text)
+        assert group, run_page.text[-2000:]
+        episodes = httpx.get(server.url + group[1], headers=headers, timeout=60)
+        episode = re.search(r'href="(/ui/episodes/[^"]+)"', episodes.text)
+        assert episode, episodes.text[-2000:]
+        shown = httpx.get(server.url + episode[1], headers=headers, timeout=120)
+        assert shown.status_code == 200 and '<span class="t m1"' in shown.text
+    finally:
+        server.stop()
 
 
 def test_bad_options_are_named(tmp_path: Path) -> None:
