@@ -32,7 +32,10 @@ _TRANSIENT = (
 
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
-    """Re-raise psycopg errors raised inside the block as ``store.errors``."""
+    """Re-raise psycopg errors raised inside the block as ``store.errors``: unique
+    violations as ``DuplicateKeyError``, refused writes as ``RefusedError``, lost connections
+    as ``TransientError``, values PostgreSQL cannot hold (``DataError``) as
+    ``ValidationError``, anything else as ``StoreError``."""
     try:
         yield
     except errors.StoreError:
@@ -44,6 +47,10 @@ def translate_errors() -> Iterator[None]:
         raise errors.RefusedError(str(exc).strip()) from exc
     except _TRANSIENT as exc:
         raise errors.TransientError(f"database unavailable: {str(exc).strip()}") from exc
+    except psycopg.DataError as exc:
+        # A value PostgreSQL cannot hold (a NUL character in a text column, a number out of
+        # range): the caller's input is wrong, not the database.
+        raise errors.ValidationError(str(exc).strip()) from exc
     except pg_errors.UndefinedTable as exc:
         raise errors.StoreError(
             f"{str(exc).strip()} (is the schema migrated? run `trajstore migrate`)"

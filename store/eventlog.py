@@ -179,9 +179,10 @@ class EventStore:
         ``IdempotencyError``; a batch mixing stored and new ids raises ``ValidationError``.
         Invalid events raise ``ValidationError`` naming the event index and field.
         """
-        if not isinstance(stream_id, str) or not stream_id or len(stream_id) > 200:
+        if (not isinstance(stream_id, str) or not stream_id or len(stream_id) > 200
+                or "\x00" in stream_id):
             raise errors.ValidationError(
-                f"stream id must be a non-empty string of at most 200 characters, "
+                f"stream id must be a non-empty string of at most 200 characters without NUL, "
                 f"got {stream_id!r}",
                 field="stream_id",
             )

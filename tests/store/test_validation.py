@@ -97,7 +97,7 @@ def test_bad_expected_version(store: EventStore, expected: Any) -> None:
         store.append(f"ep-{uuid.uuid4().hex}", [GOOD_CALL], expected)
 
 
-@pytest.mark.parametrize("stream", ["", "x" * 201, None, 7])
+@pytest.mark.parametrize("stream", ["", "x" * 201, None, 7, "ep-\x00-1"])
 def test_bad_stream_id(store: EventStore, stream: Any) -> None:
     with pytest.raises(errors.ValidationError, match="stream id"):
         store.append(stream, [GOOD_CALL])
@@ -109,3 +109,15 @@ def test_read_arguments(store: EventStore) -> None:
     with pytest.raises(errors.ValidationError, match="from_version"):
         store.read_stream("x", from_version=0)
     assert store.read_stream(f"missing-{uuid.uuid4().hex}") == []
+
+
+def test_a_value_postgres_cannot_hold_is_a_validation_error(store: EventStore) -> None:
+    stream = f"ep-{uuid.uuid4().hex}"
+    started = {"type": "episode_started", "run_id": "run\x00x", "group_id": "g"}
+    with pytest.raises(errors.ValidationError, match="NUL|0x00"):
+        store.append(stream, [started])
+    assert store.stream_version(stream) == 0
+    # NUL inside a JSON payload is escaped and kept exactly.
+    store.append(stream, [episode_started(),
+                          {"type": "tool_returned", "name": "x", "output": "a\x00b"}])
+    assert store.read_stream(stream)[-1].event.output == "a\x00b"
