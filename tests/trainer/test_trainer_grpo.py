@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -100,6 +101,66 @@ def test_group_codes_partition_like_equality() -> None:
     for i in range(len(index)):
         for j in range(len(index)):
             assert (codes[i] == codes[j]) == (index[i] == index[j])
+
+
+def first_appearance_codes(index: list[object]) -> list[int]:
+    """Plain loop: each new id gets the next code, in order of first appearance."""
+    seen: dict[object, int] = {}
+    return [seen.setdefault(uid, len(seen)) for uid in index]
+
+
+class Uids(Sequence[object]):
+    """A sequence that is neither a list nor a tuple nor an array."""
+
+    def __init__(self, items: list[object]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        return self._items[i]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_group_codes_of_every_sequence_kind_are_first_appearance_order(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bs = 3000
+    ids = rng.integers(0, int(rng.integers(1, 800)), size=bs)
+    strings = [f"prompt-{i:06d}" for i in ids]
+    expected = first_appearance_codes(strings)  # type: ignore[arg-type]
+    for index in (
+        strings,
+        tuple(strings),
+        Uids(strings),  # type: ignore[arg-type]
+        np.array(strings),
+        np.array(strings, dtype=object),
+        [(int(i), "t") for i in ids],
+        [uuid.UUID(int=int(i)) for i in ids],
+        [int(i) * 7919 for i in ids],
+    ):
+        copy = list(index)
+        assert group_codes(index, size=bs).tolist() == expected
+        assert list(index) == copy  # the ids are left as they were
+    # Numeric arrays and tensors are coded in sorted order: the same partition.
+    for index in (ids, torch.from_numpy(ids), ids.astype(np.float32)):
+        codes = group_codes(index, size=bs)
+        assert torch.equal(torch.unique(codes, return_inverse=True)[1], codes)
+        assert first_appearance_codes(codes.tolist()) == expected
+
+
+def test_group_codes_single_group_and_all_singletons() -> None:
+    assert group_codes(["u"] * 5, size=5).tolist() == [0] * 5
+    assert group_codes([f"u{i}" for i in range(5)], size=5).tolist() == [0, 1, 2, 3, 4]
+    assert group_codes([], size=0).tolist() == []
+
+
+def test_group_codes_refuse_a_repeated_nan_object_and_unhashable_ids() -> None:
+    nan = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        group_codes(["a", nan, "a", nan], size=4)
+    with pytest.raises(TypeError, match="unhashable"):
+        group_codes(["a", "b", {"c": 1}], size=3)
 
 
 @pytest.mark.parametrize("seed", range(5))

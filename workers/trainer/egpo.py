@@ -123,16 +123,18 @@ def grpo_scalar_advantages(
         raise TypeError(f"norm_adv_by_std must be a bool, got {norm_adv_by_std!r}")
     codes = group_codes(index, size=rewards.shape[0], device=rewards.device)
     scores = rewards.detach().sum(dim=-1)
-    bad = ~torch.isfinite(scores)
-    if bool(bad.any()):
-        rows = torch.nonzero(bad).flatten()[:10].tolist()
+    if not bool(torch.isfinite(scores).all()):
+        rows = torch.nonzero(~torch.isfinite(scores)).flatten()[:10].tolist()
         raise ValueError(f"token_level_rewards has non-finite row sums at rows {rows}")
     if scores.numel() == 0:
         return scores
     means, stds = group_mean_std(scores, codes)
+    # In place on the fresh per-response tensors: the same float operations, in the same order,
+    # as (scores - means) / (stds + eps).
+    centred = means.neg_().add_(scores)
     if norm_adv_by_std:
-        return (scores - means) / (stds + eps)
-    return scores - means
+        return centred.div_(stds.add_(eps))
+    return centred
 
 
 def grpo_advantages(

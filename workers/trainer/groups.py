@@ -47,7 +47,9 @@ def group_codes(index: object, *, size: int, device: torch.device | None = None)
         shape = tuple(getattr(index, "shape", ()))
         if len(shape) != 1:
             raise ValueError(f"index must be one-dimensional, got shape {shape}")
-        items: list[object] = index.tolist()
+        items: Sequence[object] = index.tolist()
+    elif isinstance(index, list | tuple):
+        items = index
     elif isinstance(index, Sequence):
         items = list(index)
     else:
@@ -56,19 +58,23 @@ def group_codes(index: object, *, size: int, device: torch.device | None = None)
             f"got {type(index).__name__}"
         )
     _check_length(len(items), size)
-    try:
-        # dict.fromkeys keeps first-appearance order; it and the maps below run inside the
-        # interpreter's C code (no per-sample or per-group bytecode).
-        uniques = dict.fromkeys(items)
-    except TypeError as exc:
-        raise TypeError(f"index holds an unhashable group id: {exc}") from None
-    if not all(map(operator.eq, uniques, uniques)):
-        raise ValueError("index holds NaN group ids; NaN never equals itself")
-    lookup = dict(zip(uniques, range(len(uniques)), strict=True))
     if not items:
         return torch.zeros(0, dtype=torch.long, device=device)
-    codes = array.array("q", map(lookup.__getitem__, items))  # int64, filled in C
-    return torch.frombuffer(codes, dtype=torch.int64).to(device=device)
+    # One pass in the interpreter's C code (no per-sample bytecode): setdefault gives each id
+    # the position of its first appearance, so first[i] is where the group of sample i begins.
+    first_position: dict[object, int] = {}
+    try:
+        first = array.array("q", list(map(first_position.setdefault, items, range(len(items)))))
+    except TypeError as exc:
+        raise TypeError(f"index holds an unhashable group id: {exc}") from None
+    if not all(map(operator.eq, first_position, first_position)):
+        raise ValueError("index holds NaN group ids; NaN never equals itself")
+    positions = torch.frombuffer(first, dtype=torch.int64)
+    # Sample i opens a group exactly when first[i] == i; numbering the openings in order gives
+    # the codes 0..G-1 in order of first appearance.
+    opens = positions == torch.arange(len(items), dtype=torch.int64)
+    codes = opens.cumsum(0).sub_(1).index_select(0, positions)
+    return codes.to(device=device)
 
 
 def _is_numeric_array(index: object) -> bool:
@@ -94,15 +100,20 @@ def group_mean_std(scores: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Ten
     dtype of ``scores``. Inputs are trusted (internal helper): callers validate them.
     """
     work = scores.detach().to(torch.float64)
-    num_groups = int(codes.max().item()) + 1 if codes.numel() else 0
+    num_groups = int(codes.max()) + 1 if codes.numel() else 0
     counts = torch.bincount(codes, minlength=num_groups).to(torch.float64)
     sums = torch.zeros(num_groups, dtype=torch.float64, device=work.device)
-    sums.index_add_(0, codes, work)
-    means = sums / counts
-    centred = work - means[codes]
+    means = sums.index_add_(0, codes, work).div_(counts)
+    # index_select rather than means[codes]: advanced indexing may start the intra-op thread
+    # pool for a few thousand elements, which is slow when the other cores are busy.
+    centred = work - means.index_select(0, codes)
     squares = torch.zeros_like(sums).index_add_(0, codes, centred * centred)
-    stds = torch.sqrt(squares / (counts - 1).clamp(min=1.0))
+    stds = squares.div_((counts - 1).clamp_(min=1.0)).sqrt_()
     singleton = counts == 1
-    means = torch.where(singleton, torch.zeros_like(means), means)
-    stds = torch.where(singleton, torch.ones_like(stds), stds)
-    return means[codes].to(scores.dtype), stds[codes].to(scores.dtype)
+    means.masked_fill_(singleton, 0.0)
+    stds.masked_fill_(singleton, 1.0)
+    # Casting per group, then gathering, gives the same values as gathering, then casting.
+    return (
+        means.to(scores.dtype).index_select(0, codes),
+        stds.to(scores.dtype).index_select(0, codes),
+    )
