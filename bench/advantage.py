@@ -10,8 +10,9 @@ groups of ``--group-size`` plus -1 negatives, it times
 - ``workers.trainer.egpo.egpo_advantages`` against a per-sample loop EGPO (the loop GRPO plus,
   per response, its CoT span from the marker positions, the mean CoT entropy and the clip).
 
-It prints the best-of-``--repeats`` wall time, the speed ratio (target >= 10x) and the max abs
-difference (target <= 1e-6).
+Each comparison runs ``--rounds`` rounds (default 3); a round is the best-of-``--repeats`` wall
+time of each side. It prints every round, then the median round times, the median speed ratio
+(target >= 10x) and the max abs difference (target <= 1e-6).
 
 Part 2 (memory). Per-token log-probs and entropies of ``--mem-bs`` x ``--mem-length`` tokens over
 a ``--vocab`` vocabulary from hidden states of width ``--hidden``: the chunked function
@@ -44,6 +45,7 @@ import argparse
 import gc
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -214,13 +216,36 @@ def compare(
     return best_base, best_ours, base_result, ours_result
 
 
-def report(label: str, t_base: float, t_ours: float, diff: float, target: bool = True) -> None:
+def compare_rounds(
+    baseline: Callable[[], Any], ours: Callable[[], Any], repeats: int, rounds: int
+) -> tuple[list[tuple[float, float]], Any, Any]:
+    """``rounds`` independent :func:`compare` rounds: their (baseline, ours) best times and the
+    last results. Medians over rounds are steadier than one best-of on a shared machine."""
+    times: list[tuple[float, float]] = []
+    base_result = ours_result = None
+    for _ in range(rounds):
+        t_base, t_ours, base_result, ours_result = compare(baseline, ours, repeats)
+        times.append((t_base, t_ours))
+    return times, base_result, ours_result
+
+
+def report(
+    label: str, times: list[tuple[float, float]], diff: float, target: bool = True
+) -> tuple[float, float]:
+    """Print the rounds and the medians; return the median (baseline, ours) times."""
+    base = statistics.median(t for t, _ in times)
+    ours = statistics.median(t for _, t in times)
+    ratio = statistics.median(t_base / t_ours for t_base, t_ours in times)
+    print(
+        "  rounds: " + ", ".join(f"{b * 1e3:.1f}/{o * 1e3:.1f} ms = {b / o:.1f}x" for b, o in times)
+    )
     goal = " (target >= 10x)" if target else ""
     print(
-        f"{label:44s} loop {t_base * 1e3:8.1f} ms | vectorised {t_ours * 1e3:7.1f} ms | "
-        f"speed-up {t_base / t_ours:6.1f}x{goal} | max abs diff {diff:.2e}"
+        f"{label:44s} loop {base * 1e3:8.1f} ms | vectorised {ours * 1e3:7.1f} ms | "
+        f"speed-up {ratio:6.1f}x{goal} | max abs diff {diff:.2e}"
         + (" (target <= 1e-6)" if target else "")
     )
+    return base, ours
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -233,35 +258,40 @@ def speed(args: argparse.Namespace) -> None:
         f"{len(set(index))} groups, torch threads {torch.get_num_threads()} =="
     )
     print(f"baseline: {name}")
-    t_loop, t_ours, ref, ours = compare(
+    print(
+        f"each line: median of {args.rounds} rounds; a round is the best of {args.repeats} "
+        "alternating runs per side (rounds listed as loop/vectorised = speed-up)"
+    )
+    times, ref, ours = compare_rounds(
         lambda: baseline(rewards, mask, index),
         lambda: grpo_advantages(rewards, mask, index)[0],
         args.repeats,
+        args.rounds,
     )
-    report("GRPO advantages (bs, length)", t_loop, t_ours, (ours - ref).abs().max().item())
-    t_sloop, t_sours, sref, sours = compare(
+    t_loop, _ = report("GRPO advantages (bs, length)", times, (ours - ref).abs().max().item())
+    times, sref, sours = compare_rounds(
         lambda: loop_grpo_scalars(rewards, index),
         lambda: grpo_scalar_advantages(rewards, index),
         args.repeats,
+        args.rounds,
     )
     report(
         "GRPO per-response scalars (no broadcast)",
-        t_sloop,
-        t_sours,
+        times,
         (sours - sref).abs().max().item(),
         target=False,
     )
-    t_eloop, t_egpo, eref, egpo = compare(
+    times, eref, egpo = compare_rounds(
         lambda: loop_egpo(rewards, mask, index, entropies, responses),
         lambda: egpo_advantages(
             rewards, mask, index, entropies, responses, cot_start_id=THINK, cot_end_id=END_THINK
         )[0],
         max(1, args.repeats // 2),
+        args.rounds,
     )
-    report(
+    _, t_egpo = report(
         "EGPO advantages vs a per-sample EGPO loop",
-        t_eloop,
-        t_egpo,
+        times,
         (egpo - eref).abs().max().item(),
     )
     print(
@@ -433,6 +463,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds per comparison; lines print their median"
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
     )
     parser.add_argument("--mem-bs", type=int, default=8)
@@ -455,7 +488,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--child-length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.bs, args.length, args.repeats = 256, 64, 1
+        args.bs, args.length, args.repeats, args.rounds = 256, 64, 1, 1
         args.mem_bs, args.mem_length, args.vocab, args.hidden = 2, 1024, 32_000, 64
         args.chunk_size, args.naive_lengths = 128, [256, 512]
     return args
