@@ -115,7 +115,24 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
     """
     policy = merge_policy_of(config)
     items, started = _check_stream(events)
-    segmenter = Segmenter(tokenizer, chat_template=config.chat_template)
+    try:
+        segmenter = Segmenter(tokenizer, chat_template=config.chat_template)
+        result = _replay(items, started, config, policy, segmenter, episode_id)
+        if segmenter.verify():
+            return result
+    except ReplayError:
+        pass
+    # A prompt rendering taken over from an earlier call did not hold, or something could
+    # not be replayed: segment every call in full, which gives the full path's result or
+    # raises its error.
+    return _replay(items, started, config, policy,
+                   Segmenter(tokenizer, chat_template=config.chat_template, reuse=False),
+                   episode_id)
+
+
+def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
+            policy: MergePolicy, segmenter: Segmenter, episode_id: str | None
+            ) -> ReplayResult:
     timelines: list[Timeline] = []
     call_ids: list[str] = []
     call_index: dict[str, int] = {}

@@ -15,12 +15,19 @@ earlier timelines are kept as a trie of those ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from workers.replay.equality import PrefixInterner, tool_calls_key, tools_key
-from workers.replay.timeline import DEFAULT_POLICY, MergePolicy, Timeline, _check_inputs, prefix_ids
+from workers.replay.timeline import (
+    DEFAULT_POLICY,
+    MergePolicy,
+    Message,
+    Timeline,
+    _check_inputs,
+    prefix_ids,
+)
 
 __all__ = ["ForkPoint", "ForkReason", "detect_forks", "fork_reason"]
 
@@ -64,12 +71,13 @@ def detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_PO
     ``Timeline`` or a ``MergePolicy``."""
     items = _check_inputs(timelines, policy)
     interner = PrefixInterner()
+    keys: dict[int, tuple[Message, Hashable]] = {}
     # children[node] maps each next prefix id seen after ``node`` to the latest timeline
     # that went that way. With ignore_tools=False the first step of a path is the tool list.
     children: dict[int, dict[int, int]] = {}
     forks: list[ForkPoint] = []
     for i, t in enumerate(items):
-        path = _path(t, policy, interner)
+        path = _path(t, policy, interner, keys)
         found: tuple[int, int] | None = None
         for depth in range(len(path) - 1):
             branches = children.get(path[depth])
@@ -86,9 +94,10 @@ def detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_PO
     return forks
 
 
-def _path(t: Timeline, policy: MergePolicy, interner: PrefixInterner) -> list[int]:
+def _path(t: Timeline, policy: MergePolicy, interner: PrefixInterner,
+          keys: dict[int, tuple[Message, Hashable]]) -> list[int]:
     ids = prefix_ids(t, MergePolicy(compare_level=policy.compare_level, ignore_tools=True),
-                     interner=interner)
+                     interner=interner, keys=keys)
     if policy.ignore_tools:
         return ids
     # Insert the tool list as its own step so that a tools difference is a fork at the root.

@@ -89,8 +89,14 @@ def build_initial_timeline(
     if not messages:
         raise ReplayError("the call has no request messages", call_id=call_id)
     seg = segmenter.segment(messages, tools=tools, prompt_ids=prompt_ids, call_id=call_id)
-    timeline_messages = [request_message(m, ids)
-                         for m, ids in zip(messages, seg.message_ids, strict=True)]
+    # Messages whose segments a call took over from an earlier call's segmentation are the
+    # same timeline messages: take them over too.
+    earlier = segmenter.memo.get(seg.base) if seg.reused else None
+    timeline_messages = list(earlier[:seg.reused]) if earlier is not None else []
+    done = len(timeline_messages)
+    timeline_messages += [request_message(m, ids) for m, ids in
+                          zip(messages[done:], seg.message_ids[done:], strict=True)]
+    segmenter.memo[seg.key] = list(timeline_messages)
     try:
         timeline_messages.append(generated_message(
             response, generation_prompt_ids=seg.generation_prompt_ids,

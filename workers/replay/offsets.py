@@ -19,7 +19,7 @@ import numpy as np
 
 from workers.replay.errors import ReplayError
 
-__all__ = ["byte_level_alphabet", "decode_with_offsets"]
+__all__ = ["byte_level_alphabet", "decode_appendable", "decode_with_offsets"]
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -138,6 +138,18 @@ def decode_with_offsets(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
     non-decreasing. Raises TypeError when ``tokenizer`` has no fast (``tokenizers``) backend
     and ReplayError when an id lies outside the vocabulary or the incremental decoding does
     not reproduce the tokenizer's own."""
+    text, starts, _ = decode_appendable(tokenizer, token_ids)
+    return text, starts
+
+
+def decode_appendable(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
+                      ) -> tuple[str, np.ndarray, bool]:
+    """``decode_with_offsets`` plus whether the text is appendable: the strict UTF-8 decoding
+    of the tokens' byte strings (a byte-level tokenizer, whole characters only). The decoding
+    of two appendable id sequences one after the other is then the concatenation of their
+    texts (a byte-level decoder joins byte strings and decodes them as UTF-8; both halves
+    being whole characters, nothing straddles the join), with the second's offsets shifted
+    by the first text's length. Raises as ``decode_with_offsets``."""
     backend = _backend(tokenizer)
     if backend is None or not hasattr(backend, "decode"):
         raise TypeError(f"tokenizer must be a fast tokenizer with a `tokenizers` backend, got "
@@ -159,9 +171,9 @@ def decode_with_offsets(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
     if table is not None and table.lengths.size >= size:
         found = _by_table(backend, table, ids, expected)
         if found is not None:
-            return found
+            return found[0], found[1], True
     text, starts = _by_stream(backend, ids)
     if text != expected:
         raise ReplayError("incremental decoding of the token ids does not reproduce the "
                           "tokenizer's decoding; cannot place tokens in the text")
-    return text, starts
+    return text, starts, False

@@ -35,21 +35,51 @@ Works with any Hugging Face chat template, by rendering the template on message 
    generation prompt.
 
 Renders of message prefixes are cached per ``Segmenter``, so an episode whose calls share
-their history renders each distinct prefix once.
+their history renders each distinct prefix once; renders go through ``render.ChatRenderer``
+(the same text as ``apply_chat_template``, rendered faster).
+
+Reuse across the calls of an episode. A call whose messages extend an earlier call's (same
+tools, the earlier messages first) and whose prompt ids extend that call's prompt ids is
+segmented from the earlier segmentation, with the result the steps above give:
+
+- The earlier messages keep their segments. The steps above look at the prompt text only up
+  to a horizon (the characters every comparison, search and check of those messages read);
+  while the horizon lies within the earlier prompt, which the new prompt begins with, they
+  give the same ends on the new prompt. A text of a message found nowhere in the earlier
+  prompt must still be found nowhere in the new one (step 3's refusal). Otherwise, and
+  whenever the prompt does not extend the earlier one token for token (a template that
+  re-renders history, such as Qwen3 dropping the reasoning of assistant turns once a new
+  user query follows), the call is segmented in full.
+- Only the new tokens are decoded (byte-level tokenizers; others decode in full).
+- The new messages are placed by steps 2-4 with renders of the new message prefixes, except
+  for the last one: the prompt is its rendering followed by the generation prompt, so with
+  the generation prompt of the earlier call (already accepted, step 1) the last rendering is
+  the prompt text without it, and the call renders at most ``new messages - 1`` times (once
+  for the usual reply + tool result). Such a rendering taken from the prompt is checked
+  against the template by ``Segmenter.verify`` (rendering the last message list of every
+  chain of calls, once per chain); ``replay_episode`` segments the episode in full when that
+  check fails or when anything on the way raises, so that errors are those of the full path.
+  A prompt extended by a later call is checked through that call: its text is the beginning
+  of a prompt that is checked.
+
+``Segmenter(tokenizer, reuse=False)`` segments every call in full.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from workers.replay.equality import PrefixInterner, content_text, tools_key
-from workers.replay.errors import PromptMismatchError, SegmentationError
-from workers.replay.offsets import decode_with_offsets
+from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
+from workers.replay.offsets import decode_appendable
+from workers.replay.render import ChatRenderer
 
 __all__ = ["Segmentation", "Segmenter", "common_prefix_length"]
 
@@ -90,6 +120,11 @@ class Segmentation:
     message_ids: list[list[int]]
     generation_prompt_ids: list[int]
     relocated: list[int]
+    #: This segmentation's number in its ``Segmenter``; ``base``: the number of the earlier
+    #: one whose first ``reused`` messages (same segments, same id lists) it took over.
+    key: int = 0
+    base: int | None = None
+    reused: int = 0
 
 
 def _message_key(message: Mapping[str, Any]) -> str:
@@ -146,33 +181,121 @@ def _straddles(text: str, piece: str, cut: int) -> bool:
     return 0 <= at < cut
 
 
+#: A horizon that reaches the end of the text: what lies after it could change the result.
+_OPEN = sys.maxsize
+
+
+def _agreement(rendered: str, text: str, *, r_start: int = 0, t_start: int = 0
+               ) -> tuple[int, int]:
+    """``common_prefix_length`` of ``rendered[r_start:]`` and ``text[t_start:]``, and how far
+    into ``text`` the answer depends on it: up to the first differing character, up to where
+    ``rendered`` ran out, or ``_OPEN`` when ``text`` ran out first."""
+    length = common_prefix_length(rendered, text, a_start=r_start, b_start=t_start)
+    at = t_start + length
+    if at >= len(text):
+        return length, _OPEN
+    if r_start + length >= len(rendered):
+        return length, at
+    return length, at + 1
+
+
 def _check_segment(text: str, start: int, end: int, message: Mapping[str, Any],
-                   pieces: list[str], index: int, call_id: str | None) -> None:
-    """Refuse a segment that misses its message's text or cuts through it."""
+                   pieces: list[str], index: int, call_id: str | None
+                   ) -> tuple[list[str], list[tuple[int, str]], int]:
+    """Refuse a segment that misses its message's text or cuts through it. Returns the
+    message's texts found nowhere in ``text`` (a longer text holding one would be refused),
+    the (boundary, text) checks that a longer text could fail (an occurrence crossing the
+    end of ``text``), and how far into ``text`` the other checks read."""
+    absent: list[str] = []
+    unsettled: list[tuple[int, str]] = []
+    horizon = end
     for piece in pieces:
-        if text.find(piece, start, end) < 0 and text.find(piece) >= 0:
-            raise SegmentationError(
-                f"message {index} ({message['role']}) text {piece[:60]!r} lies outside its "
-                f"segment {_snippet(text[:end], start)}; the template renders it in a way "
-                f"that cannot be segmented", message_index=index, call_id=call_id)
+        if text.find(piece, start, end) < 0:
+            if text.find(piece) >= 0:
+                raise SegmentationError(
+                    f"message {index} ({message['role']}) text {piece[:60]!r} lies outside "
+                    f"its segment {_snippet(text[:end], start)}; the template renders it in a "
+                    f"way that cannot be segmented", message_index=index, call_id=call_id)
+            absent.append(piece)
     for piece in _own_texts(message):
         for cut in (start, end):
+            if cut + len(piece) - 1 > len(text):
+                unsettled.append((cut, piece))
             if _straddles(text, piece, cut):
                 raise SegmentationError(
                     f"a segment boundary at character {cut} cuts through message {index} "
                     f"({message['role']}) text {piece[:60]!r}; the template renders it "
                     f"differently as the last message", message_index=index, call_id=call_id)
+    return absent, unsettled, horizon
 
 
 def _snippet(text: str, at: int) -> str:
     return repr(text[max(0, at - 30):at + 50])
 
 
+#: Generation prompts accepted for a chat template (step 1), by (the tokenizer's templates,
+#: the override): shared by the Segmenters of a process, so that an episode's first call
+#: needs no extra rendering either once one episode of the run has been segmented.
+_ACCEPTED: dict[tuple[str, str | None], set[str]] = {}
+_ACCEPTED_LOCK = threading.Lock()
+
+
+def _accepted_generation_prompts(templates: str, override: str | None) -> set[str]:
+    with _ACCEPTED_LOCK:
+        return _ACCEPTED.setdefault((templates, override), set())
+
+
+@dataclass
+class _Done:
+    """What a segmentation leaves for a later call that extends it."""
+
+    key: int
+    messages: list[Mapping[str, Any]]
+    tools: list[Mapping[str, Any]]
+    tools_key: str
+    ids: np.ndarray
+    text: str
+    starts: np.ndarray
+    appendable: bool
+    ends: list[int]
+    relocated: list[int]
+    message_ids: list[list[int]]
+    #: How far into ``text`` the placing of the messages read (``_OPEN``: to its end).
+    horizon: int
+    #: Texts of the messages found nowhere in ``text``.
+    absent: list[str]
+    #: Boundary checks that an occurrence crossing the end of ``text`` could fail.
+    unsettled: list[tuple[int, str]]
+    #: The generation prompt: ``text`` after the last message's rendering.
+    suffix: str
+    #: Interned id of the message list (prefix renders of later calls hang below it).
+    node: int
+    #: The last message's rendering when taken from the prompt instead of the template.
+    derived: str | None = None
+    extended: bool = field(default=False)
+
+
+@dataclass
+class _Placed:
+    ends: list[int]
+    relocated: list[int]
+    absent: list[str]
+    unsettled: list[tuple[int, str]]
+    horizon: int
+
+
 class Segmenter:
     """Segments prompts of one episode with ``tokenizer`` and its chat template (or
-    ``chat_template`` when given). Raises ValueError when neither gives a template."""
+    ``chat_template`` when given), reusing earlier segmentations of the episode's calls
+    unless ``reuse`` is False (see the module docstring). Raises ValueError when neither
+    gives a template."""
 
-    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+    #: Earlier segmentations kept for calls that extend them (agents of an episode take
+    #: turns, so a call usually extends one of the last few).
+    KEEP = 8
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
+                 reuse: bool = True) -> None:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("tokenizer has no chat_template and no chat_template was given")
         if chat_template is not None and not isinstance(chat_template, str):
@@ -180,24 +303,27 @@ class Segmenter:
                             f"{type(chat_template).__name__}")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.reuse = reuse
+        self._renderer = ChatRenderer(tokenizer, chat_template=chat_template)
         self._interner = PrefixInterner()
         self._renders: dict[int, str] = {0: ""}
-        self._parent_agreement: dict[int, int] = {}
-        self._generation_prompts: set[str] = set()
+        self._generation_prompts = _accepted_generation_prompts(
+            repr(getattr(tokenizer, "chat_template", None)), chat_template)
         self._special_tokens: list[str] | None = None
+        self._done: list[_Done] = []
+        self._derived: list[_Done] = []
+        self._count = 0
+        #: Room for callers to keep what they built from a segmentation, by its ``key``
+        #: (``initial`` keeps the timeline messages a later call reuses).
+        self.memo: dict[int, Any] = {}
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> str:
         """The template's text for ``messages`` and ``tools``. Raises SegmentationError
         (naming the last message) when the template refuses them."""
         try:
-            out = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
-                tokenize=False,
-                add_generation_prompt=generation_prompt,
-                chat_template=self.chat_template,
-            )
+            out = self._renderer.render(messages, tools=tools,
+                                        generation_prompt=generation_prompt)
         except Exception as exc:  # the template's own raise_exception and Jinja errors
             raise SegmentationError(
                 f"the chat template cannot render the first {len(messages)} messages: "
@@ -207,23 +333,13 @@ class Segmenter:
                             f"{type(out).__name__}, expected str")
         return out
 
-    def _prefix_renders(self, messages: Sequence[Mapping[str, Any]],
-                        tools: Sequence[Mapping[str, Any]] | None
-                        ) -> tuple[list[str], list[int]]:
-        """Renders of messages[:k] for k = 0..n and how far each agrees with the previous."""
-        node = self._interner.root(tools_key(tools))
-        renders = [""]
-        agreement = [0]
-        for k in range(1, len(messages) + 1):
-            node = self._interner.child(node, _message_key(messages[k - 1]))
-            text = self._renders.get(node)
-            if text is None:
-                text = self.render(messages[:k], tools=tools, generation_prompt=False)
-                self._renders[node] = text
-                self._parent_agreement[node] = common_prefix_length(renders[-1], text)
-            renders.append(text)
-            agreement.append(self._parent_agreement[node])
-        return renders, agreement
+    def _prefix_render(self, node: int, messages: Sequence[Mapping[str, Any]],
+                       tools: Sequence[Mapping[str, Any]] | None) -> str:
+        text = self._renders.get(node)
+        if text is None:
+            text = self.render(messages, tools=tools, generation_prompt=False)
+            self._renders[node] = text
+        return text
 
     def segment(self, messages: Sequence[Mapping[str, Any]], *,
                 tools: Sequence[Mapping[str, Any]] | None = None,
@@ -241,50 +357,175 @@ class Segmenter:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise TypeError(f"messages[{i}] must be a mapping with a string 'role', got "
                                 f"{m!r:.80}")
-        text, starts = decode_with_offsets(self.tokenizer, prompt_ids)
-        renders, agreement = self._prefix_renders(messages, tools)
-        self._check_rendering(text, renders[-1], messages, tools, call_id)
+        ids = np.asarray(prompt_ids)
+        if ids.ndim == 1 and (ids.size == 0 or ids.dtype.kind in "iu"):
+            ids = ids.astype(np.int64, copy=False)
+        tools_key_ = tools_key(tools)
+        if self.reuse:
+            base = self._base(messages, tools_key_, ids)
+            if base is not None:
+                try:
+                    done = self._extend(base, messages, tools, ids, call_id)
+                except ReplayError:
+                    done = None  # the full path says what is wrong
+                if done is not None:
+                    return self._finish(done, base)
+        return self._finish(self._full(messages, tools, tools_key_, ids, call_id), None)
+
+    def _base(self, messages: Sequence[Mapping[str, Any]], tools_key_: str, ids: np.ndarray
+              ) -> _Done | None:
+        """The latest earlier segmentation that this call extends (see the module
+        docstring), if any."""
+        for done in reversed(self._done):
+            n = len(done.messages)
+            if (done.appendable and done.horizon <= len(done.text) and done.suffix
+                    and len(messages) > n and done.tools_key == tools_key_
+                    and ids.ndim == 1 and len(ids) > len(done.ids)
+                    and np.array_equal(ids[:len(done.ids)], done.ids)
+                    and list(messages[:n]) == done.messages):
+                return done
+        return None
+
+    def _finish(self, done: _Done, base: _Done | None) -> Segmentation:
+        if self.reuse:
+            if base is not None:
+                base.extended = True
+            self._done.append(done)
+            del self._done[:-self.KEEP]
+            if done.derived is not None:
+                self._derived.append(done)
+        cuts = np.searchsorted(done.starts, np.asarray([0, *done.ends], dtype=np.int64),
+                               side="left").tolist()
+        ids = done.ids.tolist()
+        reused = len(base.messages) if base is not None else 0
+        message_ids = list(base.message_ids) if base is not None else []
+        for i in range(reused, len(done.ends)):
+            message_ids.append(ids[cuts[i]:cuts[i + 1]])
+        done.message_ids = message_ids
+        return Segmentation(text=done.text, ends=done.ends, message_ids=message_ids,
+                            generation_prompt_ids=ids[cuts[-1]:], relocated=done.relocated,
+                            key=done.key, base=base.key if base is not None else None,
+                            reused=reused)
+
+    def _new_key(self) -> int:
+        self._count += 1
+        return self._count
+
+    def _full(self, messages: Sequence[Mapping[str, Any]],
+              tools: Sequence[Mapping[str, Any]] | None, tools_key_: str, ids: np.ndarray,
+              call_id: str | None) -> _Done:
+        text, starts, appendable = decode_appendable(self.tokenizer, ids)
+        node = self._interner.root(tools_key_)
+        renders: list[str] = []
+        for k in range(1, len(messages) + 1):
+            node = self._interner.child(node, _message_key(messages[k - 1]))
+            renders.append(self._prefix_render(node, messages[:k], tools))
+        suffix = self._check_rendering(text, renders[-1], messages, tools, call_id)
+        placed = self._place(text, messages, renders, first=0, previous_end=0,
+                             horizon=0, call_id=call_id)
+        return _Done(key=self._new_key(), messages=list(messages), tools=list(tools or ()),
+                     tools_key=tools_key_, ids=ids, text=text, starts=starts,
+                     appendable=appendable, ends=placed.ends, relocated=placed.relocated,
+                     message_ids=[], horizon=placed.horizon, absent=placed.absent,
+                     unsettled=placed.unsettled, suffix=suffix, node=node)
+
+    def _extend(self, base: _Done, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None, ids: np.ndarray,
+                call_id: str | None) -> _Done | None:
+        """Segment a call that extends ``base``; None when it must be segmented in full."""
+        added, added_starts, appendable = decode_appendable(self.tokenizer, ids[len(base.ids):])
+        if not appendable:
+            return None
+        text = base.text + added
+        for piece in base.absent:
+            if text.find(piece, max(0, len(base.text) - len(piece) + 1)) >= 0:
+                return None
+        if any(_straddles(text, piece, cut) for cut, piece in base.unsettled):
+            return None
+        if not text.endswith(base.suffix) or any(
+                len(other) > len(base.suffix) and text.endswith(other)
+                for other in self._generation_prompts):
+            return None
+        last = text[:len(text) - len(base.suffix)]
+        n, m = len(messages), len(base.messages)
+        if len(last) < base.ends[-1]:
+            return None
+        node = base.node
+        renders: list[str] = []
+        for k in range(m + 1, n + 1):
+            node = self._interner.child(node, _message_key(messages[k - 1]))
+            renders.append(last if k == n else self._prefix_render(node, messages[:k], tools))
+        placed = self._place(text, messages, renders, first=m, previous_end=base.ends[-1],
+                             horizon=base.horizon, call_id=call_id)
+        starts = np.concatenate([base.starts, added_starts + len(base.text)])
+        return _Done(key=self._new_key(), messages=list(messages), tools=base.tools,
+                     tools_key=base.tools_key, ids=ids, text=text, starts=starts,
+                     appendable=True, ends=base.ends + placed.ends,
+                     relocated=base.relocated + placed.relocated, message_ids=[],
+                     horizon=placed.horizon, absent=base.absent + placed.absent,
+                     unsettled=[(cut, piece) for cut, piece in base.unsettled
+                                if cut + len(piece) - 1 > len(text)] + placed.unsettled,
+                     suffix=base.suffix, node=node, derived=last)
+
+    def verify(self) -> bool:
+        """Whether every last-message rendering taken from a prompt (see the module
+        docstring) is the template's own, checked for the calls no later call extended (one
+        render each). False when one differs or the template refuses the messages."""
+        for done in self._derived:
+            if done.extended:
+                continue
+            try:
+                real = self.render(done.messages, tools=done.tools or None,
+                                   generation_prompt=False)
+            except SegmentationError:
+                return False
+            if real != done.derived:
+                return False
+        return True
+
+    def _place(self, text: str, messages: Sequence[Mapping[str, Any]], renders: list[str], *,
+               first: int, previous_end: int, horizon: int, call_id: str | None) -> _Placed:
+        """Steps 2-4 for ``messages[first:]`` (``renders``: their prefix renderings), the
+        earlier messages ending at ``previous_end``."""
         ends: list[int] = []
         relocated: list[int] = []
-        previous_end = 0
-        agreed = 0  # common prefix length of renders[k - 1] and text
-        for k in range(1, len(messages) + 1):
-            rendered = renders[k]
-            q = agreement[k]
-            if agreed < q:
-                pass  # renders[k] repeats renders[k-1]'s disagreement with the text
-            elif q < agreed:
-                agreed = q
-            else:
-                agreed = q + common_prefix_length(rendered, text, a_start=q, b_start=q)
-            pieces = _anchor_pieces(messages[k - 1], rendered)
+        absent: list[str] = []
+        unsettled: list[tuple[int, str]] = []
+        for index, rendered in enumerate(renders, start=first):
+            message = messages[index]
+            agreed, reach = _agreement(rendered, text)
+            horizon = max(horizon, reach)
+            pieces = _anchor_pieces(message, rendered)
             body = _body(rendered, pieces)
             if agreed >= previous_end and (body is None or body[1] <= agreed):
                 end = agreed
             else:
-                end = self._relocate(text, rendered, body, previous_end, k - 1, call_id)
-                relocated.append(k - 1)
+                end, reach = self._relocate(text, rendered, body, previous_end, index, call_id)
+                horizon = max(horizon, reach)
+                relocated.append(index)
             while end > previous_end and text[end - 1].isspace():
                 end -= 1
-            _check_segment(text, previous_end, end, messages[k - 1], pieces, k - 1, call_id)
+            missing, open_checks, reach = _check_segment(text, previous_end, end, message,
+                                                         pieces, index, call_id)
+            absent.extend(missing)
+            unsettled.extend(open_checks)
+            horizon = max(horizon, reach)
             ends.append(end)
             previous_end = end
-        cuts = np.searchsorted(starts, np.asarray([0, *ends], dtype=np.int64), side="left")
-        ids = np.asarray(prompt_ids, dtype=np.int64).tolist()
-        message_ids = [ids[int(cuts[i]):int(cuts[i + 1])] for i in range(len(ends))]
-        return Segmentation(text=text, ends=ends, message_ids=message_ids,
-                            generation_prompt_ids=ids[int(cuts[-1]):], relocated=relocated)
+        return _Placed(ends=ends, relocated=relocated, absent=absent, unsettled=unsettled,
+                       horizon=horizon)
 
     def _check_rendering(self, text: str, rendered: str,
                          messages: Sequence[Mapping[str, Any]],
-                         tools: Sequence[Mapping[str, Any]] | None, call_id: str | None) -> None:
+                         tools: Sequence[Mapping[str, Any]] | None, call_id: str | None) -> str:
         """Refuse prompt text that is not ``rendered`` followed by a generation prompt: the
         template's own, or one that extends it without a special token (template options such
         as Qwen3's ``enable_thinking=False`` prefill a block after it). Generation prompts
-        accepted once are remembered, so most calls need no extra rendering."""
+        accepted once are remembered (per template, for the process), so most calls need no
+        extra rendering. Returns the generation prompt."""
         suffix = text[len(rendered):] if text.startswith(rendered) else None
         if suffix is not None and suffix in self._generation_prompts:
-            return
+            return suffix
         with_prompt = self.render(messages, tools=tools, generation_prompt=True)
         expected = with_prompt[len(rendered):] if with_prompt.startswith(rendered) else None
         if text == with_prompt or (suffix is not None and expected is not None
@@ -292,7 +533,8 @@ class Segmenter:
                                    and not self._has_special_token(suffix[len(expected):])):
             if suffix is not None:
                 self._generation_prompts.add(suffix)
-            return
+                return suffix
+            return ""
         at = common_prefix_length(text, with_prompt)
         raise PromptMismatchError(
             f"the prompt ids are not a rendering of the request messages: they decode to "
@@ -310,7 +552,7 @@ class Segmenter:
 
     @staticmethod
     def _relocate(text: str, rendered: str, body: tuple[int, int] | None, previous_end: int,
-                  index: int, call_id: str | None) -> int:
+                  index: int, call_id: str | None) -> tuple[int, int]:
         if body is None:
             raise SegmentationError(
                 f"message {index} renders differently once later messages follow it and has "
@@ -324,4 +566,5 @@ class Segmenter:
                 f"text {own[:60]!r} does not occur in the prompt after the previous message",
                 message_index=index, call_id=call_id)
         after = at + len(own)
-        return after + common_prefix_length(rendered, text, a_start=body[1], b_start=after)
+        length, reach = _agreement(rendered, text, r_start=body[1], t_start=after)
+        return after + length, max(reach, after)

@@ -23,7 +23,7 @@ prefix gives each timeline's absorber with one lookup.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -276,17 +276,28 @@ def _check_inputs(timelines: Sequence[Timeline], policy: MergePolicy) -> list[Ti
     return out
 
 
-def prefix_ids(timeline: Timeline, policy: MergePolicy, *, interner: PrefixInterner
-               ) -> list[int]:
+def prefix_ids(timeline: Timeline, policy: MergePolicy, *, interner: PrefixInterner,
+               keys: dict[int, tuple[Message, Hashable]] | None = None) -> list[int]:
     """Interned ids of ``timeline``'s prefixes under ``policy``: element ``k`` identifies the
     agent (and, with ``ignore_tools=False``, the tool list) plus the first ``k`` messages, so
-    two timelines' first ``k`` messages are equal exactly when their ``k``-th ids are."""
+    two timelines' first ``k`` messages are equal exactly when their ``k``-th ids are.
+    ``keys`` (optional) remembers each message object's key across calls under the same
+    compare level: timelines of one episode share their history's message objects."""
     root: tuple[str, ...] = (timeline.agent,)
     if not policy.ignore_tools:
         root = (timeline.agent, tools_key(timeline.tools))
     ids = [interner.root(root)]
+    level = policy.compare_level
     for m in timeline.messages:
-        ids.append(interner.child(ids[-1], message_key(m, policy.compare_level)))
+        if keys is None:
+            key = message_key(m, level)
+        else:
+            found = keys.get(id(m))
+            if found is None:
+                # The message is kept beside its key so that its id is not reused.
+                found = keys[id(m)] = (m, message_key(m, level))
+            key = found[1]
+        ids.append(interner.child(ids[-1], key))
     return ids
 
 
@@ -322,10 +333,11 @@ def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLI
     ``policy`` is not a ``MergePolicy``."""
     items = _check_inputs(timelines, policy)
     interner = PrefixInterner()
+    keys: dict[int, tuple[Message, Hashable]] = {}
     ends: list[int] = []
     best: dict[int, tuple[int, int]] = {}
     for i, t in enumerate(items):
-        ids = prefix_ids(t, policy, interner=interner)
+        ids = prefix_ids(t, policy, interner=interner, keys=keys)
         rank = (len(t), i)
         for pid in ids[1:]:
             current = best.get(pid)

@@ -1,0 +1,235 @@
+"""Reuse across the calls of an episode and fast template rendering give exactly what the full
+path gives: the same segmentations, the same replay, the same errors; a call whose prompt
+does not extend the earlier one is segmented in full."""
+
+from __future__ import annotations
+
+import random
+
+import jinja2
+import numpy as np
+import pytest
+from replay_episodes import SEARCH_TOOL, Script, tool_call
+
+from store.events import LLMCalled, RunConfig
+from workers.replay.episode import replay_episode
+from workers.replay.errors import PromptMismatchError, ReplayError
+from workers.replay.offsets import decode_appendable
+from workers.replay.render import ChatRenderer
+from workers.replay.segment import Segmenter
+
+TOOLS = [SEARCH_TOOL]
+
+
+def tool_episode(tok, *, turns: int, reasoning: bool, seed: int = 0) -> list:
+    """An agent loop: a user query, then ``turns`` calls, each answered with a tool call and
+    a tool result (two results every third turn), then a final answer."""
+    script = Script(tok, tools=TOOLS, seed=seed)
+    messages = [{"role": "system", "content": "You are helpful."},
+                {"role": "user", "content": f"Look up {turns} things, please. ✓"}]
+    for t in range(turns):
+        calls = [tool_call("search", {"query": f"thing {t}"}, f"c{t}")]
+        if t % 3 == 2:
+            calls.append(tool_call("search", {"query": f"other {t}"}, f"d{t}"))
+        answer = {"role": "assistant", "content": f"Looking up thing {t}.", "tool_calls": calls}
+        if reasoning:
+            answer["reasoning_content"] = f"I need thing {t}."
+        script.call(list(messages), answer)
+        messages = [*messages, answer]
+        for c in calls:
+            output = f"result of {c['function']['arguments']} — {t * 7}"
+            script.tool("search", output)
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": output})
+    script.call(list(messages), {"role": "assistant", "content": "All found."})
+    return script.finish(1.0)
+
+
+def as_tuple(seg) -> tuple:
+    return (seg.text, seg.ends, seg.message_ids, seg.generation_prompt_ids, seg.relocated)
+
+
+def segment_all(tok, events, *, reuse: bool, chat_template: str | None = None):
+    segmenter = Segmenter(tok, chat_template=chat_template, reuse=reuse)
+    out = [segmenter.segment(e.messages, tools=e.tools, prompt_ids=e.prompt_ids,
+                             call_id=e.call_id)
+           for e in events if isinstance(e, LLMCalled)]
+    return out, segmenter
+
+
+def same_replay(a, b) -> None:
+    assert a.absorber == b.absorber and a.survivor_indices == b.survivor_indices
+    assert [t.messages for t in a.timelines] == [t.messages for t in b.timelines]
+    assert a.samples == b.samples and a.forks == b.forks
+    assert a.drifted_messages == b.drifted_messages
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_reused_segmentations_equal_the_full_path(name: str, reasoning: bool, request) -> None:
+    tok = request.getfixturevalue(name)
+    events = tool_episode(tok, turns=7, reasoning=reasoning)
+    fast, segmenter = segment_all(tok, events, reuse=True)
+    full, _ = segment_all(tok, events, reuse=False)
+    assert [as_tuple(s) for s in fast] == [as_tuple(s) for s in full]
+    # Every call after the first took over the earlier call's messages.
+    assert fast[0].reused == 0 and all(s.reused > 0 for s in fast[1:])
+    assert [s.base for s in fast[1:]] == [s.key for s in fast[:-1]]
+    assert segmenter.verify()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_replay_with_reuse_equals_replay_in_full(name: str, request, monkeypatch) -> None:
+    tok = request.getfixturevalue(name)
+    events = tool_episode(tok, turns=5, reasoning=True, seed=3)
+    reused = replay_episode(events, config=RunConfig(), tokenizer=tok)
+    original = Segmenter.__init__
+
+    def full_only(self, *args, **kwargs):
+        kwargs["reuse"] = False
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Segmenter, "__init__", full_only)
+    same_replay(reused, replay_episode(events, config=RunConfig(), tokenizer=tok))
+
+
+def test_history_rendered_differently_falls_back_to_the_full_path(qwen3) -> None:
+    # A new user query makes Qwen3 drop the reasoning of the earlier assistant turn, so the
+    # third prompt does not extend the second one; it still extends the first call's prompt
+    # (which ends before that turn), and is segmented from that one.
+    script = Script(qwen3, tools=TOOLS)
+    first = [{"role": "user", "content": "Find x."}]
+    answer = {"role": "assistant", "content": "Looking.", "reasoning_content": "Search it.",
+              "tool_calls": [tool_call("search", {"query": "x"}, "c1")]}
+    script.call(first, answer)
+    second = [*first, answer, {"role": "tool", "tool_call_id": "c1", "content": "x is 1"}]
+    done = {"role": "assistant", "content": "x is 1.", "reasoning_content": "Found."}
+    script.call(second, done)
+    third = [*second, done, {"role": "user", "content": "And y?"}]
+    script.call(third, {"role": "assistant", "content": "Let me see."})
+    events = script.finish(1.0)
+    calls = [e for e in events if isinstance(e, LLMCalled)]
+    assert list(calls[2].prompt_ids[:len(calls[1].prompt_ids)]) != list(calls[1].prompt_ids)
+    fast, segmenter = segment_all(qwen3, events, reuse=True)
+    full, _ = segment_all(qwen3, events, reuse=False)
+    assert [as_tuple(s) for s in fast] == [as_tuple(s) for s in full]
+    assert fast[1].base == fast[0].key and fast[2].base == fast[0].key
+    assert fast[2].relocated == [1, 2, 3]
+    assert segmenter.verify()
+    # Without the first call, nothing is extended: the third call is segmented in full.
+    alone, _ = segment_all(qwen3, [calls[1], calls[2]], reuse=True)
+    assert alone[1].base is None and as_tuple(alone[1]) == as_tuple(full[2])
+
+
+def test_other_tools_or_other_history_are_not_reused(qwen3) -> None:
+    script = Script(qwen3, tools=TOOLS)
+    messages = [{"role": "user", "content": "Find x."}]
+    answer = {"role": "assistant", "content": "Sure.",
+              "tool_calls": [tool_call("search", {"query": "x"}, "c1")]}
+    script.call(messages, answer)
+    later = [*messages, answer, {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    script.call(later, {"role": "assistant", "content": "Done."}, tools=None)
+    other = [{"role": "user", "content": "Find y."}, answer,
+             {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    script.call(other, {"role": "assistant", "content": "Done."})
+    events = script.finish(0.0)
+    fast, _ = segment_all(qwen3, events, reuse=True)
+    full, _ = segment_all(qwen3, events, reuse=False)
+    assert [as_tuple(s) for s in fast] == [as_tuple(s) for s in full]
+    assert [s.reused for s in fast] == [0, 0, 0]
+
+
+def test_a_prompt_that_is_not_a_rendering_fails_as_in_the_full_path(qwen3) -> None:
+    # The second call's prompt shows another tool result than its messages record. The
+    # reused path takes the last message's rendering from the prompt; the check of the chain
+    # finds it wrong and the episode is replayed in full, which names the call.
+    script = Script(qwen3, tools=TOOLS)
+    messages = [{"role": "user", "content": "Find x."}]
+    answer = {"role": "assistant", "content": "Sure.",
+              "tool_calls": [tool_call("search", {"query": "x"}, "c1")]}
+    script.call(messages, answer)
+    recorded = [*messages, answer, {"role": "tool", "tool_call_id": "c1", "content": "x is 1"}]
+    shown = [*messages, answer, {"role": "tool", "tool_call_id": "c1", "content": "x is 2"}]
+    bad = script.call(shown, {"role": "assistant", "content": "Done."}, call_id="bad")
+    events = script.finish(1.0)
+    events = [e.model_copy(update={"messages": recorded}) if e is bad else e for e in events]
+    fast, segmenter = segment_all(qwen3, events, reuse=True)
+    assert fast[1].reused == 1 and not segmenter.verify()
+    with pytest.raises(PromptMismatchError) as full_error:
+        segment_all(qwen3, events, reuse=False)
+    with pytest.raises(ReplayError) as replay_error:
+        replay_episode(events, config=RunConfig(), tokenizer=qwen3)
+    assert type(replay_error.value) is PromptMismatchError
+    assert str(replay_error.value) == str(full_error.value) and "'bad'" in str(full_error.value)
+
+
+def test_renderer_gives_apply_chat_template_text(qwen3, llama) -> None:
+    events = tool_episode(qwen3, turns=4, reasoning=True)
+    history = [e for e in events if isinstance(e, LLMCalled)][-1].messages
+    for tok in (qwen3, llama):
+        renderer = ChatRenderer(tok)
+        for k in range(1, len(history) + 1):
+            for tools in (None, TOOLS):
+                for generation_prompt in (False, True):
+                    expected = tok.apply_chat_template(
+                        history[:k], tools=tools, tokenize=False,
+                        add_generation_prompt=generation_prompt)
+                    for _ in range(2):  # the first render is checked, the second is not
+                        assert renderer.render(history[:k], tools=tools,
+                                               generation_prompt=generation_prompt) == expected
+
+
+@pytest.mark.parametrize("template, error", [
+    ("{{ raise_exception('no') }}", jinja2.TemplateError),
+    ("{{ messages.append(1) }}", jinja2.exceptions.SecurityError),
+    ("{{ messages[0].update({'x': 1}) }}", jinja2.exceptions.SecurityError),
+])
+def test_renderer_refuses_what_the_sandbox_refuses(qwen3, template: str, error) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(error):
+        qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
+    renderer = ChatRenderer(qwen3, chat_template=template)
+    for _ in range(2):
+        with pytest.raises(error):
+            renderer.render(messages, tools=None, generation_prompt=False)
+
+
+def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
+    template = ("{{ messages.__class__ }}|{{ messages[0].content.__class__ is defined }}|"
+                "{{ messages[0].content.upper() }}|{{ messages[0].items is defined }}|"
+                "{{ messages[0].role }}|{{ '{0}'.format(messages[0].content) }}|"
+                "{{ messages[0].content.__len__ is defined }}|{% for m in messages %}"
+                "{{ loop.index }}{{ loop.last }}{% endfor %}|{% set ns = namespace(a=1) %}"
+                "{{ ns.a }}{{ ns.b is defined }}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    expected = qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
+    renderer = ChatRenderer(qwen3, chat_template=template)
+    assert [renderer.render(messages, tools=None, generation_prompt=False)
+            for _ in range(3)] == [expected] * 3
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_appendable_decodings_concatenate(name: str, request) -> None:
+    tok = request.getfixturevalue(name)
+    rng = random.Random(5)
+    text = "Température 21 °C — 🚀 中文 <|im_end|> {\"a\": 1}\n\n" * 3
+    ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"])
+    whole, starts, _ = decode_appendable(tok, ids)
+    checked = 0
+    for _ in range(60):
+        cut = rng.randint(0, len(ids))
+        try:
+            head, head_starts, head_ok = decode_appendable(tok, ids[:cut])
+            tail, tail_starts, tail_ok = decode_appendable(tok, ids[cut:])
+        except ReplayError:  # a cut inside a character: not a decoding of its own
+            continue
+        if head_ok and tail_ok:
+            checked += 1
+            assert head + tail == whole
+            assert np.concatenate([head_starts, tail_starts + len(head)]).tolist() == \
+                starts.tolist()
+    assert checked > 10
+
+
+def test_decodings_that_are_not_byte_level_are_not_appendable(metaspace) -> None:
+    ids = metaspace("hello world", add_special_tokens=False)["input_ids"]
+    assert decode_appendable(metaspace, ids)[2] is False

@@ -1,0 +1,200 @@
+"""Rendering chat templates as ``apply_chat_template(..., tokenize=False)`` does, faster.
+
+transformers renders a chat template in Jinja's ``ImmutableSandboxedEnvironment``, which asks
+on every attribute access (``message.role``, ``loop.last``, ``content.startswith``) whether the
+attribute is safe; those checks take most of a render's time. The immutable sandbox's answer
+depends only on the object's type and the attribute's name (``is_safe_attribute`` tests
+``isinstance`` of the object against fixed types and looks at the name, never at the value),
+so ``_CachingSandbox`` asks once per (type, name) and remembers the answer for the types that
+templates meet (Python's builtins and Jinja's own loop and namespace objects); any other
+object goes through the sandbox's checks as before. Nothing else changes: the environment is
+a copy of the one transformers compiles the template in (same options, filters, globals,
+extensions), the template is rendered with the same variables (the tokenizer's special
+tokens, ``tools``, ``documents``, ``add_generation_prompt``), and what the sandbox refuses it
+still refuses.
+
+A template's first render in a process is compared with ``apply_chat_template``'s; a template
+whose render differs (a transformers version that sets up its environment differently) is
+rendered by ``apply_chat_template`` from then on, as is every template when transformers'
+compiled environment cannot be had.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jinja2 import runtime, utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["ChatRenderer"]
+
+#: Exact types whose instances have no attributes of their own: an attribute the type lacks
+#: is looked up as an item straight away (what the sandbox does after its getattr fails).
+_PLAIN = (dict, list, str)
+#: Types whose safety answers are cached (their ``isinstance`` tests cannot change).
+_CACHED = frozenset({dict, list, str, tuple, int, float, bool, type(None),
+                     runtime.LoopContext, utils.Namespace, runtime.Macro})
+_METHODS = (types.MethodType, types.BuiltinMethodType)
+_BUILTIN_CALLABLES = (types.BuiltinMethodType, types.BuiltinFunctionType)
+
+
+class _CachingSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with its per-access safety answers cached per (type, name)."""
+
+    _safe: dict[tuple[type, str], bool]
+    _has: dict[tuple[type, str], bool]
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind in _CACHED:
+            if kind in _PLAIN:
+                key = (kind, attribute)
+                has = self._has.get(key)
+                if has is None:
+                    has = self._has[key] = hasattr(kind, attribute)
+                if not has:
+                    try:
+                        return obj[attribute]
+                    except (TypeError, LookupError):
+                        return self.undefined(obj=obj, name=attribute)
+            try:
+                value = getattr(obj, attribute)
+            except AttributeError:
+                try:
+                    return obj[attribute]
+                except (TypeError, LookupError):
+                    return self.undefined(obj=obj, name=attribute)
+            if isinstance(value, _METHODS) and value.__name__ in ("format", "format_map"):
+                fmt = self.wrap_str_format(value)
+                if fmt is not None:
+                    return fmt
+            key = (kind, attribute)
+            safe = self._safe.get(key)
+            if safe is None:
+                safe = self._safe[key] = self.is_safe_attribute(obj, attribute, value)
+            return value if safe else self.unsafe_undefined(obj, attribute)
+        return super().getattr(obj, attribute)
+
+    def call(__self, __context: runtime.Context, __obj: Any, *args: Any,  # noqa: N805
+             **kwargs: Any) -> Any:
+        # Builtin functions and methods cannot carry the attributes that mark a callable
+        # unsafe, so the sandbox would let them through: skip asking.
+        if type(__obj) in _BUILTIN_CALLABLES:
+            return __context.call(__obj, *args, **kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _caching_copy(env: ImmutableSandboxedEnvironment) -> _CachingSandbox:
+    """A ``_CachingSandbox`` sharing ``env``'s configuration (as ``Environment.overlay``
+    builds one), with its extensions bound to the copy."""
+    copy = object.__new__(_CachingSandbox)
+    copy.__dict__.update(env.__dict__)
+    copy.overlayed = True
+    copy.linked_to = env
+    copy.cache = None
+    copy.extensions = {key: ext.bind(copy) for key, ext in env.extensions.items()}
+    copy._safe = {}
+    copy._has = {}
+    return copy
+
+
+def _hf_template(source: str) -> Any | None:
+    """transformers' compiled template for ``source``, or None when it cannot be had."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    try:
+        return _compile_jinja_template(source)
+    except Exception:  # a template that does not compile: apply_chat_template says why
+        return None
+
+
+_lock = threading.Lock()
+#: Template source -> its compiled fast template (None: render with apply_chat_template).
+_compiled: dict[str, Any] = {}
+#: (template source, variables key) -> whether a render matched apply_chat_template's.
+_verified: dict[tuple[str, str], bool] = {}
+
+
+def _fast_template(source: str) -> Any | None:
+    with _lock:
+        if source in _compiled:
+            return _compiled[source]
+    hf = _hf_template(source)
+    fast = None
+    if hf is not None and type(hf.environment) is ImmutableSandboxedEnvironment:
+        try:
+            fast = _caching_copy(hf.environment).from_string(source)
+        except Exception:
+            fast = None
+    with _lock:
+        _compiled[source] = fast
+    return fast
+
+
+class ChatRenderer:
+    """Renders ``tokenizer``'s chat template (or ``chat_template``) the way
+    ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+    add_generation_prompt=..., chat_template=chat_template)`` does, and gives the same text
+    (see the module docstring). Exceptions are those of the template (or of
+    ``apply_chat_template``)."""
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self._sources: dict[bool, str | None] = {}
+        self._variables: dict[str, Any] | None = None
+        self._variables_key = ""
+
+    def _source(self, with_tools: bool) -> str | None:
+        if with_tools not in self._sources:
+            getter = getattr(self.tokenizer, "get_chat_template", None)
+            source = None
+            if getter is not None:
+                try:
+                    source = getter(self.chat_template, [{}] if with_tools else None)
+                except Exception:
+                    source = None
+            self._sources[with_tools] = source if isinstance(source, str) else None
+        return self._sources[with_tools]
+
+    def _template_variables(self) -> dict[str, Any]:
+        if self._variables is None:
+            self._variables = dict(self.tokenizer.special_tokens_map)
+            self._variables_key = repr(sorted(self._variables.items()))
+        return self._variables
+
+    def _slow(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              generation_prompt: bool) -> Any:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt,
+            chat_template=self.chat_template)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *,
+               tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> Any:
+        """The template's output for copies of ``messages`` and ``tools``."""
+        chat = [dict(m) for m in messages]
+        schemas = [dict(t) for t in tools] if tools else None
+        source = self._source(schemas is not None)
+        fast = _fast_template(source) if source is not None else None
+        if fast is None or not chat:
+            return self._slow(chat, schemas, generation_prompt)
+        variables = self._template_variables()
+        key = (source, self._variables_key)
+        verified = _verified.get(key)
+        if verified is False:
+            return self._slow(chat, schemas, generation_prompt)
+        out = fast.render(messages=chat, tools=schemas, documents=None,
+                          add_generation_prompt=generation_prompt, **variables)
+        if verified is None:
+            expected = self._slow([dict(m) for m in messages],
+                                  [dict(t) for t in tools] if tools else None,
+                                  generation_prompt)
+            with _lock:
+                _verified[key] = expected == out
+            return expected
+        return out
