@@ -2,7 +2,8 @@
 tool calls.
 
 A replayed episode is written in one transaction together with its checkpoint (the stream
-version it was replayed at, ``episodes.projected_version``): writing the same projection
+version it was replayed at, ``episodes.projected_version``), alone or in a batch of episodes
+(``write_many``: one statement per table for the whole batch): writing the same projection
 twice changes nothing, and an episode already projected at its final version is skipped, so
 a redelivered replay task does no harm. ``rebuild`` empties every projection so that they can
 be replayed from the log alone; samples keep their lease state across a rebuild so that
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -170,10 +171,33 @@ def _sample_values(s: SampleRow) -> tuple[Any, ...]:
         s.policy_version, s.prompt_length, len(ids), int(mask.sum()), s.num_drifted,
         ids.tobytes(), mask.tobytes(), logp.tobytes(), s.failed_at, s.failure_version,
         s.position_key, s.retry_index,
-        list(s.error_types) if s.error_types is not None else None,
-        list(s.error_messages) if s.error_messages is not None else None,
+        Jsonb(list(s.error_types)) if s.error_types is not None else None,
+        Jsonb(list(s.error_messages)) if s.error_messages is not None else None,
     )
 
+
+def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
+    """Rows turned into ``width`` columns, one list per column (the arrays a multi-row
+    ``INSERT ... SELECT * FROM unnest(...)`` takes)."""
+    columns: list[list[Any]] = [[] for _ in range(width)]
+    for row in rows:
+        for column, value in zip(columns, row, strict=True):
+            column.append(value)
+    return columns
+
+
+#: Episode columns in ``EpisodeRow`` field order, and their array types for ``unnest``.
+_EPISODE_FIELDS = [f.name for f in fields(EpisodeRow)]
+_EPISODE_TYPES = {
+    "episode_id": "text", "run_id": "text", "group_id": "text", "status": "text",
+    "projected_version": "int", "task_id": "text", "invalid_reason": "text",
+    "reward": "float8", "policy_version": "int", "llm_calls": "int", "tool_calls": "int",
+    "tool_errors": "int", "attempts_failed": "int", "rollbacks": "int", "timelines": "int",
+    "survivors": "int", "forks": "int", "drifted_messages": "int", "negatives": "int",
+    "tokens": "int", "started_at": "timestamptz", "finished_at": "timestamptz",
+}
+_EPISODE_COLUMNS = ", ".join(_EPISODE_FIELDS)
+_EPISODE_ARRAYS = ", ".join(f"%s::{_EPISODE_TYPES[f]}[]" for f in _EPISODE_FIELDS)
 
 _SAMPLE_COLUMNS = (
     "run_id, group_id, episode_id, agent, kind, timeline_index, reward, policy_version,"
@@ -197,6 +221,19 @@ class Projections:
             ).fetchone()
         return None if row is None else row[0]
 
+    def projected_versions(self, episode_ids: Sequence[str]) -> dict[str, int]:
+        """The stream versions the given episodes were replayed at (those never replayed are
+        left out)."""
+        if not episode_ids:
+            return {}
+        with self.db.connection() as conn:
+            rows = conn.execute(
+                "SELECT episode_id, projected_version FROM episodes"
+                " WHERE episode_id = ANY(%s::text[])",
+                (list(episode_ids),),
+            ).fetchall()
+        return dict(rows)
+
     def write(
         self,
         projection: EpisodeProjection,
@@ -210,92 +247,143 @@ class Projections:
         replaced; samples already leased or consumed keep that state. ``before_commit`` runs
         inside the transaction after every row is written (fault-injection tests use it).
         """
-        ep = projection.episode
+        return self.write_many([projection], before_commit=before_commit)[0]
+
+    def write_many(
+        self,
+        projections: Sequence[EpisodeProjection],
+        *,
+        before_commit: Callable[[], None] | None = None,
+    ) -> list[bool]:
+        """Write several episodes' projections and their checkpoints in one transaction, each
+        as ``write`` would (one statement per table, whatever the number of episodes).
+        Returns, per projection, whether it was written. Raises ValueError when an episode
+        appears twice."""
+        ids = [p.episode.episode_id for p in projections]
+        if len(set(ids)) != len(ids):
+            raise ValueError("write_many got the same episode twice")
+        if not projections:
+            return []
         with self.db.transaction() as conn:
-            # Replays of one episode take turns, so that the check below holds until commit.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 1))",
-                         (ep.episode_id,))
-            row = conn.execute(
-                "SELECT projected_version FROM episodes WHERE episode_id = %s",
-                (ep.episode_id,),
-            ).fetchone()
-            if row is not None and row[0] >= ep.projected_version:
-                return False
-            run = projection.run
+            # Replays of one episode take turns, so that the check below holds until commit;
+            # locks are taken in one order so that two batches cannot wait on each other.
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(e, 1))"
+                " FROM unnest(%s::text[]) WITH ORDINALITY AS l(e, n) ORDER BY n",
+                (sorted(ids),),
+            )
+            done = dict(conn.execute(
+                "SELECT episode_id, projected_version FROM episodes"
+                " WHERE episode_id = ANY(%s::text[])",
+                (ids,),
+            ).fetchall())
+            todo = [p for p in projections
+                    if done.get(p.episode.episode_id) is None
+                    or done[p.episode.episode_id] < p.episode.projected_version]
+            if not todo:
+                return [False] * len(projections)
+            runs = {p.run.run_id: p.run for p in todo}
             conn.execute(
                 "INSERT INTO runs (run_id, project, group_size, max_negatives_per_group,"
-                " save_negative_samples, config, created_at) VALUES (%s,%s,%s,%s,%s,%s,%s)"
+                " save_negative_samples, config, created_at)"
+                " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[],"
+                " %s::boolean[], %s::jsonb[], %s::timestamptz[])"
                 " ON CONFLICT (run_id) DO NOTHING",
-                (run.run_id, run.project, run.group_size, run.max_negatives_per_group,
-                 run.save_negative_samples, Jsonb(run.config), run.created_at),
+                _columns([(r.run_id, r.project, r.group_size, r.max_negatives_per_group,
+                           r.save_negative_samples, Jsonb(r.config), r.created_at)
+                          for r in runs.values()], 7),
             )
-            kept: dict[tuple[str, int], tuple[Any, ...]] = {}
-            if row is not None:
-                for key_kind, key_index, status, lease, until, consumed in conn.execute(
-                    "SELECT kind, timeline_index, status, lease_id, leased_until,"
-                    " consumed_version FROM samples WHERE episode_id = %s"
+            again = [p.episode.episode_id for p in todo if p.episode.episode_id in done]
+            kept: list[tuple[Any, ...]] = []
+            if again:
+                kept = conn.execute(
+                    "SELECT episode_id, kind, timeline_index, status, lease_id, leased_until,"
+                    " consumed_version FROM samples WHERE episode_id = ANY(%s::text[])"
                     " AND status <> 'ready'",
-                    (ep.episode_id,),
-                ):
-                    kept[(key_kind, key_index)] = (status, lease, until, consumed)
-                conn.execute("DELETE FROM episodes WHERE episode_id = %s", (ep.episode_id,))
-            values = asdict(ep)
-            cols = ", ".join(values)
+                    (again,),
+                ).fetchall()
+                conn.execute("DELETE FROM episodes WHERE episode_id = ANY(%s::text[])",
+                             (again,))
             conn.execute(
-                f"INSERT INTO episodes ({cols}) VALUES ({', '.join(['%s'] * len(values))})",
-                tuple(values.values()),
+                f"INSERT INTO episodes ({_EPISODE_COLUMNS})"
+                f" SELECT * FROM unnest({_EPISODE_ARRAYS})",
+                _columns([tuple(asdict(p.episode).values()) for p in todo],
+                         len(_EPISODE_FIELDS)),
             )
-            if projection.samples:
-                with conn.cursor() as cur:
-                    cur.executemany(
-                        f"INSERT INTO samples ({_SAMPLE_COLUMNS}) VALUES"
-                        f" ({', '.join(['%s'] * 21)})",
-                        [_sample_values(s) for s in projection.samples],
-                    )
-            for (kind, index), (status, lease, until, consumed) in kept.items():
+            samples = [_sample_values(s) for p in todo for s in p.samples]
+            if samples:
                 conn.execute(
-                    "UPDATE samples SET status = %s, lease_id = %s, leased_until = %s,"
-                    " consumed_version = %s WHERE episode_id = %s AND kind = %s"
-                    " AND timeline_index = %s",
-                    (status, lease, until, consumed, ep.episode_id, kind, index),
+                    f"INSERT INTO samples ({_SAMPLE_COLUMNS})"
+                    " SELECT r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
+                    " pk, ri,"
+                    " CASE WHEN et IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
+                    " jsonb_array_elements_text(et) WITH ORDINALITY AS t(x, n) ORDER BY n) END,"
+                    " CASE WHEN em IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
+                    " jsonb_array_elements_text(em) WITH ORDINALITY AS t(x, n) ORDER BY n) END"
+                    " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
+                    " %s::int[], %s::float8[], %s::int[], %s::int[], %s::int[], %s::int[],"
+                    " %s::int[], %s::bytea[], %s::bytea[], %s::bytea[], %s::timestamptz[],"
+                    " %s::int[], %s::text[], %s::int[], %s::jsonb[], %s::jsonb[])"
+                    " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
+                    " pk, ri, et, em)",
+                    _columns(samples, 21),
                 )
-            if projection.forks:
-                with conn.cursor() as cur:
-                    cur.executemany(
-                        "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
-                        " message_index, reason) VALUES (%s,%s,%s,%s,%s,%s)",
-                        [(f.episode_id, f.agent, f.timeline, f.other, f.message_index,
-                          f.reason) for f in projection.forks],
-                    )
-            if projection.tool_calls:
-                with conn.cursor() as cur:
-                    cur.executemany(
-                        "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
-                        " stream_version, tool_name, is_error, policy_version, error_type,"
-                        " position_key, duration_ms, occurred_at)"
-                        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
-                        [(t.run_id, t.group_id, t.episode_id, t.agent, t.stream_version,
-                          t.tool_name, t.is_error, t.policy_version, t.error_type,
-                          t.position_key, t.duration_ms, t.occurred_at)
-                         for t in projection.tool_calls],
-                    )
-            if projection.failures:
-                with conn.cursor() as cur:
-                    cur.executemany(
-                        "INSERT INTO failures (run_id, group_id, episode_id, agent,"
-                        " policy_version, source, stream_version, tool_name, error_type,"
-                        " error_message, position_key, retry_index, recovered, occurred_at,"
-                        " retried, retries_to_recover)"
-                        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
-                        [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
-                          f.source, f.stream_version, f.tool_name, f.error_type,
-                          f.error_message, f.position_key, f.retry_index, f.recovered,
-                          f.occurred_at, f.retried, f.retries_to_recover)
-                         for f in projection.failures],
-                    )
+            if kept:
+                conn.execute(
+                    "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
+                    " leased_until = k.leased_until, consumed_version = k.consumed_version"
+                    " FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[], %s::uuid[],"
+                    " %s::timestamptz[], %s::int[])"
+                    " AS k(episode_id, kind, timeline_index, status, lease_id, leased_until,"
+                    " consumed_version)"
+                    " WHERE s.episode_id = k.episode_id AND s.kind = k.kind"
+                    " AND s.timeline_index = k.timeline_index",
+                    _columns(kept, 7),
+                )
+            forks = [(f.episode_id, f.agent, f.timeline, f.other, f.message_index, f.reason)
+                     for p in todo for f in p.forks]
+            if forks:
+                conn.execute(
+                    "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
+                    " message_index, reason) SELECT * FROM unnest(%s::text[], %s::text[],"
+                    " %s::int[], %s::int[], %s::int[], %s::text[])",
+                    _columns(forks, 6),
+                )
+            tool_calls = [(t.run_id, t.group_id, t.episode_id, t.agent, t.stream_version,
+                           t.tool_name, t.is_error, t.policy_version, t.error_type,
+                           t.position_key, t.duration_ms, t.occurred_at)
+                          for p in todo for t in p.tool_calls]
+            if tool_calls:
+                conn.execute(
+                    "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
+                    " stream_version, tool_name, is_error, policy_version, error_type,"
+                    " position_key, duration_ms, occurred_at)"
+                    " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
+                    " %s::int[], %s::text[], %s::boolean[], %s::int[], %s::text[], %s::text[],"
+                    " %s::float8[], %s::timestamptz[])",
+                    _columns(tool_calls, 12),
+                )
+            failures = [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
+                         f.source, f.stream_version, f.tool_name, f.error_type,
+                         f.error_message, f.position_key, f.retry_index, f.recovered,
+                         f.occurred_at, f.retried, f.retries_to_recover)
+                        for p in todo for f in p.failures]
+            if failures:
+                conn.execute(
+                    "INSERT INTO failures (run_id, group_id, episode_id, agent,"
+                    " policy_version, source, stream_version, tool_name, error_type,"
+                    " error_message, position_key, retry_index, recovered, occurred_at,"
+                    " retried, retries_to_recover)"
+                    " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
+                    " %s::int[], %s::text[], %s::int[], %s::text[], %s::text[], %s::text[],"
+                    " %s::text[], %s::int[], %s::boolean[], %s::timestamptz[], %s::boolean[],"
+                    " %s::int[])",
+                    _columns(failures, 16),
+                )
             if before_commit is not None:
                 before_commit()
-        return True
+        written = {id(p) for p in todo}
+        return [id(p) in written for p in projections]
 
     def finished_unprojected(self, limit: int = 100) -> list[str]:
         """Episodes whose ``episode_finished`` is stored but whose projection is missing or

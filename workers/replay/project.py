@@ -1,7 +1,9 @@
 """Projecting one finished episode: read its events, replay them, write the projection.
 
 ``build_projection`` is pure (events + replay result in, projection rows out);
-``project_episode`` does the I/O around it and is what the Celery task and the sweep call.
+``project_episode`` does the I/O around it and is what the Celery task calls;
+``project_episodes`` does the same for a batch of episodes (one read, one write transaction)
+and is what the sweep and a rebuild call.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from psycopg.rows import dict_row
 
-from store.eventlog import EventStore, RecordedEvent
+from store import errors
+from store.eventlog import EventStore, RecordedEvent, run_stream_id
 from store.events import (
     AttemptFailed,
     CheckpointCreated,
@@ -35,11 +39,13 @@ from store.projections import (
     SampleRow,
     ToolCallRow,
 )
+from store.rows import ROW_COLUMNS, Decoder
 from workers.replay.episode import ReplayResult, replay_episode
 from workers.replay.errors import ReplayError
 from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
-__all__ = ["ProjectOutcome", "build_projection", "project_episode", "run_row"]
+__all__ = ["ProjectOutcome", "build_projection", "project_episode", "project_episodes",
+           "run_row"]
 
 log = logging.getLogger(__name__)
 
@@ -276,36 +282,130 @@ def project_episode(
     ones). ``before_commit`` runs inside the write transaction, before commit (a
     fault-injection hook for tests).
     """
-    events = store.read_stream(episode_id)
-    if not events or not isinstance(events[0].event, EpisodeStarted):
-        return ProjectOutcome(episode_id, "missing")
-    if not any(isinstance(r.event, EpisodeFinished) for r in events):
-        return ProjectOutcome(episode_id, "unfinished")
+    return project_episodes(store, [episode_id], tokenizer_loader=tokenizer_loader,
+                            before_commit=before_commit)[0]
+
+
+def project_episodes(
+    store: EventStore,
+    episode_ids: Sequence[str],
+    *,
+    tokenizer_loader: Callable[[str | None], Any] = load_tokenizer,
+    before_commit: Callable[[], None] | None = None,
+) -> list[ProjectOutcome]:
+    """``project_episode`` for several episodes at once, one outcome per id in order: their
+    events are read with one query, their runs with another, and every projection to write
+    goes into one transaction (``Projections.write_many``; each episode with its checkpoint,
+    as alone). The sweep and a rebuild project this way. When that transaction fails for
+    anything but a transient error, the episodes are written one by one, so that one episode
+    the database refuses does not hold back the others (its error propagates)."""
+    ids = list(dict.fromkeys(episode_ids))
+    streams = _read_streams(store, ids)
+    outcomes: dict[str, ProjectOutcome] = {}
+    finished: list[list[RecordedEvent]] = []
+    for episode_id in ids:
+        events = streams.get(episode_id, [])
+        if not events or not isinstance(events[0].event, EpisodeStarted):
+            outcomes[episode_id] = ProjectOutcome(episode_id, "missing")
+        elif not any(isinstance(r.event, EpisodeFinished) for r in events):
+            outcomes[episode_id] = ProjectOutcome(episode_id, "unfinished")
+        else:
+            finished.append(events)
     projections = Projections(store)
-    done = projections.projected_version(episode_id)
-    if done is not None and done >= events[-1].stream_version:
-        return ProjectOutcome(episode_id, "skipped")
+    done = projections.projected_versions([events[0].stream_id for events in finished])
+    todo = []
+    for events in finished:
+        version = done.get(events[0].stream_id)
+        if version is not None and version >= events[-1].stream_version:
+            outcomes[events[0].stream_id] = ProjectOutcome(events[0].stream_id, "skipped")
+        else:
+            todo.append(events)
+    run_ids = [_started(events).run_id for events in todo]
+    runs = _read_runs(store, set(run_ids))
+    tokenizers: dict[str | None, Any] = {}
+    built = [_build(events, runs.get(run_id), tokenizer_loader, tokenizers)
+             for events, run_id in zip(todo, run_ids, strict=True)]
+    if len(built) > 1:
+        try:
+            written = projections.write_many(built, before_commit=before_commit)
+        except errors.TransientError:
+            raise
+        except errors.StoreError:
+            log.warning("writing %d projections together failed; writing them one by one",
+                        len(built), exc_info=True)
+            written = [projections.write(p, before_commit=before_commit) for p in built]
+    else:
+        written = [projections.write(p, before_commit=before_commit) for p in built]
+    for projection, ok in zip(built, written, strict=True):
+        episode = projection.episode
+        outcomes[episode.episode_id] = ProjectOutcome(
+            episode.episode_id, "written" if ok else "skipped", status=episode.status,
+            reason=episode.invalid_reason)
+    return [outcomes[episode_id] for episode_id in episode_ids]
+
+
+def _started(events: list[RecordedEvent]) -> EpisodeStarted:
     started = events[0].event
     assert isinstance(started, EpisodeStarted)
-    run_events = store.read_stream(f"run-{started.run_id}", to_version=1)
-    if not run_events or not isinstance(run_events[0].event, RunCreated):
+    return started
+
+
+def _read_streams(store: EventStore, stream_ids: Sequence[str]
+                  ) -> dict[str, list[RecordedEvent]]:
+    """Every event of each stream, in version order, decoded (token payloads and delta
+    encodings expanded) as ``EventStore.read_stream`` gives them, read with one query."""
+    if not stream_ids:
+        return {}
+    with store.db.connection() as conn:
+        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[])"
+            " ORDER BY stream_id, stream_version",
+            (list(stream_ids),),
+        ).fetchall()
+    decoder = Decoder()
+    out: dict[str, list[RecordedEvent]] = {}
+    for row in rows:
+        out.setdefault(row["stream_id"], []).append(decoder.decode(row))
+    return out
+
+
+def _read_runs(store: EventStore, run_ids: set[str]) -> dict[str, RecordedEvent]:
+    """The first event of each run's stream (its ``run_created``), by run id."""
+    if not run_ids:
+        return {}
+    wanted = {run_stream_id(run_id): run_id for run_id in run_ids}
+    with store.db.connection() as conn:
+        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[])"
+            " AND stream_version = 1",
+            (list(wanted),),
+        ).fetchall()
+    decoder = Decoder()
+    return {wanted[row["stream_id"]]: decoder.decode(row) for row in rows}
+
+
+def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
+           tokenizer_loader: Callable[[str | None], Any],
+           tokenizers: dict[str | None, Any]) -> EpisodeProjection:
+    """The projection of one finished episode: replayed, or ``invalid`` with the reason."""
+    started = events[0].event
+    assert isinstance(started, EpisodeStarted)
+    episode_id = events[0].stream_id
+    if run_event is None or not isinstance(run_event.event, RunCreated):
         run = RunRow(run_id=started.run_id, project="default", group_size=1,
                      max_negatives_per_group=0, save_negative_samples=False, config={},
                      created_at=dt.datetime.now(dt.UTC))
-        projection = build_projection(run, events, None,
-                                      invalid_reason=f"run {started.run_id!r} has no run_created")
-    else:
-        run = run_row(run_events[0])
-        config = run_events[0].event.config  # type: ignore[union-attr]
-        try:
-            tokenizer = tokenizer_loader(config.tokenizer or config.model)
-            result = replay_episode([r.event for r in events], config=config,
-                                    tokenizer=tokenizer, episode_id=episode_id)
-            projection = build_projection(run, events, result)
-        except (ReplayError, TokenizerNotFound) as exc:
-            log.warning("episode %s is invalid: %s", episode_id, exc)
-            projection = build_projection(run, events, None, invalid_reason=str(exc))
-    written = projections.write(projection, before_commit=before_commit)
-    return ProjectOutcome(episode_id, "written" if written else "skipped",
-                          status=projection.episode.status,
-                          reason=projection.episode.invalid_reason)
+        return build_projection(run, events, None,
+                                invalid_reason=f"run {started.run_id!r} has no run_created")
+    run = run_row(run_event)
+    config = run_event.event.config
+    try:
+        name = config.tokenizer or config.model
+        if name not in tokenizers:
+            tokenizers[name] = tokenizer_loader(name)
+        result = replay_episode([r.event for r in events], config=config,
+                                tokenizer=tokenizers[name], episode_id=episode_id)
+        return build_projection(run, events, result)
+    except (ReplayError, TokenizerNotFound) as exc:
+        log.warning("episode %s is invalid: %s", episode_id, exc)
+        return build_projection(run, events, None, invalid_reason=str(exc))
