@@ -15,7 +15,7 @@ from store.events import LLMCalled, RunConfig
 from workers.replay.episode import replay_episode
 from workers.replay.errors import PromptMismatchError, ReplayError
 from workers.replay.offsets import decode_appendable
-from workers.replay.render import ChatRenderer
+from workers.replay.render import CHECKED, ChatRenderer
 from workers.replay.segment import Segmenter
 
 TOOLS = [SEARCH_TOOL]
@@ -173,7 +173,7 @@ def test_renderer_gives_apply_chat_template_text(qwen3, llama) -> None:
                     expected = tok.apply_chat_template(
                         history[:k], tools=tools, tokenize=False,
                         add_generation_prompt=generation_prompt)
-                    for _ in range(2):  # the first render is checked, the second is not
+                    for _ in range(2):  # the first renders are checked, later ones not
                         assert renderer.render(history[:k], tools=tools,
                                                generation_prompt=generation_prompt) == expected
 
@@ -188,7 +188,7 @@ def test_renderer_refuses_what_the_sandbox_refuses(qwen3, template: str, error) 
     with pytest.raises(error):
         qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
     renderer = ChatRenderer(qwen3, chat_template=template)
-    for _ in range(2):
+    for _ in range(CHECKED + 2):
         with pytest.raises(error):
             renderer.render(messages, tools=None, generation_prompt=False)
 
@@ -204,7 +204,7 @@ def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
     expected = qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
     renderer = ChatRenderer(qwen3, chat_template=template)
     assert [renderer.render(messages, tools=None, generation_prompt=False)
-            for _ in range(3)] == [expected] * 3
+            for _ in range(CHECKED + 2)] == [expected] * (CHECKED + 2)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
@@ -233,3 +233,19 @@ def test_appendable_decodings_concatenate(name: str, request) -> None:
 def test_decodings_that_are_not_byte_level_are_not_appendable(metaspace) -> None:
     ids = metaspace("hello world", add_special_tokens=False)["input_ids"]
     assert decode_appendable(metaspace, ids)[2] is False
+
+
+def test_renderer_falls_back_when_its_render_differs(qwen3, monkeypatch) -> None:
+    import workers.replay.render as render
+
+    class Wrong:
+        def render(self, **variables) -> str:
+            return "something else"
+
+    template = "{% for m in messages %}[{{ m.role }}]{% endfor %}"
+    monkeypatch.setattr(render, "_fast_template", lambda source: Wrong())
+    renderer = ChatRenderer(qwen3, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}]
+    assert [renderer.render(messages, tools=None, generation_prompt=False)
+            for _ in range(CHECKED + 2)] == ["[user]"] * (CHECKED + 2)
+    assert render._verified[(template, renderer._variables_key)] == -1

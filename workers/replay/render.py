@@ -13,10 +13,10 @@ extensions), the template is rendered with the same variables (the tokenizer's s
 tokens, ``tools``, ``documents``, ``add_generation_prompt``), and what the sandbox refuses it
 still refuses.
 
-A template's first render in a process is compared with ``apply_chat_template``'s; a template
-whose render differs (a transformers version that sets up its environment differently) is
-rendered by ``apply_chat_template`` from then on, as is every template when transformers'
-compiled environment cannot be had.
+A template's first ``CHECKED`` renders in a process are compared with
+``apply_chat_template``'s; a template whose render differs once (a transformers version that
+sets up its environment or its inputs differently) is rendered by ``apply_chat_template`` from
+then on, as is every template when transformers' compiled environment cannot be had.
 """
 
 from __future__ import annotations
@@ -116,8 +116,11 @@ def _hf_template(source: str) -> Any | None:
 _lock = threading.Lock()
 #: Template source -> its compiled fast template (None: render with apply_chat_template).
 _compiled: dict[str, Any] = {}
-#: (template source, variables key) -> whether a render matched apply_chat_template's.
-_verified: dict[tuple[str, str], bool] = {}
+#: (template source, variables key) -> renders that matched apply_chat_template's so far
+#: (-1: one did not).
+_verified: dict[tuple[str, str], int] = {}
+#: Renders of a template compared with apply_chat_template's before it is trusted.
+CHECKED = 8
 
 
 def _fast_template(source: str) -> Any | None:
@@ -185,16 +188,17 @@ class ChatRenderer:
             return self._slow(chat, schemas, generation_prompt)
         variables = self._template_variables()
         key = (source, self._variables_key)
-        verified = _verified.get(key)
-        if verified is False:
+        matched = _verified.get(key, 0)
+        if matched < 0:
             return self._slow(chat, schemas, generation_prompt)
         out = fast.render(messages=chat, tools=schemas, documents=None,
                           add_generation_prompt=generation_prompt, **variables)
-        if verified is None:
+        if matched < CHECKED:
             expected = self._slow([dict(m) for m in messages],
                                   [dict(t) for t in tools] if tools else None,
                                   generation_prompt)
             with _lock:
-                _verified[key] = expected == out
+                if _verified.get(key, 0) >= 0:
+                    _verified[key] = _verified.get(key, 0) + 1 if expected == out else -1
             return expected
         return out
