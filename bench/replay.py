@@ -93,14 +93,16 @@ def main() -> None:
             tokenizer="qwen3"))], NO_STREAM)
         store.append(f"{warm}-ep", episode(tokenizer, warm, "g", args.turns, 0), NO_STREAM)
         project_episode(store, f"{warm}-ep")
-        ratios, single = [], []
+        ratios: list[float] = []
+        single: list[float] = []
         for r in range(args.rounds):
             run_id = f"bench-{r}-{uuid.uuid4().hex[:6]}"
             store.append(run_stream_id(run_id),
                          [RunCreated(run_id=run_id, config=RunConfig(tokenizer="qwen3",
                                                                      group_size=4))],
                          NO_STREAM)
-            ids, others = [], []
+            ids: list[str] = []
+            others: list[str] = []
             for e in range(2 * args.episodes):
                 ep = f"{run_id}-ep{e}"
                 store.append(ep, episode(tokenizer, run_id, f"g{e // 4}", args.turns, e),

@@ -91,7 +91,7 @@ def build_initial_timeline(
     seg = segmenter.segment(messages, tools=tools, prompt_ids=prompt_ids, call_id=call_id)
     # Messages whose segments a call took over from an earlier call's segmentation are the
     # same timeline messages: take them over too.
-    earlier = segmenter.memo.get(seg.base) if seg.reused else None
+    earlier = segmenter.memo.get(seg.base) if seg.base is not None and seg.reused else None
     timeline_messages = list(earlier[:seg.reused]) if earlier is not None else []
     done = len(timeline_messages)
     timeline_messages += [request_message(m, ids) for m, ids in

@@ -184,7 +184,7 @@ class ChatRenderer:
         schemas = [dict(t) for t in tools] if tools else None
         source = self._source(schemas is not None)
         fast = _fast_template(source) if source is not None else None
-        if fast is None or not chat:
+        if source is None or fast is None or not chat:
             return self._slow(chat, schemas, generation_prompt)
         variables = self._template_variables()
         key = (source, self._variables_key)
