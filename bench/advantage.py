@@ -36,7 +36,9 @@ At 8,192 x 1,024 a good part of the vectorised time is allocating and writing th
 ``(bs, response_length)`` output, which the loop pays as well: glibc maps allocations of 32 MiB
 and more afresh, so every call page-faults its output in. The "scalars" line times the
 per-response part alone. PyTorch's ``THP_MEM_ALLOC_ENABLE=1`` (huge pages for large CPU
-tensors) removes most of the page-fault cost for both.
+tensors) can cut the page-fault cost for both in this tight loop, but on a VM that hands freed
+huge pages back to the host it made calls spaced like training steps slower, so the library
+does not rely on it.
 """
 
 from __future__ import annotations
