@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "MAX_INT",
     "Event",
     "EVENT_TYPES",
     "TOKEN_FIELDS",
@@ -54,6 +55,9 @@ INT32_MAX = 2**31 - 1
 
 #: Names of the token payload fields; the store keeps them in binary columns.
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "logprobs")
+#: The largest count or version an event may carry on append: what the projections' integer
+#: columns hold, so that an event the log accepts can always be projected.
+MAX_INT = 2**31 - 1
 
 
 def _as_token_ids(value: Any) -> np.ndarray:

@@ -10,9 +10,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pydantic
+from pydantic import BaseModel
 
 from store.errors import ValidationError
-from store.events import EVENT_TYPES, Event, parse_event
+from store.events import EVENT_TYPES, MAX_INT, Event, parse_event
 from store.settings import Settings
 
 __all__ = ["validate_batch", "coerce_event"]
@@ -64,7 +65,8 @@ def validate_batch(
     """Check a batch against the schemas and the size limits of ``settings``.
 
     Returns the events as models. Raises ``ValidationError`` for an empty or oversized batch,
-    an unknown type, a schema violation, a token array longer than
+    an unknown type, a schema violation, a count or version above ``MAX_INT``, a token array
+    longer than
     ``max_tokens_per_array``, or an event id used twice in the batch. (The stored size of an
     event, ``max_event_bytes``, is checked when it is encoded, see ``EventStore.append``.)
     """
@@ -95,4 +97,26 @@ def validate_batch(
                     field="event_id",
                 )
             seen[event.event_id] = i
+        too_large = _int_over_range(event)
+        if too_large is not None:
+            raise ValidationError(
+                f"must be at most {MAX_INT} (the projections store it as a 32-bit integer)",
+                event_index=i,
+                field=too_large,
+            )
     return models
+
+
+def _int_over_range(model: BaseModel, prefix: str = "") -> str | None:
+    """The dotted name of the first integer field of ``model`` (or of a model inside it)
+    above ``MAX_INT``, or None. Free-form dicts and lists are not looked into. Checked on
+    append only: reading keeps accepting what older versions stored."""
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT:
+            return prefix + name
+        if isinstance(value, BaseModel):
+            inner = _int_over_range(value, f"{prefix}{name}.")
+            if inner is not None:
+                return inner
+    return None

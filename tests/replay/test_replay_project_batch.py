@@ -175,3 +175,30 @@ def test_sweep_projects_in_batches(store: EventStore, qwen3, monkeypatch) -> Non
         sweep_unprojected(store, limit=1000)
     assert calls and max(calls) <= 2
     assert set(Projections(store).projected_versions(ids)) == set(ids)
+
+
+def test_an_episode_the_database_cannot_hold_is_invalid_and_blocks_nothing(
+        store: EventStore, qwen3) -> None:
+    """An event stored before versions were bounded (or by a client that bypassed the store)
+    whose policy version overflows the projections' integer column: its episode is projected
+    as invalid with the reason, and the rest of the batch is written."""
+    run_id = new_run(store)
+    bad, _, good = record(store, qwen3, run_id, 3, prefix="overflow")  # the middle is invalid
+    with store.db.transaction() as conn:
+        conn.execute("ALTER TABLE events DISABLE TRIGGER USER")
+        changed = conn.execute(
+            "UPDATE events SET data = replace(data::text, '\"policy_version\":0,',"
+            " '\"policy_version\":2147483648,')::json"
+            " WHERE stream_id = %s AND type = 'llm_called'", (bad,)).rowcount
+        conn.execute("ALTER TABLE events ENABLE TRIGGER USER")
+    assert changed >= 1
+    assert store.read_stream(bad)[1].event.policy_version == 2**31  # still readable
+    outcomes = {o.episode_id: o for o in project_episodes(store, [bad, good])}
+    assert outcomes[good].outcome == "written" and outcomes[good].status == "completed", outcomes
+    assert outcomes[bad].outcome == "written" and outcomes[bad].status == "invalid"
+    assert "cannot be stored" in (outcomes[bad].reason or "")
+    assert "out of range" in (outcomes[bad].reason or "")
+    with store.db.connection() as conn:
+        status = conn.execute("SELECT status FROM episodes WHERE episode_id = %s",
+                              (bad,)).fetchone()
+    assert status == ("invalid",)

@@ -48,6 +48,11 @@ CASES = [
      "config.egpo.variant", "clip"),
     ({"type": "attempt_failed", "checkpoint_id": "k", "position_key": "turn_1",
       "retry_index": -1}, "retry_index", "greater than or equal"),
+    ({"type": "attempt_failed", "checkpoint_id": "k", "position_key": "turn_1",
+      "retry_index": 2**31}, "retry_index", "at most 2147483647"),
+    (call(policy_version=2**31), "policy_version", "32-bit"),
+    ({"type": "run_created", "run_id": "r", "config": {"rollout": {"max_tokens": 2**40}}},
+     "config.rollout.max_tokens", "at most"),
 ]
 
 

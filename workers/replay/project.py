@@ -8,6 +8,7 @@ and is what the sweep and a rebuild call.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from psycopg.rows import dict_row
 from store import errors
 from store.eventlog import EventStore, RecordedEvent, run_stream_id
 from store.events import (
+    MAX_INT,
     AttemptFailed,
     CheckpointCreated,
     EpisodeFinished,
@@ -333,15 +335,46 @@ def project_episodes(
         except errors.StoreError:
             log.warning("writing %d projections together failed; writing them one by one",
                         len(built), exc_info=True)
-            written = [projections.write(p, before_commit=before_commit) for p in built]
+            written = None
     else:
-        written = [projections.write(p, before_commit=before_commit) for p in built]
+        written = None
+    if written is None:
+        written = []
+        for i, projection in enumerate(built):
+            ok, built[i] = _write_one(projections, projection, todo[i], before_commit)
+            written.append(ok)
     for projection, ok in zip(built, written, strict=True):
         episode = projection.episode
         outcomes[episode.episode_id] = ProjectOutcome(
             episode.episode_id, "written" if ok else "skipped", status=episode.status,
             reason=episode.invalid_reason)
     return [outcomes[episode_id] for episode_id in episode_ids]
+
+
+def _write_one(projections: Projections, projection: EpisodeProjection,
+               events: list[RecordedEvent], before_commit: Callable[[], None] | None
+               ) -> tuple[bool, EpisodeProjection]:
+    """Write one projection; rows the database refuses as data (a value out of its range)
+    make the episode ``invalid`` with that reason instead, so that one bad episode never
+    blocks the others. Raises ValidationError only when even that cannot be written."""
+    try:
+        return projections.write(projection, before_commit=before_commit), projection
+    except errors.ValidationError as exc:
+        reason = f"its projection cannot be stored: {exc}"
+        log.warning("episode %s is invalid: %s", projection.episode.episode_id, reason)
+        built = build_projection(projection.run, events, None, invalid_reason=reason)
+        # Only the summary, with the values the database refused left out.
+        episode = built.episode
+        out_of_range = {f.name: None for f in dataclasses.fields(episode)
+                        if _overflows(getattr(episode, f.name))}
+        invalid = EpisodeProjection(run=built.run,
+                                    episode=dataclasses.replace(episode, **out_of_range))
+        return projections.write(invalid, before_commit=before_commit), invalid
+
+
+def _overflows(value: object) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and not -MAX_INT - 1 <= value <= MAX_INT)
 
 
 def _started(events: list[RecordedEvent]) -> EpisodeStarted:
