@@ -383,38 +383,36 @@ def _started(events: list[RecordedEvent]) -> EpisodeStarted:
     return started
 
 
-def _read_streams(store: EventStore, stream_ids: Sequence[str]
-                  ) -> dict[str, list[RecordedEvent]]:
-    """Every event of each stream, in version order, decoded (token payloads and delta
-    encodings expanded) as ``EventStore.read_stream`` gives them, read with one query."""
+def _read_events(store: EventStore, stream_ids: Sequence[str], where: str
+                 ) -> list[RecordedEvent]:
+    """The events of ``stream_ids`` that ``where`` (SQL after the stream filter) keeps,
+    decoded as ``EventStore.read_stream`` gives them (token payloads and delta encodings
+    expanded), read with one query."""
     if not stream_ids:
-        return {}
+        return []
     with store.db.connection() as conn:
         rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[])"
-            " ORDER BY stream_id, stream_version",
+            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[]) {where}",
             (list(stream_ids),),
         ).fetchall()
     decoder = Decoder()
+    return [decoder.decode(row) for row in rows]
+
+
+def _read_streams(store: EventStore, stream_ids: Sequence[str]
+                  ) -> dict[str, list[RecordedEvent]]:
+    """Every event of each stream, in version order."""
     out: dict[str, list[RecordedEvent]] = {}
-    for row in rows:
-        out.setdefault(row["stream_id"], []).append(decoder.decode(row))
+    for event in _read_events(store, stream_ids, "ORDER BY stream_id, stream_version"):
+        out.setdefault(event.stream_id, []).append(event)
     return out
 
 
 def _read_runs(store: EventStore, run_ids: set[str]) -> dict[str, RecordedEvent]:
     """The first event of each run's stream (its ``run_created``), by run id."""
-    if not run_ids:
-        return {}
     wanted = {run_stream_id(run_id): run_id for run_id in run_ids}
-    with store.db.connection() as conn:
-        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[])"
-            " AND stream_version = 1",
-            (list(wanted),),
-        ).fetchall()
-    decoder = Decoder()
-    return {wanted[row["stream_id"]]: decoder.decode(row) for row in rows}
+    return {wanted[event.stream_id]: event
+            for event in _read_events(store, list(wanted), "AND stream_version = 1")}
 
 
 def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
