@@ -10,6 +10,7 @@ lookup per message.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -56,12 +57,24 @@ def content_text(content: Any) -> str:
                     f"got {type(content).__name__}")
 
 
+#: Argument strings up to this length have their keys cached (merging and fork detection
+#: key the same calls of an episode, and a call's history recurs in every later call).
+_CACHED_ARGUMENTS = 4096
+
+
+@functools.lru_cache(maxsize=1024)
+def _string_arguments_key(arguments: str) -> str:
+    try:
+        return _canonical_json(json.loads(arguments))
+    except ValueError:
+        return "raw:" + arguments
+
+
 def _arguments_key(arguments: Any) -> str:
     if isinstance(arguments, str):
-        try:
-            return _canonical_json(json.loads(arguments))
-        except ValueError:
-            return "raw:" + arguments
+        if len(arguments) <= _CACHED_ARGUMENTS:
+            return _string_arguments_key(arguments)
+        return _string_arguments_key.__wrapped__(arguments)
     return _canonical_json(arguments)
 
 

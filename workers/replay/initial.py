@@ -52,8 +52,14 @@ def generated_message(response: Mapping[str, Any], *, generation_prompt_ids: Seq
     if not isinstance(response, Mapping):
         raise TypeError(f"response must be a mapping, got {type(response).__name__}")
     gen = [int(i) for i in generation_prompt_ids]
-    out = np.asarray(response_ids, dtype=np.int64).tolist()
-    lps = np.asarray(logprobs, dtype=np.float64).tolist()
+    # Integer and float32 arrays give the same Python ints and floats without a widening
+    # copy first.
+    out = (response_ids.tolist() if isinstance(response_ids, np.ndarray)
+           and response_ids.dtype.kind == "i"
+           else np.asarray(response_ids, dtype=np.int64).tolist())
+    lps = (logprobs.tolist() if isinstance(logprobs, np.ndarray)
+           and logprobs.dtype in (np.float32, np.float64)
+           else np.asarray(logprobs, dtype=np.float64).tolist())
     if len(lps) != len(out):
         raise ValueError(f"logprobs has {len(lps)} entries but response_ids has {len(out)}")
     return Message(

@@ -160,7 +160,7 @@ def decode_appendable(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
                         f"dtype {ids.dtype}")
     ids = ids.astype(np.int64, copy=False)
     size = backend.get_vocab_size(with_added_tokens=True)
-    if ids.size:
+    if ids.size and (ids.min() < 0 or ids.max() >= size):
         bad = np.flatnonzero((ids < 0) | (ids >= size))
         if bad.size:
             p = int(bad[0])

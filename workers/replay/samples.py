@@ -90,7 +90,10 @@ def build_sample(timeline: Timeline, *, timeline_index: int = 0, drifted_message
         reward = float(reward)
     ids = timeline.token_ids
     mask = loss_mask(timeline)
-    first = next((i for i, v in enumerate(mask) if v), len(mask))
+    try:
+        first = mask.index(1)  # the mask holds only 0 and 1
+    except ValueError:
+        first = len(mask)
     return Sample(
         agent=timeline.agent,
         timeline_index=timeline_index,

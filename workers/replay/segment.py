@@ -394,16 +394,21 @@ class Segmenter:
             del self._done[:-self.KEEP]
             if done.derived is not None:
                 self._derived.append(done)
-        cuts = np.searchsorted(done.starts, np.asarray([0, *done.ends], dtype=np.int64),
-                               side="left").tolist()
-        ids = done.ids.tolist()
         reused = len(base.messages) if base is not None else 0
+        # Token boundaries of the messages not taken over (ends never decrease): only their
+        # tokens and the generation prompt's become new lists.
+        first = done.ends[reused - 1] if reused else 0
+        cuts = np.searchsorted(done.starts, np.asarray([first, *done.ends[reused:]],
+                                                       dtype=np.int64), side="left").tolist()
+        low = cuts[0]
+        ids = done.ids[low:].tolist()
         message_ids = list(base.message_ids) if base is not None else []
-        for i in range(reused, len(done.ends)):
-            message_ids.append(ids[cuts[i]:cuts[i + 1]])
+        for i in range(len(cuts) - 1):
+            message_ids.append(ids[cuts[i] - low:cuts[i + 1] - low])
         done.message_ids = message_ids
         return Segmentation(text=done.text, ends=done.ends, message_ids=message_ids,
-                            generation_prompt_ids=ids[cuts[-1]:], relocated=done.relocated,
+                            generation_prompt_ids=ids[cuts[-1] - low:],
+                            relocated=done.relocated,
                             key=done.key, base=base.key if base is not None else None,
                             reused=reused)
 

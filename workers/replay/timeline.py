@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from workers.replay.equality import PrefixInterner, message_key, token_key, tools_key
+from workers.replay.equality import PrefixInterner, message_key, tools_key
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -133,9 +133,9 @@ class Message:
             if len(mask) != len(ids):
                 raise ValueError(f"Message.sampled has {len(mask)} entries but token_ids has "
                                  f"{len(ids)}")
-            bad = [v for v in mask if v not in (0, 1)]
-            if bad:
-                raise ValueError(f"Message.sampled must hold only 0 and 1, got {bad[0]}")
+            if not set(mask) <= {0, 1}:
+                bad = next(v for v in mask if v not in (0, 1))
+                raise ValueError(f"Message.sampled must hold only 0 and 1, got {bad}")
             object.__setattr__(self, "sampled", mask)
         if self.tool_calls is not None:
             if not isinstance(self.tool_calls, Sequence) or isinstance(self.tool_calls, str):
@@ -162,8 +162,10 @@ class Message:
 
     def token_logprobs(self) -> list[float]:
         """Per-token rollout logprob where sampled, 0.0 elsewhere."""
-        if self.logprobs is None:
+        if self.logprobs is None or not self.is_llm:
             return [0.0] * len(self.token_ids)
+        if self.sampled is None:
+            return list(self.logprobs)
         return [lp if m else 0.0 for lp, m in zip(self.logprobs, self.sampled_mask(), strict=True)]
 
 
@@ -307,11 +309,13 @@ def _absorb(survivor: Timeline, absorbed: list[Timeline], *, track_drift: bool
     ``track_drift``, also list the positions whose token ids differ from an absorbed one."""
     original = survivor.messages
     merged = list(original)
-    original_keys = [token_key(m) for m in original] if track_drift else []
     drifted: set[int] = set()
     for other in reversed(absorbed):
         for k, m in enumerate(other.messages):
-            if track_drift and k not in drifted and token_key(m) != original_keys[k]:
+            # Token keys are the id lists as tuples: comparing the lists is the same test,
+            # and a message both timelines share (one object) cannot differ from itself.
+            if (track_drift and k not in drifted and m is not original[k]
+                    and m.token_ids != original[k].token_ids):
                 drifted.add(k)
             if m.is_llm and not merged[k].is_llm:
                 merged[k] = dataclasses.replace(
