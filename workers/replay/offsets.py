@@ -94,13 +94,13 @@ def _char_starts_of_bytes(text: str, byte_starts: np.ndarray) -> np.ndarray:
     return byte_starts
 
 
-def _by_table(backend: Any, table: _ByteTable, ids: np.ndarray, expected: str
-              ) -> tuple[str, np.ndarray] | None:
+def _by_table(backend: Any, table: _ByteTable, ids: np.ndarray, id_list: list[int],
+              expected: str) -> tuple[str, np.ndarray] | None:
     lengths = table.lengths[ids]
     byte_starts = np.cumsum(lengths) - lengths
     pieces = table.pieces
     try:
-        text = b"".join([pieces[i] for i in ids.tolist()]).decode("utf-8")
+        text = b"".join([pieces[i] for i in id_list]).decode("utf-8")
     except UnicodeDecodeError:
         return None
     if text != expected:
@@ -166,10 +166,11 @@ def decode_appendable(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
             p = int(bad[0])
             raise ReplayError(f"token id {int(ids[p])} at position {p} is outside the "
                               f"vocabulary of size {size}")
-    expected = backend.decode(ids.tolist(), skip_special_tokens=False)
+    id_list = ids.tolist()
+    expected = backend.decode(id_list, skip_special_tokens=False)
     table = _byte_table(backend)
     if table is not None and table.lengths.size >= size:
-        found = _by_table(backend, table, ids, expected)
+        found = _by_table(backend, table, ids, id_list, expected)
         if found is not None:
             return found[0], found[1], True
     text, starts = _by_stream(backend, ids)

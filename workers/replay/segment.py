@@ -88,6 +88,10 @@ def common_prefix_length(a: str, b: str, *, a_start: int = 0, b_start: int = 0) 
     """Length of the longest common prefix of ``a[a_start:]`` and ``b[b_start:]``, found by
     comparing slices of doubling size (C-speed comparisons, no per-character Python loop)."""
     n = min(len(a) - a_start, len(b) - b_start)
+    # The usual case, a rendering that the prompt text begins with: one comparison, no slices.
+    if n > 0 and ((a_start == 0 and len(a) == n and b.startswith(a, b_start))
+                  or (b_start == 0 and len(b) == n and a.startswith(b, a_start))):
+        return n
     done = 0
     step = 64
     while done < n:
