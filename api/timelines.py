@@ -9,24 +9,41 @@ attempts that become negative samples and where timelines fork.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from api.errors import ApiError
 from api.tokens import Encoding, encode_array
-from store.eventlog import EventStore
+from store.eventlog import EventStore, RecordedEvent
 from store.events import RunCreated
 from workers.replay import ReplayError, ReplayResult, Timeline, replay_episode
 from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
-__all__ = ["episode_timelines", "replay_stored_episode", "timeline_messages"]
+__all__ = [
+    "StoredReplay",
+    "episode_timelines",
+    "replay_stored",
+    "replay_stored_episode",
+    "timeline_messages",
+]
 
 
-def replay_stored_episode(store: EventStore, episode_id: str, *,
-                          tokenizer_loader: Callable[[str | None], Any] = load_tokenizer
-                          ) -> ReplayResult:
-    """Replay the stored events of ``episode_id`` (finished or not). Raises ApiError 404 for
-    an unknown episode or run and 409 when the episode cannot be replayed (its reason in the
-    message) or the run's tokenizer is not on this machine."""
+@dataclass(frozen=True)
+class StoredReplay:
+    """A stored episode replayed: its recorded events, the run's tokenizer and the result."""
+
+    records: list[RecordedEvent]
+    tokenizer: Any
+    result: ReplayResult
+
+
+def replay_stored(store: EventStore, episode_id: str, *,
+                  tokenizer_loader: Callable[[str | None], Any] = load_tokenizer
+                  ) -> StoredReplay:
+    """Replay the stored events of ``episode_id`` (finished or not), keeping the events and
+    the tokenizer it read for callers that show them. Raises ApiError 404 for an unknown
+    episode or run and 409 when the episode cannot be replayed (its reason in the message)
+    or the run's tokenizer is not on this machine."""
     events = store.read_stream(episode_id)
     if not events or events[0].type != "episode_started":
         raise ApiError(404, "not_found", f"no episode {episode_id!r}")
@@ -38,13 +55,21 @@ def replay_stored_episode(store: EventStore, episode_id: str, *,
     config = run[0].event.config
     try:
         tokenizer = tokenizer_loader(config.tokenizer or config.model)
-        return replay_episode([r.event for r in events], config=config, tokenizer=tokenizer,
-                              episode_id=episode_id)
+        result = replay_episode([r.event for r in events], config=config,
+                                tokenizer=tokenizer, episode_id=episode_id)
     except TokenizerNotFound as exc:
         raise ApiError(409, "tokenizer_not_found", str(exc)) from None
     except ReplayError as exc:
         raise ApiError(409, "not_replayable", f"episode {episode_id!r} cannot be replayed: "
                                               f"{exc}") from None
+    return StoredReplay(records=events, tokenizer=tokenizer, result=result)
+
+
+def replay_stored_episode(store: EventStore, episode_id: str, *,
+                          tokenizer_loader: Callable[[str | None], Any] = load_tokenizer
+                          ) -> ReplayResult:
+    """The replay of ``episode_id`` alone (see :func:`replay_stored` for the errors)."""
+    return replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader).result
 
 
 def timeline_messages(timeline: Timeline) -> list[dict[str, Any]]:

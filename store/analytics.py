@@ -15,8 +15,10 @@ sample's).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import datetime as dt
+import io
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -44,6 +46,7 @@ __all__ = [
     "query",
     "view_named",
     "row_as_dict",
+    "rows_as_csv",
     "failure_patterns",
     "rollback_outcomes",
     "tool_error_rates",
@@ -288,6 +291,18 @@ def row_as_dict(row: Any) -> dict[str, Any]:
     if not dataclasses.is_dataclass(row) or isinstance(row, type):
         raise TypeError(f"expected an analytics row, got {type(row).__name__}")
     return {f.name: getattr(row, f.name) for f in fields(row)}
+
+
+def rows_as_csv(spec: AnalyticsView, rows: list[Any]) -> str:
+    """``rows`` of ``spec`` as CSV with a header row: None as an empty field, times in ISO
+    8601, everything else as ``str``. Raises TypeError for a row that is not a row dataclass."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(spec.columns)
+    for r in rows:
+        writer.writerow(["" if v is None else v.isoformat() if isinstance(v, dt.datetime)
+                         else v for v in row_as_dict(r).values()])
+    return buffer.getvalue()
 
 
 def failure_patterns(db: Database, filters: Filters | None = None, *,

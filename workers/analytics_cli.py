@@ -11,7 +11,6 @@ back from now such as ``90s``, ``30m``, ``24h`` or ``7d``.
 
 from __future__ import annotations
 
-import csv
 import datetime as dt
 import enum
 import inspect
@@ -82,12 +81,7 @@ def render(spec: AnalyticsView, rows: Sequence[Any], output: OutputFormat, *,
         return json.dumps([{k: _plain(v) for k, v in row_as_dict(r).items()} for r in rows],
                           indent=2) + "\n"
     if output is OutputFormat.csv:
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(columns)
-        for r in rows:
-            writer.writerow(["" if v is None else _plain(v) for v in row_as_dict(r).values()])
-        return buffer.getvalue()
+        return analytics.rows_as_csv(spec, list(rows))
     cells = [[format_cell(v) for v in row_as_dict(r).values()] for r in rows]
     title = f"{spec.view} ({len(rows)} {'row' if len(rows) == 1 else 'rows'})"
     full = max(40, sum(max([len(c), *(len(line[i]) for line in cells)]) + 3

@@ -94,9 +94,7 @@ def _route(spec: AnalyticsView) -> Callable[..., Any]:
         rows = await run_in_threadpool(analytics.query, ctx.store.db, spec, filters,
                                        limit=values.get("limit"))
         if values.get("format") == "csv":
-            from workers.analytics_cli import OutputFormat, render
-
-            return Response(render(spec, rows, OutputFormat.csv), media_type="text/csv",
+            return Response(analytics.rows_as_csv(spec, rows), media_type="text/csv",
                             headers={"Content-Disposition":
                                      f'inline; filename="{spec.view}.csv"'})
         return {"view": spec.view, "run_id": run_id,

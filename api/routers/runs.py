@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from api import queries
+from api.context import ApiContext
 from api.deps import Ctx, IngestKey, ReadKey
 from api.errors import ERROR_RESPONSES, ApiError
 from api.ingest import append_batch
@@ -17,12 +18,14 @@ from store import errors as store_errors
 from store.eventlog import NO_STREAM, run_stream_id
 from store.events import RunCreated as RunCreatedEvent
 
-__all__ = ["router"]
+__all__ = ["router", "run_out"]
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
 
 
-def _run_out(ctx: Ctx, record: dict[str, Any]) -> RunOut:
+def run_out(ctx: ApiContext, record: dict[str, Any]) -> RunOut:
+    """A run record (``queries.run_record`` / ``list_runs``) with its episode and sample
+    counts and policy version: what the API and the web page show of a run."""
     data = record["data"]
     run_id = record["run_id"]
     return RunOut(
@@ -61,7 +64,7 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
 @router.get("", response_model=RunList)
 def list_runs(key: ReadKey, ctx: Ctx) -> RunList:
     """Every run of the key's project, oldest first."""
-    return RunList(runs=[_run_out(ctx, r) for r in queries.list_runs(ctx.store, key.project)])
+    return RunList(runs=[run_out(ctx, r) for r in queries.list_runs(ctx.store, key.project)])
 
 
 @router.get("/{run_id}", response_model=RunOut)
@@ -71,7 +74,7 @@ def get_run(run_id: str, key: ReadKey, ctx: Ctx) -> RunOut:
     record = queries.run_record(ctx.store, run_id)
     if record is None:  # pragma: no cover - check_run found it a moment ago
         raise ApiError(404, "not_found", f"no run {run_id!r}")
-    return _run_out(ctx, record)
+    return run_out(ctx, record)
 
 
 @router.post("/{run_id}/events", response_model=AppendResult,

@@ -1,8 +1,9 @@
 """What the pages show, assembled from the store: plain dicts and lists for the templates.
 
-The numbers come from the same places as the REST routes (the run summary, the analytics
-views, the episode listing) and an episode's timeline is the same replay the workers run, so
-the page, ``/v1/...`` and ``trajstore analytics`` never disagree.
+The numbers come from the same places as the REST routes (a run's summary is the runs
+route's ``run_out``; the analytics views; the episode listing) and an episode's timeline is
+the same replay the workers run, so the page, ``/v1/...`` and ``trajstore analytics`` never
+disagree.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from api import queries
-from api.timelines import replay_stored_episode
+from api.timelines import replay_stored
 from store import analytics
 from store.analytics import Filters
-from store.eventlog import EventStore, run_stream_id
+from store.eventlog import EventStore
 from store.events import AttemptFailed, RolledBack, ToolReturned
-from store.leasing import Leasing
 from workers.replay import ReplayResult
 from workers.tokenizers import load_tokenizer
 
@@ -25,29 +25,8 @@ __all__ = [
     "dashboard",
     "episode_page",
     "group_page",
-    "run_summaries",
     "token_pieces",
 ]
-
-
-def run_summaries(store: EventStore, leasing: Leasing, records: Iterable[dict[str, Any]]
-                  ) -> list[dict[str, Any]]:
-    """One line per run record (``queries.run_record`` / ``list_runs``): id, creation time,
-    tokenizer, group size, episode counts, sample counts by status and policy version."""
-    out = []
-    for record in records:
-        run_id = record["run_id"]
-        config = record["data"].get("config") or {}
-        out.append({
-            "run_id": run_id,
-            "created_at": record["created_at"],
-            "tokenizer": config.get("tokenizer") or config.get("model") or "",
-            "group_size": config.get("group_size"),
-            "episodes": queries.run_episode_counts(store, run_id),
-            "samples": leasing.stats(run_id),
-            "policy_version": leasing.current_policy_version(run_id),
-        })
-    return out
 
 
 def _series(rows: Iterable[Any], versions: Sequence[int], key: Callable[[Any], str | None],
@@ -204,16 +183,13 @@ def episode_page(store: EventStore, episode_id: str, *,
     """Everything the episode page shows: the listing row, the merged timelines token by
     token (text, id, loss mask, logprob), the failed attempts as negative samples (kept or
     over the cap), forks, and the event log with tool errors and rollbacks flagged. Raises
-    ApiError 404/409 as ``replay_stored_episode`` does."""
-    result = replay_stored_episode(store, episode_id, tokenizer_loader=tokenizer_loader)
-    record = queries.run_record(store, result.run_id)
-    config = (record or {}).get("data", {}).get("config") or {}
-    tokenizer = tokenizer_loader(config.get("tokenizer") or config.get("model"))
+    ApiError 404/409 as ``replay_stored`` does."""
+    replayed = replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader)
+    result, records = replayed.result, replayed.records
 
     def pieces(ids: Sequence[int]) -> list[str]:
-        return token_pieces(tokenizer, ids)
+        return token_pieces(replayed.tokenizer, ids)
 
-    records = store.read_stream(episode_id)
     errors = {}
     for r in records:
         e = r.event
@@ -247,5 +223,4 @@ def episode_page(store: EventStore, episode_id: str, *,
                    "message_index": f.message_index, "reason": str(f.reason)}
                   for f in result.forks],
         "events": _event_rows(records),
-        "run_stream": run_stream_id(result.run_id),
     }

@@ -29,6 +29,8 @@ from api import queries
 from api.deps import Ctx
 from api.errors import ApiError
 from api.keys import ApiKey
+from api.routers.runs import run_out
+from api.schemas.runs import RunOut
 from api.ui import data
 
 __all__ = ["COOKIE", "STATIC_DIR", "LoginRequired", "PageError", "install", "router"]
@@ -161,9 +163,9 @@ async def logout() -> Response:
 @router.get("", response_class=HTMLResponse)
 async def runs_page(request: Request, key: PageKey, ctx: Ctx) -> HTMLResponse:
     """The key's project's runs, newest first."""
-    def load() -> list[dict[str, Any]]:
+    def load() -> list[RunOut]:
         records = queries.list_runs(ctx.store, key.project)
-        return data.run_summaries(ctx.store, ctx.leasing, reversed(records))
+        return [run_out(ctx, r) for r in reversed(records)]
 
     runs = await run_in_threadpool(load)
     return _page(request, "runs.html", key=key, runs=runs)
@@ -176,8 +178,7 @@ async def run_page(request: Request, run_id: str, key: PageKey, ctx: Ctx) -> HTM
 
     def load() -> dict[str, Any]:
         record = queries.run_record(ctx.store, run_id)
-        (summary,) = data.run_summaries(ctx.store, ctx.leasing, [record])
-        return {"run": summary, "config": record["data"].get("config") or {},
+        return {"run": run_out(ctx, record),
                 "dashboard": data.dashboard(ctx.store, run_id),
                 "groups": queries.run_groups(ctx.store, run_id)}
 
