@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
@@ -88,3 +89,24 @@ def test_empty_and_bad_ids(qwen3) -> None:
         decode_with_offsets(qwen3, np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(TypeError, match="fast tokenizer"):
         decode_with_offsets(object(), [1])
+
+
+def test_byte_table_is_checked_for_ids_no_check_covered(qwen3) -> None:
+    """An id whose table entry is wrong is caught the first time a sequence holds it (the
+    text then comes from the streaming path), however many sequences were decoded before."""
+    from workers.replay import offsets
+
+    tokenizer = copy.deepcopy(qwen3)  # a table of its own, so the shared one stays right
+    first = tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    text, _ = decode_with_offsets(tokenizer, first)
+    assert text == "hello world"
+    table = offsets._TABLES[tokenizer.backend_tokenizer]
+    assert table.checked[first].all()
+    victim = tokenizer(" zebra", add_special_tokens=False)["input_ids"][-1]
+    assert not table.checked[victim]
+    table.pieces[victim] = b" giraffe"
+    ids = [*first, victim]
+    text, starts = decode_with_offsets(tokenizer, ids)
+    assert text == tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=False)
+    assert "giraffe" not in text and not table.checked[victim]
+    assert starts.tolist() == _prefix_decoding_reference(tokenizer, ids)

@@ -3,10 +3,10 @@
 Segmenting a prompt into messages needs, for every prompt token, the character at which its
 text starts. Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen) map every id to a fixed byte
 string, so the offsets are a cumulative sum over a per-id byte-length table, computed with
-numpy in one pass; the table is checked against the tokenizer's own decoding of the sequence
-and is not used when the two disagree. Every other tokenizer is decoded incrementally with
-``tokenizers``' ``DecodeStream`` (linear, slower). A token that ends inside a multi-byte
-character starts at that character.
+numpy in one pass; the table is checked against the tokenizer's own decoding of every
+sequence that holds an id no earlier check covered, and is not used when the two disagree.
+Every other tokenizer is decoded incrementally with ``tokenizers``' ``DecodeStream`` (linear,
+slower). A token that ends inside a multi-byte character starts at that character.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 class _ByteTable:
-    """Per-id byte strings of a byte-level tokenizer."""
+    """Per-id byte strings of a byte-level tokenizer, and which ids a check against the
+    tokenizer's own decoding has covered."""
 
     def __init__(self, backend: Any) -> None:
         alphabet = byte_level_alphabet()
@@ -55,6 +56,8 @@ class _ByteTable:
                 pieces[idx] = added.content.encode("utf-8")
         self.pieces = pieces
         self.lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
+        #: Ids that occurred in a sequence whose table decoding equalled the tokenizer's.
+        self.checked = np.zeros(size, dtype=bool)
 
 
 _TABLES: weakref.WeakKeyDictionary[Any, _ByteTable] = weakref.WeakKeyDictionary()
@@ -94,17 +97,24 @@ def _char_starts_of_bytes(text: str, byte_starts: np.ndarray) -> np.ndarray:
     return byte_starts
 
 
-def _by_table(backend: Any, table: _ByteTable, ids: np.ndarray, id_list: list[int],
-              expected: str) -> tuple[str, np.ndarray] | None:
-    lengths = table.lengths[ids]
-    byte_starts = np.cumsum(lengths) - lengths
+def _by_table(backend: Any, table: _ByteTable, ids: np.ndarray, id_list: list[int]
+              ) -> tuple[str, np.ndarray] | None:
+    """The text and token starts from the byte table, or None when the table cannot be
+    trusted for these ids: a strict UTF-8 decoding fails (a sequence ending inside a
+    character), or ids no earlier check covered give a text other than the tokenizer's
+    own decoding. A byte-level decoding is the concatenation of the ids' byte strings, so
+    an id whose byte string a check confirmed stays confirmed in any sequence."""
     pieces = table.pieces
     try:
         text = b"".join([pieces[i] for i in id_list]).decode("utf-8")
     except UnicodeDecodeError:
         return None
-    if text != expected:
-        return None
+    if not table.checked[ids].all():
+        if text != backend.decode(id_list, skip_special_tokens=False):
+            return None
+        table.checked[ids] = True
+    lengths = table.lengths[ids]
+    byte_starts = np.cumsum(lengths) - lengths
     return text, _char_starts_of_bytes(text, byte_starts)
 
 
@@ -159,20 +169,18 @@ def decode_appendable(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
         raise TypeError(f"token_ids must be a 1-d sequence of integers, got shape {ids.shape} "
                         f"dtype {ids.dtype}")
     ids = ids.astype(np.int64, copy=False)
-    size = backend.get_vocab_size(with_added_tokens=True)
-    if ids.size and (ids.min() < 0 or ids.max() >= size):
-        bad = np.flatnonzero((ids < 0) | (ids >= size))
-        if bad.size:
-            p = int(bad[0])
-            raise ReplayError(f"token id {int(ids[p])} at position {p} is outside the "
-                              f"vocabulary of size {size}")
     id_list = ids.tolist()
-    expected = backend.decode(id_list, skip_special_tokens=False)
     table = _byte_table(backend)
+    size = backend.get_vocab_size(with_added_tokens=True)
+    if id_list and (min(id_list) < 0 or max(id_list) >= size):
+        p = next(p for p, i in enumerate(id_list) if not 0 <= i < size)
+        raise ReplayError(f"token id {id_list[p]} at position {p} is outside the "
+                          f"vocabulary of size {size}")
     if table is not None and table.lengths.size >= size:
-        found = _by_table(backend, table, ids, id_list, expected)
+        found = _by_table(backend, table, ids, id_list)
         if found is not None:
             return found[0], found[1], True
+    expected = backend.decode(id_list, skip_special_tokens=False)
     text, starts = _by_stream(backend, ids)
     if text != expected:
         raise ReplayError("incremental decoding of the token ids does not reproduce the "
