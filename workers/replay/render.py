@@ -32,8 +32,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 __all__ = ["ChatRenderer"]
 
 #: Exact types whose instances have no attributes of their own: an attribute the type lacks
-#: is looked up as an item straight away (what the sandbox does after its getattr fails).
-_PLAIN = (dict, list, str)
+#: is looked up as an item straight away (what the sandbox does after its getattr fails);
+#: ``dict`` is one too, handled first.
+_PLAIN = (list, str)
+#: Whether ``dict`` has an attribute of each name asked (a fact of the type, so shared).
+_DICT_HAS: dict[str, bool] = {}
 #: Types whose safety answers are cached (their ``isinstance`` tests cannot change).
 _CACHED = frozenset({dict, list, str, tuple, int, float, bool, type(None),
                      runtime.LoopContext, utils.Namespace, runtime.Macro})
@@ -49,34 +52,43 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         kind = type(obj)
-        if kind in _CACHED:
-            if kind in _PLAIN:
-                key = (kind, attribute)
-                has = self._has.get(key)
-                if has is None:
-                    has = self._has[key] = hasattr(kind, attribute)
-                if not has:
-                    try:
-                        return obj[attribute]
-                    except (TypeError, LookupError):
-                        return self.undefined(obj=obj, name=attribute)
-            try:
-                value = getattr(obj, attribute)
-            except AttributeError:
+        if kind is dict:  # a message, a tool call: by far the most frequent
+            has = _DICT_HAS.get(attribute)
+            if has is None:
+                has = _DICT_HAS[attribute] = hasattr(dict, attribute)
+            if not has:
+                try:
+                    return obj[attribute]
+                except LookupError:
+                    return self.undefined(obj=obj, name=attribute)
+        elif kind not in _CACHED:
+            return super().getattr(obj, attribute)
+        elif kind in _PLAIN:
+            key = (kind, attribute)
+            has = self._has.get(key)
+            if has is None:
+                has = self._has[key] = hasattr(kind, attribute)
+            if not has:
                 try:
                     return obj[attribute]
                 except (TypeError, LookupError):
                     return self.undefined(obj=obj, name=attribute)
-            if isinstance(value, _METHODS) and value.__name__ in ("format", "format_map"):
-                fmt = self.wrap_str_format(value)
-                if fmt is not None:
-                    return fmt
-            key = (kind, attribute)
-            safe = self._safe.get(key)
-            if safe is None:
-                safe = self._safe[key] = self.is_safe_attribute(obj, attribute, value)
-            return value if safe else self.unsafe_undefined(obj, attribute)
-        return super().getattr(obj, attribute)
+        try:
+            value = getattr(obj, attribute)
+        except AttributeError:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        if isinstance(value, _METHODS) and value.__name__ in ("format", "format_map"):
+            fmt = self.wrap_str_format(value)
+            if fmt is not None:
+                return fmt
+        key = (kind, attribute)
+        safe = self._safe.get(key)
+        if safe is None:
+            safe = self._safe[key] = self.is_safe_attribute(obj, attribute, value)
+        return value if safe else self.unsafe_undefined(obj, attribute)
 
     def call(__self, __context: runtime.Context, __obj: Any, *args: Any,  # noqa: N805
              **kwargs: Any) -> Any:
@@ -115,7 +127,7 @@ def _hf_template(source: str) -> Any | None:
 
 _lock = threading.Lock()
 #: Template source -> its compiled fast template (None: render with apply_chat_template).
-_compiled: dict[str, Any] = {}
+_compiled: dict[str, _FastTemplate | None] = {}
 #: (template source, variables key) -> renders that matched apply_chat_template's so far
 #: (-1: one did not).
 _verified: dict[tuple[str, str], int] = {}
@@ -123,7 +135,27 @@ _verified: dict[tuple[str, str], int] = {}
 CHECKED = 8
 
 
-def _fast_template(source: str) -> Any | None:
+class _FastTemplate:
+    """A compiled template rendered as ``Template.render`` does, with its globals merged
+    into a dict once instead of on every render."""
+
+    def __init__(self, template: Any) -> None:
+        self.template = template
+        self.globals = dict(template.globals)
+
+    def render(self, **variables: Any) -> str:
+        template = self.template
+        # Template.render builds this dict from the globals' ChainMap and the variables,
+        # then renders a context over it; the context does not change the dict.
+        context = template.new_context({**self.globals, **variables}, shared=True)
+        try:
+            return template.environment.concat(template.root_render_func(context))
+        except Exception:
+            template.environment.handle_exception()
+            raise  # not reached: handle_exception raises the exception
+
+
+def _fast_template(source: str) -> _FastTemplate | None:
     with _lock:
         if source in _compiled:
             return _compiled[source]
@@ -131,7 +163,7 @@ def _fast_template(source: str) -> Any | None:
     fast = None
     if hf is not None and type(hf.environment) is ImmutableSandboxedEnvironment:
         try:
-            fast = _caching_copy(hf.environment).from_string(source)
+            fast = _FastTemplate(_caching_copy(hf.environment).from_string(source))
         except Exception:
             fast = None
     with _lock:
