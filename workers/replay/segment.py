@@ -67,7 +67,6 @@ segmented from the earlier segmentation, with the result the steps above give:
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -76,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.replay.equality import PrefixInterner, content_text, tools_key
+from workers.replay.equality import PrefixInterner, content_text
 from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
 from workers.replay.offsets import decode_appendable
 from workers.replay.render import ChatRenderer
@@ -131,8 +130,11 @@ class Segmentation:
     reused: int = 0
 
 
-def _message_key(message: Mapping[str, Any]) -> str:
-    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=str)
+def _render_key(value: Any) -> str:
+    """The key of a message (or a tool list) in the render cache: its ``repr``, which tells
+    apart whatever a template can see of it, key order included (a template that loops over
+    a message's items renders them in order), and costs a fraction of a JSON dump."""
+    return repr(value)
 
 
 def _anchor_pieces(message: Mapping[str, Any], rendered: str) -> list[str]:
@@ -364,7 +366,7 @@ class Segmenter:
         ids = np.asarray(prompt_ids)
         if ids.ndim == 1 and (ids.size == 0 or ids.dtype.kind in "iu"):
             ids = ids.astype(np.int64, copy=False)
-        tools_key_ = tools_key(tools)
+        tools_key_ = _render_key(list(tools or ()))
         if self.reuse:
             base = self._base(messages, tools_key_, ids)
             if base is not None:
@@ -385,7 +387,7 @@ class Segmenter:
             if (done.appendable and done.horizon <= len(done.text) and done.suffix
                     and len(messages) > n and done.tools_key == tools_key_
                     and ids.ndim == 1 and len(ids) > len(done.ids)
-                    and np.array_equal(ids[:len(done.ids)], done.ids)
+                    and ids[:len(done.ids)].tobytes() == done.ids.tobytes()
                     and list(messages[:n]) == done.messages):
                 return done
         return None
@@ -427,7 +429,7 @@ class Segmenter:
         node = self._interner.root(tools_key_)
         renders: list[str] = []
         for k in range(1, len(messages) + 1):
-            node = self._interner.child(node, _message_key(messages[k - 1]))
+            node = self._interner.child(node, _render_key(messages[k - 1]))
             renders.append(self._prefix_render(node, messages[:k], tools))
         suffix = self._check_rendering(text, renders[-1], messages, tools, call_id)
         placed = self._place(text, messages, renders, first=0, previous_end=0,
@@ -462,7 +464,7 @@ class Segmenter:
         node = base.node
         renders: list[str] = []
         for k in range(m + 1, n + 1):
-            node = self._interner.child(node, _message_key(messages[k - 1]))
+            node = self._interner.child(node, _render_key(messages[k - 1]))
             renders.append(last if k == n else self._prefix_render(node, messages[:k], tools))
         placed = self._place(text, messages, renders, first=m, previous_end=base.ends[-1],
                              horizon=base.horizon, call_id=call_id)
