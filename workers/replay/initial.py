@@ -37,9 +37,13 @@ def request_message(message: Mapping[str, Any], token_ids: Sequence[int]) -> Mes
     if not isinstance(role, str) or not role:
         raise TypeError(f"a request message must be a mapping with a string 'role', got "
                         f"{message!r:.80}")
-    return Message(role=role, author=author_of(role), text=content_text(message.get("content")),
-                   token_ids=list(token_ids), logprobs=None,
-                   tool_calls=message.get("tool_calls") or None)
+    text = content_text(message.get("content"))
+    if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:
+        return Message(role=role, author=author_of(role), text=text,
+                       token_ids=list(token_ids), logprobs=None,
+                       tool_calls=message.get("tool_calls") or None)
+    return Message._built(role, author_of(role), text, list(token_ids), None,
+                          tool_calls=message.get("tool_calls") or None)
 
 
 def generated_message(response: Mapping[str, Any], *, generation_prompt_ids: Sequence[int],
@@ -62,16 +66,12 @@ def generated_message(response: Mapping[str, Any], *, generation_prompt_ids: Seq
            else np.asarray(logprobs, dtype=np.float64).tolist())
     if len(lps) != len(out):
         raise ValueError(f"logprobs has {len(lps)} entries but response_ids has {len(out)}")
-    return Message(
-        role=str(response.get("role") or "assistant"),
-        author=LLM_AUTHOR,
-        text=content_text(response.get("content")),
-        token_ids=gen + out,
-        logprobs=[0.0] * len(gen) + lps,
-        tool_calls=response.get("tool_calls") or None,
-        truncated=finish_reason == "length",
-        sampled=[0] * len(gen) + [1] * len(out),
-    )
+    # Lists of Python ints and floats of one length, built here: no second check.
+    return Message._built(
+        str(response.get("role") or "assistant"), LLM_AUTHOR,
+        content_text(response.get("content")), gen + out, [0.0] * len(gen) + lps,
+        tool_calls=response.get("tool_calls") or None, truncated=finish_reason == "length",
+        sampled=[0] * len(gen) + [1] * len(out))
 
 
 def build_initial_timeline(

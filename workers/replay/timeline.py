@@ -88,6 +88,21 @@ def _float_list(value: Any, name: str) -> list[float]:
     return [float(v) for v in out]
 
 
+def _tool_calls(value: Any) -> list[dict[str, Any]] | None:
+    """``Message.tool_calls`` as stored: None, or a new list of new dicts. Raises TypeError
+    when ``value`` is not a list of mappings."""
+    if value is None:
+        return None
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"Message.tool_calls must be a list of mappings, got "
+                        f"{type(value).__name__}")
+    for i, call in enumerate(value):
+        if not isinstance(call, Mapping):
+            raise TypeError(f"Message.tool_calls[{i}] must be a mapping, got "
+                            f"{type(call).__name__}")
+    return [dict(c) for c in value]
+
+
 @dataclass(frozen=True)
 class Message:
     """One message of a timeline.
@@ -137,17 +152,23 @@ class Message:
                 bad = next(v for v in mask if v not in (0, 1))
                 raise ValueError(f"Message.sampled must hold only 0 and 1, got {bad}")
             object.__setattr__(self, "sampled", mask)
-        if self.tool_calls is not None:
-            if not isinstance(self.tool_calls, Sequence) or isinstance(self.tool_calls, str):
-                raise TypeError(f"Message.tool_calls must be a list of mappings, got "
-                                f"{type(self.tool_calls).__name__}")
-            for i, call in enumerate(self.tool_calls):
-                if not isinstance(call, Mapping):
-                    raise TypeError(f"Message.tool_calls[{i}] must be a mapping, got "
-                                    f"{type(call).__name__}")
-            object.__setattr__(self, "tool_calls", [dict(c) for c in self.tool_calls])
+        object.__setattr__(self, "tool_calls", _tool_calls(self.tool_calls))
         if not isinstance(self.truncated, bool):
             raise TypeError(f"Message.truncated must be a bool, got {self.truncated!r}")
+
+    @classmethod
+    def _built(cls, role: str, author: str, text: str, token_ids: list[int],
+               logprobs: list[float] | None, tool_calls: Any = None, truncated: bool = False,
+               sampled: list[int] | None = None) -> Message:
+        """A message from fields already in the form ``__post_init__`` leaves them in (new
+        lists of Python ints and floats of matching lengths, non-empty strings, a bool),
+        without checking them again: for messages the replay builds itself from values it
+        has checked. ``tool_calls`` is checked and copied as always."""
+        message = object.__new__(cls)
+        message.__dict__.update(role=role, author=author, text=text, token_ids=token_ids,
+                                logprobs=logprobs, tool_calls=_tool_calls(tool_calls),
+                                truncated=truncated, sampled=sampled)
+        return message
 
     @property
     def is_llm(self) -> bool:
@@ -318,14 +339,12 @@ def _absorb(survivor: Timeline, absorbed: list[Timeline], *, track_drift: bool
                     and m.token_ids != original[k].token_ids):
                 drifted.add(k)
             if m.is_llm and not merged[k].is_llm:
-                merged[k] = dataclasses.replace(
-                    merged[k],
-                    author=m.author,
-                    token_ids=list(m.token_ids),
-                    logprobs=None if m.logprobs is None else list(m.logprobs),
-                    sampled=None if m.sampled is None else list(m.sampled),
-                    truncated=m.truncated,
-                )
+                kept = merged[k]
+                merged[k] = Message._built(
+                    kept.role, m.author, kept.text, list(m.token_ids),
+                    None if m.logprobs is None else list(m.logprobs),
+                    tool_calls=kept.tool_calls, truncated=m.truncated,
+                    sampled=None if m.sampled is None else list(m.sampled))
     return dataclasses.replace(survivor, messages=merged), sorted(drifted)
 
 
