@@ -3,6 +3,7 @@ projecting them one at a time writes, idempotently, with sample lease state kept
 
 from __future__ import annotations
 
+import gc
 import uuid
 
 import pytest
@@ -12,7 +13,7 @@ from test_replay_reuse import tool_episode
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import EpisodeStarted, LLMCalled, RunConfig, RunCreated
 from store.projections import Projections
-from workers.replay.project import project_episode, project_episodes
+from workers.replay.project import collector_paused, project_episode, project_episodes
 from workers.replay.sweep import sweep_unprojected
 
 TABLES = {
@@ -202,3 +203,23 @@ def test_an_episode_the_database_cannot_hold_is_invalid_and_blocks_nothing(
         status = conn.execute("SELECT status FROM episodes WHERE episode_id = %s",
                               (bad,)).fetchone()
     assert status == ("invalid",)
+
+
+def test_collector_paused_nests_restores_and_survives_errors() -> None:
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer pause still holds
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()
