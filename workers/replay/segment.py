@@ -67,6 +67,7 @@ segmented from the earlier segmentation, with the result the steps above give:
 
 from __future__ import annotations
 
+import marshal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -130,11 +131,17 @@ class Segmentation:
     reused: int = 0
 
 
-def _render_key(value: Any) -> str:
-    """The key of a message (or a tool list) in the render cache: its ``repr``, which tells
-    apart whatever a template can see of it, key order included (a template that loops over
-    a message's items renders them in order), and costs a fraction of a JSON dump."""
-    return repr(value)
+def _render_key(value: Any) -> bytes | str:
+    """The key of a message (or a tool list) in the render cache: equal exactly when the two
+    hold the same values of the same types in the same order, which is all a template can
+    see of them (key order included: a template that loops over a message's items renders
+    them in order). ``marshal`` format 0 (no shared references, so a function of the value
+    alone) for plain JSON-like data, a third of the cost of a ``repr``; the ``repr`` of
+    anything marshal refuses."""
+    try:
+        return marshal.dumps(value, 0)
+    except ValueError:
+        return repr(value)
 
 
 def _anchor_pieces(message: Mapping[str, Any], rendered: str) -> list[str]:
@@ -258,7 +265,7 @@ class _Done:
     key: int
     messages: list[Mapping[str, Any]]
     tools: list[Mapping[str, Any]]
-    tools_key: str
+    tools_key: bytes | str
     ids: np.ndarray
     text: str
     starts: np.ndarray
@@ -313,8 +320,9 @@ class Segmenter:
         self._renderer = ChatRenderer(tokenizer, chat_template=chat_template)
         self._interner = PrefixInterner()
         self._renders: dict[int, str] = {0: ""}
+        templates = getattr(tokenizer, "chat_template", None)
         self._generation_prompts = _accepted_generation_prompts(
-            repr(getattr(tokenizer, "chat_template", None)), chat_template)
+            templates if isinstance(templates, str) else repr(templates), chat_template)
         self._special_tokens: list[str] | None = None
         self._done: list[_Done] = []
         self._derived: list[_Done] = []
@@ -378,7 +386,7 @@ class Segmenter:
                     return self._finish(done, base)
         return self._finish(self._full(messages, tools, tools_key_, ids, call_id), None)
 
-    def _base(self, messages: Sequence[Mapping[str, Any]], tools_key_: str, ids: np.ndarray
+    def _base(self, messages: Sequence[Mapping[str, Any]], tools_key_: bytes | str, ids: np.ndarray
               ) -> _Done | None:
         """The latest earlier segmentation that this call extends (see the module
         docstring), if any."""
@@ -423,7 +431,7 @@ class Segmenter:
         return self._count
 
     def _full(self, messages: Sequence[Mapping[str, Any]],
-              tools: Sequence[Mapping[str, Any]] | None, tools_key_: str, ids: np.ndarray,
+              tools: Sequence[Mapping[str, Any]] | None, tools_key_: bytes | str, ids: np.ndarray,
               call_id: str | None) -> _Done:
         text, starts, appendable = decode_appendable(self.tokenizer, ids)
         node = self._interner.root(tools_key_)
