@@ -41,6 +41,10 @@ _DICT_HAS: dict[str, bool] = {}
 _CACHED = frozenset({dict, list, str, tuple, int, float, bool, type(None),
                      runtime.LoopContext, utils.Namespace, runtime.Macro})
 _METHODS = (types.MethodType, types.BuiltinMethodType)
+#: ``loop`` attributes that are plain values (properties), which the sandbox allows: read
+#: straight away.
+_LOOP_VALUES = frozenset({"index", "index0", "revindex", "revindex0", "first", "last",
+                          "length", "depth", "depth0", "previtem", "nextitem"})
 _BUILTIN_CALLABLES = (types.BuiltinMethodType, types.BuiltinFunctionType)
 
 
@@ -61,6 +65,8 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
                     return obj[attribute]
                 except LookupError:
                     return self.undefined(obj=obj, name=attribute)
+        elif kind is runtime.LoopContext and attribute in _LOOP_VALUES:
+            return getattr(obj, attribute)
         elif kind not in _CACHED:
             return super().getattr(obj, attribute)
         elif kind in _PLAIN:
@@ -95,7 +101,15 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
         # Builtin functions and methods cannot carry the attributes that mark a callable
         # unsafe, so the sandbox would let them through: skip asking.
         if type(__obj) in _BUILTIN_CALLABLES:
-            return __context.call(__obj, *args, **kwargs)
+            # What Context.call does with a callable that takes no context: drop the
+            # compiler's bookkeeping arguments and call it.
+            kwargs.pop("_loop_vars", None)
+            kwargs.pop("_block_vars", None)
+            try:
+                return __obj(*args, **kwargs)
+            except StopIteration:
+                return __self.undefined("value was undefined because a callable raised a"
+                                        " StopIteration exception")
         return super().call(__context, __obj, *args, **kwargs)
 
 
