@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -307,7 +307,7 @@ class Projections:
             conn.execute(
                 f"INSERT INTO episodes ({_EPISODE_COLUMNS})"
                 f" SELECT * FROM unnest({_EPISODE_ARRAYS})",
-                _columns([tuple(asdict(p.episode).values()) for p in todo],
+                _columns([tuple(getattr(p.episode, f) for f in _EPISODE_FIELDS) for p in todo],
                          len(_EPISODE_FIELDS)),
             )
             samples = [_sample_values(s) for p in todo for s in p.samples]
