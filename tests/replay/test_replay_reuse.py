@@ -16,7 +16,7 @@ from workers.replay.episode import replay_episode
 from workers.replay.errors import PromptMismatchError, ReplayError
 from workers.replay.offsets import decode_appendable
 from workers.replay.render import CHECKED, ChatRenderer
-from workers.replay.segment import Segmenter
+from workers.replay.segment import Segmenter, _render_key
 
 TOOLS = [SEARCH_TOOL]
 
@@ -198,8 +198,14 @@ def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
                 "{{ messages[0].content.upper() }}|{{ messages[0].items is defined }}|"
                 "{{ messages[0].role }}|{{ '{0}'.format(messages[0].content) }}|"
                 "{{ messages[0].content.__len__ is defined }}|{% for m in messages %}"
-                "{{ loop.index }}{{ loop.last }}{% endfor %}|{% set ns = namespace(a=1) %}"
-                "{{ ns.a }}{{ ns.b is defined }}")
+                "{{ loop.index }}{{ loop.last }}{{ loop.index0 }}{{ loop.revindex }}"
+                "{{ loop.revindex0 }}{{ loop.first }}{{ loop.length }}{{ loop.depth }}"
+                "{{ loop.depth0 }}{{ loop.previtem is defined }}{{ loop.nextitem is defined }}"
+                "{{ loop.cycle('a', 'b') }}{{ loop._iterator is defined }}{% endfor %}|"
+                "{% set ns = namespace(a=1) %}{{ ns.a }}{{ ns.b is defined }}|"
+                "{{ messages[0].get('role') }}{{ messages[0].keys() | list }}"
+                "{{ messages[0].content.split(sep='i') }}{{ messages[0].nothing is defined }}"
+                "{{ messages[0].content.rstrip('i') }}")
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     expected = qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
     renderer = ChatRenderer(qwen3, chat_template=template)
@@ -249,3 +255,22 @@ def test_renderer_falls_back_when_its_render_differs(qwen3, monkeypatch) -> None
     assert [renderer.render(messages, tools=None, generation_prompt=False)
             for _ in range(CHECKED + 2)] == ["[user]"] * (CHECKED + 2)
     assert render._verified[(template, renderer._variables_key)] == -1
+
+
+def test_render_cache_tells_key_orders_apart(qwen3) -> None:
+    """Two messages equal as dicts but written in another key order render differently under
+    a template that loops over their items; the render cache must not hand one the other's
+    text."""
+    template = ("{% for m in messages %}{% for k, v in m.items() %}{{ k }}={{ v }};"
+                "{% endfor %}\n{% endfor %}")
+    one = [{"role": "user", "content": "hi"}]
+    other = [{"content": "hi", "role": "user"}]
+    segmenter = Segmenter(qwen3, chat_template=template)
+    first = segmenter.render(one, tools=None, generation_prompt=False)
+    assert segmenter._prefix_render(segmenter._interner.child(
+        segmenter._interner.root(_render_key([])), _render_key(one[0])), one, None) == first
+    node = segmenter._interner.child(segmenter._interner.root(_render_key([])),
+                                     _render_key(other[0]))
+    second = segmenter._prefix_render(node, other, None)
+    assert first.startswith("role=user;content=hi;")
+    assert second.startswith("content=hi;role=user;")
