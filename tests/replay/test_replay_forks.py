@@ -22,8 +22,8 @@ from replay_messages import (
 )
 
 from workers.replay.equality import message_key, tools_key
-from workers.replay.forks import ForkPoint, detect_forks, fork_reason
-from workers.replay.timeline import MergePolicy, Timeline
+from workers.replay.forks import ForkPoint, detect_forks, fork_reason, merge_and_detect_forks
+from workers.replay.timeline import MergePolicy, Timeline, plan_merge
 
 OTHER_CALL = {"type": "function", "function": {"name": "search", "arguments": '{"query": "y"}'}}
 
@@ -128,3 +128,18 @@ def test_matches_plain_loop_reference_onrandom_episodes(policy: MergePolicy) -> 
         assert detect_forks(timelines, policy) == expected
         seen += len(expected)
     assert seen > 100
+
+
+@pytest.mark.parametrize("policy", [TEXT, TOKEN, MergePolicy(ignore_tools=False),
+                                    MergePolicy(compare_level="token", ignore_tools=False)])
+def test_merge_and_forks_together_equal_each_alone(policy: MergePolicy) -> None:
+    """Keying the messages once for both gives what merging and fork detection give apart."""
+    rng = random.Random(7)
+    for _ in range(200):
+        timelines = random_episode(rng, rng.randint(1, 12))
+        outcome, forks = merge_and_detect_forks(timelines, policy)
+        alone = plan_merge(timelines, policy)
+        assert forks == detect_forks(timelines, policy)
+        assert (outcome.absorber, outcome.survivors, outcome.drifted) == \
+            (alone.absorber, alone.survivors, alone.drifted)
+        assert outcome.surviving_timelines() == alone.surviving_timelines()

@@ -22,12 +22,12 @@ from store.events import (
     RunConfig,
 )
 from workers.replay.errors import ReplayError
-from workers.replay.forks import ForkPoint, detect_forks
+from workers.replay.forks import ForkPoint, merge_and_detect_forks
 from workers.replay.initial import build_initial_timeline
 from workers.replay.negatives import NegativeSample, build_negative, select_negatives
 from workers.replay.samples import Sample, build_sample
 from workers.replay.segment import Segmenter
-from workers.replay.timeline import MergePolicy, Timeline, plan_merge
+from workers.replay.timeline import MergePolicy, Timeline
 
 __all__ = ["ReplayResult", "merge_policy_of", "replay_episode"]
 
@@ -160,7 +160,7 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
         elif isinstance(event, EpisodeFinished):
             status = event.status
 
-    outcome = plan_merge(timelines, policy)
+    outcome, forks = merge_and_detect_forks(timelines, policy)
     samples = [
         build_sample(outcome.merged[i], timeline_index=i,
                      drifted_messages=len(outcome.drifted.get(i, ())), reward=reward)
@@ -185,7 +185,7 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
         episode_id=episode_id, run_id=started.run_id, group_id=started.group_id,
         status=status, reward=reward, call_ids=call_ids, timelines=timelines,
         absorber=outcome.absorber, survivor_indices=outcome.survivors,
-        survivors=outcome.surviving_timelines(), forks=detect_forks(timelines, policy),
+        survivors=outcome.surviving_timelines(), forks=forks,
         samples=samples, failures=failures, negatives=negatives,
         drifted_messages=sum(len(v) for v in outcome.drifted.values()))
 

@@ -22,14 +22,16 @@ from typing import Literal
 from workers.replay.equality import PrefixInterner, tool_calls_key, tools_key
 from workers.replay.timeline import (
     DEFAULT_POLICY,
+    MergeOutcome,
     MergePolicy,
     Message,
     Timeline,
     _check_inputs,
+    _plan,
     prefix_ids,
 )
 
-__all__ = ["ForkPoint", "ForkReason", "detect_forks", "fork_reason"]
+__all__ = ["ForkPoint", "ForkReason", "detect_forks", "fork_reason", "merge_and_detect_forks"]
 
 ForkReason = Literal["content", "tool_calls", "tools", "token_drift"]
 
@@ -72,12 +74,33 @@ def detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_PO
     items = _check_inputs(timelines, policy)
     interner = PrefixInterner()
     keys: dict[int, tuple[Message, Hashable]] = {}
+    return _forks(items, policy, [_path(t, policy, interner, keys) for t in items])
+
+
+def merge_and_detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY
+                           ) -> tuple[MergeOutcome, list[ForkPoint]]:
+    """``plan_merge`` and ``detect_forks`` of the same timelines, keying every message and
+    prefix once for both (with ``ignore_tools`` their paths are the same prefix ids). Raises
+    as they do."""
+    items = _check_inputs(timelines, policy)
+    interner = PrefixInterner()
+    keys: dict[int, tuple[Message, Hashable]] = {}
+    paths = [prefix_ids(t, policy, interner=interner, keys=keys) for t in items]
+    if policy.ignore_tools:
+        return _plan(items, policy, paths), _forks(items, policy, paths)
+    return _plan(items, policy, paths), _forks(items, policy, [_path(t, policy, interner, keys)
+                                                                for t in items])
+
+
+def _forks(items: list[Timeline], policy: MergePolicy, paths: list[list[int]]
+           ) -> list[ForkPoint]:
+    """``detect_forks`` given each timeline's path (``_path``, one interner for all)."""
     # children[node] maps each next prefix id seen after ``node`` to the latest timeline
     # that went that way. With ignore_tools=False the first step of a path is the tool list.
     children: dict[int, dict[int, int]] = {}
     forks: list[ForkPoint] = []
     for i, t in enumerate(items):
-        path = _path(t, policy, interner, keys)
+        path = paths[i]
         found: tuple[int, int] | None = None
         for depth in range(len(path) - 1):
             branches = children.get(path[depth])

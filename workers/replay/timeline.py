@@ -357,10 +357,16 @@ def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLI
     items = _check_inputs(timelines, policy)
     interner = PrefixInterner()
     keys: dict[int, tuple[Message, Hashable]] = {}
+    return _plan(items, policy, [prefix_ids(t, policy, interner=interner, keys=keys)
+                                 for t in items])
+
+
+def _plan(items: list[Timeline], policy: MergePolicy, paths: list[list[int]]) -> MergeOutcome:
+    """``plan_merge`` given each timeline's ``prefix_ids`` (one interner for all)."""
     ends: list[int] = []
     best: dict[int, tuple[int, int]] = {}
     for i, t in enumerate(items):
-        ids = prefix_ids(t, policy, interner=interner, keys=keys)
+        ids = paths[i]
         rank = (len(t), i)
         for pid in ids[1:]:
             current = best.get(pid)
