@@ -265,14 +265,15 @@ class Projections:
         if not projections:
             return []
         with self.db.transaction() as conn:
+            cur = conn.cursor(binary=True)
             # Replays of one episode take turns, so that the check below holds until commit;
             # locks are taken in one order so that two batches cannot wait on each other.
-            conn.execute(
+            cur.execute(
                 "SELECT pg_advisory_xact_lock(hashtextextended(e, 1))"
                 " FROM unnest(%s::text[]) WITH ORDINALITY AS l(e, n) ORDER BY n",
                 (sorted(ids),),
             )
-            done = dict(conn.execute(
+            done = dict(cur.execute(
                 "SELECT episode_id, projected_version FROM episodes"
                 " WHERE episode_id = ANY(%s::text[])",
                 (ids,),
@@ -283,7 +284,7 @@ class Projections:
             if not todo:
                 return [False] * len(projections)
             runs = {p.run.run_id: p.run for p in todo}
-            conn.execute(
+            cur.execute(
                 "INSERT INTO runs (run_id, project, group_size, max_negatives_per_group,"
                 " save_negative_samples, config, created_at)"
                 " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[],"
@@ -296,15 +297,15 @@ class Projections:
             again = [p.episode.episode_id for p in todo if p.episode.episode_id in done]
             kept: list[tuple[Any, ...]] = []
             if again:
-                kept = conn.execute(
+                kept = cur.execute(
                     "SELECT episode_id, kind, timeline_index, status, lease_id, leased_until,"
                     " consumed_version FROM samples WHERE episode_id = ANY(%s::text[])"
                     " AND status <> 'ready'",
                     (again,),
                 ).fetchall()
-                conn.execute("DELETE FROM episodes WHERE episode_id = ANY(%s::text[])",
+                cur.execute("DELETE FROM episodes WHERE episode_id = ANY(%s::text[])",
                              (again,))
-            conn.execute(
+            cur.execute(
                 f"INSERT INTO episodes ({_EPISODE_COLUMNS})"
                 f" SELECT * FROM unnest({_EPISODE_ARRAYS})",
                 _columns([tuple(getattr(p.episode, f) for f in _EPISODE_FIELDS) for p in todo],
@@ -312,7 +313,7 @@ class Projections:
             )
             samples = [_sample_values(s) for p in todo for s in p.samples]
             if samples:
-                conn.execute(
+                cur.execute(
                     f"INSERT INTO samples ({_SAMPLE_COLUMNS})"
                     " SELECT r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
                     " pk, ri,"
@@ -329,7 +330,7 @@ class Projections:
                     _columns(samples, 21),
                 )
             if kept:
-                conn.execute(
+                cur.execute(
                     "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
                     " leased_until = k.leased_until, consumed_version = k.consumed_version"
                     " FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[], %s::uuid[],"
@@ -343,7 +344,7 @@ class Projections:
             forks = [(f.episode_id, f.agent, f.timeline, f.other, f.message_index, f.reason)
                      for p in todo for f in p.forks]
             if forks:
-                conn.execute(
+                cur.execute(
                     "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
                     " message_index, reason) SELECT * FROM unnest(%s::text[], %s::text[],"
                     " %s::int[], %s::int[], %s::int[], %s::text[])",
@@ -354,7 +355,7 @@ class Projections:
                            t.position_key, t.duration_ms, t.occurred_at)
                           for p in todo for t in p.tool_calls]
             if tool_calls:
-                conn.execute(
+                cur.execute(
                     "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
                     " stream_version, tool_name, is_error, policy_version, error_type,"
                     " position_key, duration_ms, occurred_at)"
@@ -369,7 +370,7 @@ class Projections:
                          f.occurred_at, f.retried, f.retries_to_recover)
                         for p in todo for f in p.failures]
             if failures:
-                conn.execute(
+                cur.execute(
                     "INSERT INTO failures (run_id, group_id, episode_id, agent,"
                     " policy_version, source, stream_version, tool_name, error_type,"
                     " error_message, position_key, retry_index, recovered, occurred_at,"
