@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+import psycopg
 from psycopg.types.json import Jsonb
 
 from store.db import scalar
@@ -221,17 +222,20 @@ class Projections:
             ).fetchone()
         return None if row is None else row[0]
 
-    def projected_versions(self, episode_ids: Sequence[str]) -> dict[str, int]:
+    def projected_versions(self, episode_ids: Sequence[str], *,
+                           conn: psycopg.Connection | None = None) -> dict[str, int]:
         """The stream versions the given episodes were replayed at (those never replayed are
-        left out)."""
+        left out); read on ``conn`` when given."""
         if not episode_ids:
             return {}
-        with self.db.connection() as conn:
-            rows = conn.execute(
-                "SELECT episode_id, projected_version FROM episodes"
-                " WHERE episode_id = ANY(%s::text[])",
-                (list(episode_ids),),
-            ).fetchall()
+        if conn is None:
+            with self.db.connection() as own:
+                return self.projected_versions(episode_ids, conn=own)
+        rows = conn.execute(
+            "SELECT episode_id, projected_version FROM episodes"
+            " WHERE episode_id = ANY(%s::text[])",
+            (list(episode_ids),),
+        ).fetchall()
         return dict(rows)
 
     def write(
@@ -266,123 +270,128 @@ class Projections:
             return []
         with self.db.transaction() as conn:
             cur = conn.cursor(binary=True)
-            # Replays of one episode take turns, so that the check below holds until commit;
-            # locks are taken in one order so that two batches cannot wait on each other.
-            cur.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(e, 1))"
-                " FROM unnest(%s::text[]) WITH ORDINALITY AS l(e, n) ORDER BY n",
-                (sorted(ids),),
-            )
-            done = dict(cur.execute(
-                "SELECT episode_id, projected_version FROM episodes"
-                " WHERE episode_id = ANY(%s::text[])",
-                (ids,),
-            ).fetchall())
-            todo = [p for p in projections
-                    if done.get(p.episode.episode_id) is None
-                    or done[p.episode.episode_id] < p.episode.projected_version]
-            if not todo:
-                return [False] * len(projections)
-            runs = {p.run.run_id: p.run for p in todo}
-            cur.execute(
-                "INSERT INTO runs (run_id, project, group_size, max_negatives_per_group,"
-                " save_negative_samples, config, created_at)"
-                " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[],"
-                " %s::boolean[], %s::jsonb[], %s::timestamptz[])"
-                " ON CONFLICT (run_id) DO NOTHING",
-                _columns([(r.run_id, r.project, r.group_size, r.max_negatives_per_group,
-                           r.save_negative_samples, Jsonb(r.config), r.created_at)
-                          for r in runs.values()], 7),
-            )
-            again = [p.episode.episode_id for p in todo if p.episode.episode_id in done]
-            kept: list[tuple[Any, ...]] = []
-            if again:
-                kept = cur.execute(
-                    "SELECT episode_id, kind, timeline_index, status, lease_id, leased_until,"
-                    " consumed_version FROM samples WHERE episode_id = ANY(%s::text[])"
-                    " AND status <> 'ready'",
-                    (again,),
-                ).fetchall()
-                cur.execute("DELETE FROM episodes WHERE episode_id = ANY(%s::text[])",
-                             (again,))
-            cur.execute(
-                f"INSERT INTO episodes ({_EPISODE_COLUMNS})"
-                f" SELECT * FROM unnest({_EPISODE_ARRAYS})",
-                _columns([tuple(getattr(p.episode, f) for f in _EPISODE_FIELDS) for p in todo],
-                         len(_EPISODE_FIELDS)),
-            )
-            samples = [_sample_values(s) for p in todo for s in p.samples]
-            if samples:
+            # Pipelined: statements go out without waiting for each other's results (the
+            # lock and the version check are read before the rest is decided).
+            with conn.pipeline() as pipeline:
+                # Replays of one episode take turns, so that the check below holds until commit;
+                # locks are taken in one order so that two batches cannot wait on each other.
                 cur.execute(
-                    f"INSERT INTO samples ({_SAMPLE_COLUMNS})"
-                    " SELECT r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
-                    " pk, ri,"
-                    " CASE WHEN et IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
-                    " jsonb_array_elements_text(et) WITH ORDINALITY AS t(x, n) ORDER BY n) END,"
-                    " CASE WHEN em IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
-                    " jsonb_array_elements_text(em) WITH ORDINALITY AS t(x, n) ORDER BY n) END"
-                    " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
-                    " %s::int[], %s::float8[], %s::int[], %s::int[], %s::int[], %s::int[],"
-                    " %s::int[], %s::bytea[], %s::bytea[], %s::bytea[], %s::timestamptz[],"
-                    " %s::int[], %s::text[], %s::int[], %s::jsonb[], %s::jsonb[])"
-                    " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
-                    " pk, ri, et, em)",
-                    _columns(samples, 21),
+                    "SELECT pg_advisory_xact_lock(hashtextextended(e, 1))"
+                    " FROM unnest(%s::text[]) WITH ORDINALITY AS l(e, n) ORDER BY n",
+                    (sorted(ids),),
                 )
-            if kept:
+                done = dict(cur.execute(
+                    "SELECT episode_id, projected_version FROM episodes"
+                    " WHERE episode_id = ANY(%s::text[])",
+                    (ids,),
+                ).fetchall())
+                todo = [p for p in projections
+                        if done.get(p.episode.episode_id) is None
+                        or done[p.episode.episode_id] < p.episode.projected_version]
+                if not todo:
+                    return [False] * len(projections)
+                runs = {p.run.run_id: p.run for p in todo}
                 cur.execute(
-                    "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
-                    " leased_until = k.leased_until, consumed_version = k.consumed_version"
-                    " FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[], %s::uuid[],"
-                    " %s::timestamptz[], %s::int[])"
-                    " AS k(episode_id, kind, timeline_index, status, lease_id, leased_until,"
-                    " consumed_version)"
-                    " WHERE s.episode_id = k.episode_id AND s.kind = k.kind"
-                    " AND s.timeline_index = k.timeline_index",
-                    _columns(kept, 7),
+                    "INSERT INTO runs (run_id, project, group_size, max_negatives_per_group,"
+                    " save_negative_samples, config, created_at)"
+                    " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[],"
+                    " %s::boolean[], %s::jsonb[], %s::timestamptz[])"
+                    " ON CONFLICT (run_id) DO NOTHING",
+                    _columns([(r.run_id, r.project, r.group_size, r.max_negatives_per_group,
+                               r.save_negative_samples, Jsonb(r.config), r.created_at)
+                              for r in runs.values()], 7),
                 )
-            forks = [(f.episode_id, f.agent, f.timeline, f.other, f.message_index, f.reason)
-                     for p in todo for f in p.forks]
-            if forks:
+                again = [p.episode.episode_id for p in todo if p.episode.episode_id in done]
+                kept: list[tuple[Any, ...]] = []
+                if again:
+                    kept = cur.execute(
+                        "SELECT episode_id, kind, timeline_index, status, lease_id, leased_until,"
+                        " consumed_version FROM samples WHERE episode_id = ANY(%s::text[])"
+                        " AND status <> 'ready'",
+                        (again,),
+                    ).fetchall()
+                    cur.execute("DELETE FROM episodes WHERE episode_id = ANY(%s::text[])",
+                                 (again,))
                 cur.execute(
-                    "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
-                    " message_index, reason) SELECT * FROM unnest(%s::text[], %s::text[],"
-                    " %s::int[], %s::int[], %s::int[], %s::text[])",
-                    _columns(forks, 6),
+                    f"INSERT INTO episodes ({_EPISODE_COLUMNS})"
+                    f" SELECT * FROM unnest({_EPISODE_ARRAYS})",
+                    _columns([tuple(getattr(p.episode, f) for f in _EPISODE_FIELDS) for p in todo],
+                             len(_EPISODE_FIELDS)),
                 )
-            tool_calls = [(t.run_id, t.group_id, t.episode_id, t.agent, t.stream_version,
-                           t.tool_name, t.is_error, t.policy_version, t.error_type,
-                           t.position_key, t.duration_ms, t.occurred_at)
-                          for p in todo for t in p.tool_calls]
-            if tool_calls:
-                cur.execute(
-                    "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
-                    " stream_version, tool_name, is_error, policy_version, error_type,"
-                    " position_key, duration_ms, occurred_at)"
-                    " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
-                    " %s::int[], %s::text[], %s::boolean[], %s::int[], %s::text[], %s::text[],"
-                    " %s::float8[], %s::timestamptz[])",
-                    _columns(tool_calls, 12),
-                )
-            failures = [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
-                         f.source, f.stream_version, f.tool_name, f.error_type,
-                         f.error_message, f.position_key, f.retry_index, f.recovered,
-                         f.occurred_at, f.retried, f.retries_to_recover)
-                        for p in todo for f in p.failures]
-            if failures:
-                cur.execute(
-                    "INSERT INTO failures (run_id, group_id, episode_id, agent,"
-                    " policy_version, source, stream_version, tool_name, error_type,"
-                    " error_message, position_key, retry_index, recovered, occurred_at,"
-                    " retried, retries_to_recover)"
-                    " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
-                    " %s::int[], %s::text[], %s::int[], %s::text[], %s::text[], %s::text[],"
-                    " %s::text[], %s::int[], %s::boolean[], %s::timestamptz[], %s::boolean[],"
-                    " %s::int[])",
-                    _columns(failures, 16),
-                )
-            if before_commit is not None:
-                before_commit()
+                samples = [_sample_values(s) for p in todo for s in p.samples]
+                if samples:
+                    cur.execute(
+                        f"INSERT INTO samples ({_SAMPLE_COLUMNS})"
+                        " SELECT r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
+                        " pk, ri,"
+                        " CASE WHEN et IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
+                        " jsonb_array_elements_text(et) WITH ORDINALITY AS t(x, n) ORDER BY n) END,"
+                        " CASE WHEN em IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
+                        " jsonb_array_elements_text(em) WITH ORDINALITY AS t(x, n) ORDER BY n) END"
+                        " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
+                        " %s::int[], %s::float8[], %s::int[], %s::int[], %s::int[], %s::int[],"
+                        " %s::int[], %s::bytea[], %s::bytea[], %s::bytea[], %s::timestamptz[],"
+                        " %s::int[], %s::text[], %s::int[], %s::jsonb[], %s::jsonb[])"
+                        " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
+                        " pk, ri, et, em)",
+                        _columns(samples, 21),
+                    )
+                if kept:
+                    cur.execute(
+                        "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
+                        " leased_until = k.leased_until, consumed_version = k.consumed_version"
+                        " FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[], %s::uuid[],"
+                        " %s::timestamptz[], %s::int[])"
+                        " AS k(episode_id, kind, timeline_index, status, lease_id, leased_until,"
+                        " consumed_version)"
+                        " WHERE s.episode_id = k.episode_id AND s.kind = k.kind"
+                        " AND s.timeline_index = k.timeline_index",
+                        _columns(kept, 7),
+                    )
+                forks = [(f.episode_id, f.agent, f.timeline, f.other, f.message_index, f.reason)
+                         for p in todo for f in p.forks]
+                if forks:
+                    cur.execute(
+                        "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
+                        " message_index, reason) SELECT * FROM unnest(%s::text[], %s::text[],"
+                        " %s::int[], %s::int[], %s::int[], %s::text[])",
+                        _columns(forks, 6),
+                    )
+                tool_calls = [(t.run_id, t.group_id, t.episode_id, t.agent, t.stream_version,
+                               t.tool_name, t.is_error, t.policy_version, t.error_type,
+                               t.position_key, t.duration_ms, t.occurred_at)
+                              for p in todo for t in p.tool_calls]
+                if tool_calls:
+                    cur.execute(
+                        "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
+                        " stream_version, tool_name, is_error, policy_version, error_type,"
+                        " position_key, duration_ms, occurred_at)"
+                        " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
+                        " %s::int[], %s::text[], %s::boolean[], %s::int[], %s::text[], %s::text[],"
+                        " %s::float8[], %s::timestamptz[])",
+                        _columns(tool_calls, 12),
+                    )
+                failures = [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
+                             f.source, f.stream_version, f.tool_name, f.error_type,
+                             f.error_message, f.position_key, f.retry_index, f.recovered,
+                             f.occurred_at, f.retried, f.retries_to_recover)
+                            for p in todo for f in p.failures]
+                if failures:
+                    cur.execute(
+                        "INSERT INTO failures (run_id, group_id, episode_id, agent,"
+                        " policy_version, source, stream_version, tool_name, error_type,"
+                        " error_message, position_key, retry_index, recovered, occurred_at,"
+                        " retried, retries_to_recover)"
+                        " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
+                        " %s::int[], %s::text[], %s::int[], %s::text[], %s::text[], %s::text[],"
+                        " %s::text[], %s::int[], %s::boolean[], %s::timestamptz[], %s::boolean[],"
+                        " %s::int[])",
+                        _columns(failures, 16),
+                    )
+                # Every statement executed (their errors raised) before the hook runs.
+                pipeline.sync()
+                if before_commit is not None:
+                    before_commit()
         written = {id(p) for p in todo}
         return [id(p) in written for p in projections]
 
