@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import psycopg
 from psycopg.rows import dict_row
 
 from store import errors
@@ -347,28 +348,30 @@ def _project_episodes(store: EventStore, episode_ids: Sequence[str],
                       tokenizer_loader: Callable[[str | None], Any],
                       before_commit: Callable[[], None] | None) -> list[ProjectOutcome]:
     ids = list(dict.fromkeys(episode_ids))
-    streams = _read_streams(store, ids)
     outcomes: dict[str, ProjectOutcome] = {}
-    finished: list[list[RecordedEvent]] = []
-    for episode_id in ids:
-        events = streams.get(episode_id, [])
-        if not events or not isinstance(events[0].event, EpisodeStarted):
-            outcomes[episode_id] = ProjectOutcome(episode_id, "missing")
-        elif not any(isinstance(r.event, EpisodeFinished) for r in events):
-            outcomes[episode_id] = ProjectOutcome(episode_id, "unfinished")
-        else:
-            finished.append(events)
     projections = Projections(store)
-    done = projections.projected_versions([events[0].stream_id for events in finished])
-    todo = []
-    for events in finished:
-        version = done.get(events[0].stream_id)
-        if version is not None and version >= events[-1].stream_version:
-            outcomes[events[0].stream_id] = ProjectOutcome(events[0].stream_id, "skipped")
-        else:
-            todo.append(events)
-    run_ids = [_started(events).run_id for events in todo]
-    runs = _read_runs(store, set(run_ids))
+    # One pooled connection for the three reads (each checkout costs a round trip).
+    with store.db.connection() as conn:
+        streams = _read_streams(store, ids, conn=conn)
+        done = projections.projected_versions(ids, conn=conn)
+        finished: list[list[RecordedEvent]] = []
+        for episode_id in ids:
+            events = streams.get(episode_id, [])
+            if not events or not isinstance(events[0].event, EpisodeStarted):
+                outcomes[episode_id] = ProjectOutcome(episode_id, "missing")
+            elif not any(isinstance(r.event, EpisodeFinished) for r in events):
+                outcomes[episode_id] = ProjectOutcome(episode_id, "unfinished")
+            else:
+                finished.append(events)
+        todo = []
+        for events in finished:
+            version = done.get(events[0].stream_id)
+            if version is not None and version >= events[-1].stream_version:
+                outcomes[events[0].stream_id] = ProjectOutcome(events[0].stream_id, "skipped")
+            else:
+                todo.append(events)
+        run_ids = [_started(events).run_id for events in todo]
+        runs = _read_runs(store, set(run_ids), conn=conn)
     tokenizers: dict[str | None, Any] = {}
     built = [_build(events, runs.get(run_id), tokenizer_loader, tokenizers)
              for events, run_id in zip(todo, run_ids, strict=True)]
@@ -428,36 +431,41 @@ def _started(events: list[RecordedEvent]) -> EpisodeStarted:
     return started
 
 
-def _read_events(store: EventStore, stream_ids: Sequence[str], where: str
-                 ) -> list[RecordedEvent]:
+def _read_events(store: EventStore, stream_ids: Sequence[str], where: str, *,
+                 conn: psycopg.Connection | None = None) -> list[RecordedEvent]:
     """The events of ``stream_ids`` that ``where`` (SQL after the stream filter) keeps,
     decoded as ``EventStore.read_stream`` gives them (token payloads and delta encodings
-    expanded), read with one query."""
+    expanded), read with one query (on ``conn`` when given)."""
     if not stream_ids:
         return []
-    with store.db.connection() as conn:
-        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[]) {where}",
-            (list(stream_ids),),
-        ).fetchall()
+    if conn is None:
+        with store.db.connection() as own:
+            return _read_events(store, stream_ids, where, conn=own)
+    rows = conn.cursor(row_factory=dict_row, binary=True).execute(
+        f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[]) {where}",
+        (list(stream_ids),),
+    ).fetchall()
     decoder = Decoder()
     return [decoder.decode(row) for row in rows]
 
 
-def _read_streams(store: EventStore, stream_ids: Sequence[str]
-                  ) -> dict[str, list[RecordedEvent]]:
+def _read_streams(store: EventStore, stream_ids: Sequence[str], *,
+                  conn: psycopg.Connection | None = None) -> dict[str, list[RecordedEvent]]:
     """Every event of each stream, in version order."""
     out: dict[str, list[RecordedEvent]] = {}
-    for event in _read_events(store, stream_ids, "ORDER BY stream_id, stream_version"):
+    for event in _read_events(store, stream_ids, "ORDER BY stream_id, stream_version",
+                              conn=conn):
         out.setdefault(event.stream_id, []).append(event)
     return out
 
 
-def _read_runs(store: EventStore, run_ids: set[str]) -> dict[str, RecordedEvent]:
+def _read_runs(store: EventStore, run_ids: set[str], *,
+               conn: psycopg.Connection | None = None) -> dict[str, RecordedEvent]:
     """The first event of each run's stream (its ``run_created``), by run id."""
     wanted = {run_stream_id(run_id): run_id for run_id in run_ids}
     return {wanted[event.stream_id]: event
-            for event in _read_events(store, list(wanted), "AND stream_version = 1")}
+            for event in _read_events(store, list(wanted), "AND stream_version = 1",
+                                      conn=conn)}
 
 
 def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
