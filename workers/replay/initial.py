@@ -33,17 +33,26 @@ def request_message(message: Mapping[str, Any], token_ids: Sequence[int]) -> Mes
     """The timeline message of one OpenAI-format request message with its prompt tokens.
     Raises TypeError when ``message`` has no string ``role`` or its content is of the wrong
     type."""
+    if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if not isinstance(role, str) or not role:
+            raise TypeError(f"a request message must be a mapping with a string 'role', got "
+                            f"{message!r:.80}")
+        return Message(role=role, author=author_of(role),
+                       text=content_text(message.get("content")), token_ids=list(token_ids),
+                       logprobs=None, tool_calls=message.get("tool_calls") or None)
+    return _request_message(message, token_ids)
+
+
+def _request_message(message: Mapping[str, Any], token_ids: list[int]) -> Message:
+    """``request_message`` for ``token_ids`` known to be a list of Python ints (a
+    segmentation's)."""
     role = message.get("role") if isinstance(message, Mapping) else None
     if not isinstance(role, str) or not role:
         raise TypeError(f"a request message must be a mapping with a string 'role', got "
                         f"{message!r:.80}")
-    text = content_text(message.get("content"))
-    if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:
-        return Message(role=role, author=author_of(role), text=text,
-                       token_ids=list(token_ids), logprobs=None,
-                       tool_calls=message.get("tool_calls") or None)
-    return Message._built(role, author_of(role), text, list(token_ids), None,
-                          tool_calls=message.get("tool_calls") or None)
+    return Message._built(role, author_of(role), content_text(message.get("content")),
+                          list(token_ids), None, tool_calls=message.get("tool_calls") or None)
 
 
 def generated_message(response: Mapping[str, Any], *, generation_prompt_ids: Sequence[int],
@@ -100,7 +109,7 @@ def build_initial_timeline(
     earlier = segmenter.memo.get(seg.base) if seg.base is not None and seg.reused else None
     timeline_messages = list(earlier[:seg.reused]) if earlier is not None else []
     done = len(timeline_messages)
-    timeline_messages += [request_message(m, ids) for m, ids in
+    timeline_messages += [_request_message(m, ids) for m, ids in
                           zip(messages[done:], seg.message_ids[done:], strict=True)]
     segmenter.memo[seg.key] = list(timeline_messages)
     try:
