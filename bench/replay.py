@@ -11,7 +11,11 @@ batch's rows and checkpoints). Target: (b) >= 0.5x the plain read rate. For refe
 times (c) the per-episode path of the replay task (``project_episode``: read, replay, one
 transaction per episode) on a second set of episodes; (c) is printed, not the target.
 
-    python bench/replay.py [--episodes 40 --turns 6 --rounds 3]
+    python bench/replay.py [--episodes 40 --turns 6 --rounds 3 --tool-tokens 0 --reply-tokens 0]
+
+By default messages are short (a sentence, a number); ``--tool-tokens`` and
+``--reply-tokens`` lengthen tool outputs and replies, and ``--turns`` the episodes, to see
+how the ratio moves with the shape of the episodes.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import scratch_database  # noqa: E402
+from bench.common import scratch_database, words  # noqa: E402
 from store.db import Database  # noqa: E402
 from store.eventlog import NO_STREAM, EventStore, run_stream_id  # noqa: E402
 from store.events import (  # noqa: E402
@@ -49,7 +55,15 @@ TOOL = {"type": "function", "function": {
                    "required": ["expression"]}}}
 
 
-def episode(tokenizer, run_id: str, group: str, turns: int, seed: int) -> list:
+def episode(tokenizer, run_id: str, group: str, turns: int, seed: int, *,
+            tool_tokens: int = 0, reply_tokens: int = 0) -> list:
+    """One episode of ``turns`` calculator calls; with ``tool_tokens`` / ``reply_tokens``,
+    each tool output / reply carries about that many tokens of English-like text more."""
+    rng = np.random.default_rng(seed)
+
+    def pad(n: int) -> str:
+        return " " + words(rng, n) if n else ""
+
     def render(messages, gen):
         return tokenizer.apply_chat_template(messages, tools=[TOOL], tokenize=False,
                                              add_generation_prompt=gen)
@@ -63,9 +77,10 @@ def episode(tokenizer, run_id: str, group: str, turns: int, seed: int) -> list:
         call = {"id": f"c{t}", "type": "function", "function": {
             "name": "calculator", "arguments": json.dumps({"expression": f"{seed}+{t}"})}}
         last = t == turns - 1
-        response = ({"role": "assistant", "content": f"The total is {seed + t}."} if last
-                    else {"role": "assistant", "content": f"Step {t}: adding.",
-                          "tool_calls": [call]})
+        response = ({"role": "assistant", "content": f"The total is {seed + t}."
+                     + pad(reply_tokens)} if last
+                    else {"role": "assistant", "content": f"Step {t}: adding."
+                          + pad(reply_tokens), "tool_calls": [call]})
         prompt = render(messages, True)
         full = render([*messages, response], False)
         generated = encode(full[len(prompt):].rstrip())
@@ -73,17 +88,23 @@ def episode(tokenizer, run_id: str, group: str, turns: int, seed: int) -> list:
                                 prompt_ids=encode(prompt), response_ids=generated,
                                 logprobs=[-0.1] * len(generated), response=response))
         if not last:
-            events.append(ToolReturned(name="calculator", output=str(seed + t)))
-            messages = [*messages, response, {"role": "tool", "content": str(seed + t)}]
+            output = str(seed + t) + pad(tool_tokens)
+            events.append(ToolReturned(name="calculator", output=output))
+            messages = [*messages, response, {"role": "tool", "content": output}]
     return [*events, RewardAssigned(value=1.0), EpisodeFinished(status="completed")]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=40)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--tool-tokens", type=int, default=0,
+                        help="about this many tokens of text more in every tool output")
+    parser.add_argument("--reply-tokens", type=int, default=0,
+                        help="about this many tokens of text more in every reply")
+    args = parser.parse_args(argv)
+    shape = {"tool_tokens": args.tool_tokens, "reply_tokens": args.reply_tokens}
     tokenizer = load_tokenizer("qwen3")
     with scratch_database() as url:
         store = EventStore(Database(url, max_size=2), Settings(database_url=url))
@@ -91,7 +112,8 @@ def main() -> None:
         warm = f"warm-{uuid.uuid4().hex[:6]}"
         store.append(run_stream_id(warm), [RunCreated(run_id=warm, config=RunConfig(
             tokenizer="qwen3"))], NO_STREAM)
-        store.append(f"{warm}-ep", episode(tokenizer, warm, "g", args.turns, 0), NO_STREAM)
+        store.append(f"{warm}-ep", episode(tokenizer, warm, "g", args.turns, 0, **shape),
+                     NO_STREAM)
         project_episode(store, f"{warm}-ep")
         ratios: list[float] = []
         single: list[float] = []
@@ -105,8 +127,8 @@ def main() -> None:
             others: list[str] = []
             for e in range(2 * args.episodes):
                 ep = f"{run_id}-ep{e}"
-                store.append(ep, episode(tokenizer, run_id, f"g{e // 4}", args.turns, e),
-                             NO_STREAM)
+                store.append(ep, episode(tokenizer, run_id, f"g{e // 4}", args.turns, e,
+                                         **shape), NO_STREAM)
                 (ids if e < args.episodes else others).append(ep)
             n_events = sum(len(store.read_stream(ep)) for ep in ids)
             t0 = time.perf_counter()
@@ -130,9 +152,12 @@ def main() -> None:
                   f" | ratio {ratios[-1]:.2f} | per-episode task path "
                   f"{len(others) / single_s:7.1f} episodes/s (ratio {single[-1]:.2f})")
         store.close()
-    print(f"{args.episodes} episodes x {args.turns} turns per round; median replay/read = "
+    extra = (f" (tool outputs +{args.tool_tokens}, replies +{args.reply_tokens} tokens)"
+             if args.tool_tokens or args.reply_tokens else "")
+    print(f"{args.episodes} episodes x {args.turns} turns per round{extra}; median replay/read = "
           f"{statistics.median(ratios):.2f} (target >= 0.5); per-episode task path "
           f"{statistics.median(single):.2f}")
+    return ratios
 
 
 if __name__ == "__main__":
