@@ -269,6 +269,8 @@ class Projections:
         if not projections:
             return []
         with self.db.transaction() as conn:
+            # Parameters and results in binary (%b): token tensors travel as raw bytea, not as
+            # hex text that psycopg writes in Python and the server parses back.
             cur = conn.cursor(binary=True)
             # Pipelined: statements go out without waiting for each other's results (the
             # lock and the version check are read before the rest is decided).
@@ -277,12 +279,12 @@ class Projections:
                 # locks are taken in one order so that two batches cannot wait on each other.
                 cur.execute(
                     "SELECT pg_advisory_xact_lock(hashtextextended(e, 1))"
-                    " FROM unnest(%s::text[]) WITH ORDINALITY AS l(e, n) ORDER BY n",
+                    " FROM unnest(%b::text[]) WITH ORDINALITY AS l(e, n) ORDER BY n",
                     (sorted(ids),),
                 )
                 done = dict(cur.execute(
                     "SELECT episode_id, projected_version FROM episodes"
-                    " WHERE episode_id = ANY(%s::text[])",
+                    " WHERE episode_id = ANY(%b::text[])",
                     (ids,),
                 ).fetchall())
                 todo = [p for p in projections
@@ -294,8 +296,8 @@ class Projections:
                 cur.execute(
                     "INSERT INTO runs (run_id, project, group_size, max_negatives_per_group,"
                     " save_negative_samples, config, created_at)"
-                    " SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[],"
-                    " %s::boolean[], %s::jsonb[], %s::timestamptz[])"
+                    " SELECT * FROM unnest(%b::text[], %b::text[], %b::int[], %b::int[],"
+                    " %b::boolean[], %b::jsonb[], %b::timestamptz[])"
                     " ON CONFLICT (run_id) DO NOTHING",
                     _columns([(r.run_id, r.project, r.group_size, r.max_negatives_per_group,
                                r.save_negative_samples, Jsonb(r.config), r.created_at)
@@ -306,11 +308,11 @@ class Projections:
                 if again:
                     kept = cur.execute(
                         "SELECT episode_id, kind, timeline_index, status, lease_id, leased_until,"
-                        " consumed_version FROM samples WHERE episode_id = ANY(%s::text[])"
+                        " consumed_version FROM samples WHERE episode_id = ANY(%b::text[])"
                         " AND status <> 'ready'",
                         (again,),
                     ).fetchall()
-                    cur.execute("DELETE FROM episodes WHERE episode_id = ANY(%s::text[])",
+                    cur.execute("DELETE FROM episodes WHERE episode_id = ANY(%b::text[])",
                                  (again,))
                 cur.execute(
                     f"INSERT INTO episodes ({_EPISODE_COLUMNS})"
@@ -328,10 +330,10 @@ class Projections:
                         " jsonb_array_elements_text(et) WITH ORDINALITY AS t(x, n) ORDER BY n) END,"
                         " CASE WHEN em IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
                         " jsonb_array_elements_text(em) WITH ORDINALITY AS t(x, n) ORDER BY n) END"
-                        " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[],"
-                        " %s::int[], %s::float8[], %s::int[], %s::int[], %s::int[], %s::int[],"
-                        " %s::int[], %s::bytea[], %s::bytea[], %s::bytea[], %s::timestamptz[],"
-                        " %s::int[], %s::text[], %s::int[], %s::jsonb[], %s::jsonb[])"
+                        " FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], %b::text[],"
+                        " %b::int[], %b::float8[], %b::int[], %b::int[], %b::int[], %b::int[],"
+                        " %b::int[], %b::bytea[], %b::bytea[], %b::bytea[], %b::timestamptz[],"
+                        " %b::int[], %b::text[], %b::int[], %b::jsonb[], %b::jsonb[])"
                         " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
                         " pk, ri, et, em)",
                         _columns(samples, 21),
@@ -340,8 +342,8 @@ class Projections:
                     cur.execute(
                         "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
                         " leased_until = k.leased_until, consumed_version = k.consumed_version"
-                        " FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[], %s::uuid[],"
-                        " %s::timestamptz[], %s::int[])"
+                        " FROM unnest(%b::text[], %b::text[], %b::int[], %b::text[], %b::uuid[],"
+                        " %b::timestamptz[], %b::int[])"
                         " AS k(episode_id, kind, timeline_index, status, lease_id, leased_until,"
                         " consumed_version)"
                         " WHERE s.episode_id = k.episode_id AND s.kind = k.kind"
@@ -353,8 +355,8 @@ class Projections:
                 if forks:
                     cur.execute(
                         "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
-                        " message_index, reason) SELECT * FROM unnest(%s::text[], %s::text[],"
-                        " %s::int[], %s::int[], %s::int[], %s::text[])",
+                        " message_index, reason) SELECT * FROM unnest(%b::text[], %b::text[],"
+                        " %b::int[], %b::int[], %b::int[], %b::text[])",
                         _columns(forks, 6),
                     )
                 tool_calls = [(t.run_id, t.group_id, t.episode_id, t.agent, t.stream_version,
@@ -366,9 +368,9 @@ class Projections:
                         "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
                         " stream_version, tool_name, is_error, policy_version, error_type,"
                         " position_key, duration_ms, occurred_at)"
-                        " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
-                        " %s::int[], %s::text[], %s::boolean[], %s::int[], %s::text[], %s::text[],"
-                        " %s::float8[], %s::timestamptz[])",
+                        " SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[],"
+                        " %b::int[], %b::text[], %b::boolean[], %b::int[], %b::text[], %b::text[],"
+                        " %b::float8[], %b::timestamptz[])",
                         _columns(tool_calls, 12),
                     )
                 failures = [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
@@ -382,10 +384,10 @@ class Projections:
                         " policy_version, source, stream_version, tool_name, error_type,"
                         " error_message, position_key, retry_index, recovered, occurred_at,"
                         " retried, retries_to_recover)"
-                        " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[],"
-                        " %s::int[], %s::text[], %s::int[], %s::text[], %s::text[], %s::text[],"
-                        " %s::text[], %s::int[], %s::boolean[], %s::timestamptz[], %s::boolean[],"
-                        " %s::int[])",
+                        " SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[],"
+                        " %b::int[], %b::text[], %b::int[], %b::text[], %b::text[], %b::text[],"
+                        " %b::text[], %b::int[], %b::boolean[], %b::timestamptz[], %b::boolean[],"
+                        " %b::int[])",
                         _columns(failures, 16),
                     )
                 # Every statement executed (their errors raised) before the hook runs.
