@@ -198,7 +198,7 @@ _EPISODE_TYPES = {
     "tokens": "int", "started_at": "timestamptz", "finished_at": "timestamptz",
 }
 _EPISODE_COLUMNS = ", ".join(_EPISODE_FIELDS)
-_EPISODE_ARRAYS = ", ".join(f"%s::{_EPISODE_TYPES[f]}[]" for f in _EPISODE_FIELDS)
+_EPISODE_ARRAYS = ", ".join(f"%b::{_EPISODE_TYPES[f]}[]" for f in _EPISODE_FIELDS)
 
 _SAMPLE_COLUMNS = (
     "run_id, group_id, episode_id, agent, kind, timeline_index, reward, policy_version,"

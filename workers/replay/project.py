@@ -373,7 +373,8 @@ def _project_episodes(store: EventStore, episode_ids: Sequence[str],
         run_ids = [_started(events).run_id for events in todo]
         runs = _read_runs(store, set(run_ids), conn=conn)
     tokenizers: dict[str | None, Any] = {}
-    built = [_build(events, runs.get(run_id), tokenizer_loader, tokenizers)
+    run_rows: dict[str, RunRow] = {}
+    built = [_build(events, runs.get(run_id), tokenizer_loader, tokenizers, run_rows)
              for events, run_id in zip(todo, run_ids, strict=True)]
     if len(built) > 1:
         try:
@@ -470,8 +471,10 @@ def _read_runs(store: EventStore, run_ids: set[str], *,
 
 def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
            tokenizer_loader: Callable[[str | None], Any],
-           tokenizers: dict[str | None, Any]) -> EpisodeProjection:
-    """The projection of one finished episode: replayed, or ``invalid`` with the reason."""
+           tokenizers: dict[str | None, Any],
+           run_rows: dict[str, RunRow] | None = None) -> EpisodeProjection:
+    """The projection of one finished episode: replayed, or ``invalid`` with the reason.
+    ``tokenizers`` and ``run_rows`` keep what episodes of one batch share."""
     started = events[0].event
     assert isinstance(started, EpisodeStarted)
     episode_id = events[0].stream_id
@@ -481,7 +484,11 @@ def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
                      created_at=dt.datetime.now(dt.UTC))
         return build_projection(run, events, None,
                                 invalid_reason=f"run {started.run_id!r} has no run_created")
-    run = run_row(run_event)
+    run = run_rows.get(started.run_id) if run_rows is not None else None
+    if run is None:
+        run = run_row(run_event)
+        if run_rows is not None:
+            run_rows[started.run_id] = run
     config = run_event.event.config
     try:
         name = config.tokenizer or config.model
