@@ -233,7 +233,7 @@ class Projections:
                 return self.projected_versions(episode_ids, conn=own)
         rows = conn.execute(
             "SELECT episode_id, projected_version FROM episodes"
-            " WHERE episode_id = ANY(%s::text[])",
+            " WHERE episode_id = ANY(%b::text[])",
             (list(episode_ids),),
         ).fetchall()
         return dict(rows)

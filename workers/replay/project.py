@@ -443,7 +443,7 @@ def _read_events(store: EventStore, stream_ids: Sequence[str], where: str, *,
         with store.db.connection() as own:
             return _read_events(store, stream_ids, where, conn=own)
     rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-        f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%s::text[]) {where}",
+        f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%b::text[]) {where}",
         (list(stream_ids),),
     ).fetchall()
     decoder = Decoder()
