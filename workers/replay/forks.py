@@ -86,10 +86,9 @@ def merge_and_detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = 
     interner = PrefixInterner()
     keys: dict[int, tuple[Message, Hashable]] = {}
     paths = [prefix_ids(t, policy, interner=interner, keys=keys) for t in items]
-    if policy.ignore_tools:
-        return _plan(items, policy, paths), _forks(items, policy, paths)
-    return _plan(items, policy, paths), _forks(items, policy, [_path(t, policy, interner, keys)
-                                                                for t in items])
+    fork_paths = (paths if policy.ignore_tools
+                  else [_path(t, policy, interner, keys) for t in items])
+    return _plan(items, policy, paths), _forks(items, policy, fork_paths)
 
 
 def _forks(items: list[Timeline], policy: MergePolicy, paths: list[list[int]]

@@ -16,7 +16,7 @@ import numpy as np
 from workers.replay.equality import content_text
 from workers.replay.errors import ReplayError
 from workers.replay.segment import Segmenter
-from workers.replay.timeline import LLM_AUTHOR, Message, Timeline
+from workers.replay.timeline import LLM_AUTHOR, Message, Timeline, _int_list
 
 __all__ = ["author_of", "build_initial_timeline", "generated_message", "request_message"]
 
@@ -31,28 +31,23 @@ def author_of(role: str) -> str:
 
 def request_message(message: Mapping[str, Any], token_ids: Sequence[int]) -> Message:
     """The timeline message of one OpenAI-format request message with its prompt tokens.
-    Raises TypeError when ``message`` has no string ``role`` or its content is of the wrong
-    type."""
-    if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:
-        role = message.get("role") if isinstance(message, Mapping) else None
-        if not isinstance(role, str) or not role:
-            raise TypeError(f"a request message must be a mapping with a string 'role', got "
-                            f"{message!r:.80}")
-        return Message(role=role, author=author_of(role),
-                       text=content_text(message.get("content")), token_ids=list(token_ids),
-                       logprobs=None, tool_calls=message.get("tool_calls") or None)
-    return _request_message(message, token_ids)
+    Raises TypeError when ``message`` has no string ``role``, its content is of the wrong
+    type or ``token_ids`` is not a sequence of integers."""
+    return _request_message(message, token_ids, trusted=False)
 
 
-def _request_message(message: Mapping[str, Any], token_ids: list[int]) -> Message:
-    """``request_message`` for ``token_ids`` known to be a list of Python ints (a
-    segmentation's)."""
+def _request_message(message: Mapping[str, Any], token_ids: Sequence[int], *,
+                     trusted: bool = True) -> Message:
+    """``request_message``; ``trusted``: ``token_ids`` is known to be a list of Python ints
+    (a segmentation's), so it is copied without checking each id again."""
     role = message.get("role") if isinstance(message, Mapping) else None
     if not isinstance(role, str) or not role:
         raise TypeError(f"a request message must be a mapping with a string 'role', got "
                         f"{message!r:.80}")
-    return Message._built(role, author_of(role), content_text(message.get("content")),
-                          list(token_ids), None, tool_calls=message.get("tool_calls") or None)
+    text = content_text(message.get("content"))
+    ids = list(token_ids) if trusted else _int_list(token_ids, "Message.token_ids")
+    return Message._built(role, author_of(role), text, ids, None,
+                          tool_calls=message.get("tool_calls") or None)
 
 
 def generated_message(response: Mapping[str, Any], *, generation_prompt_ids: Sequence[int],

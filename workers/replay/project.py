@@ -376,6 +376,7 @@ def _project_episodes(store: EventStore, episode_ids: Sequence[str],
     run_rows: dict[str, RunRow] = {}
     built = [_build(events, runs.get(run_id), tokenizer_loader, tokenizers, run_rows)
              for events, run_id in zip(todo, run_ids, strict=True)]
+    written: list[bool] | None = None
     if len(built) > 1:
         try:
             written = projections.write_many(built, before_commit=before_commit)
@@ -384,9 +385,6 @@ def _project_episodes(store: EventStore, episode_ids: Sequence[str],
         except errors.StoreError:
             log.warning("writing %d projections together failed; writing them one by one",
                         len(built), exc_info=True)
-            written = None
-    else:
-        written = None
     if written is None:
         written = []
         for i, projection in enumerate(built):
@@ -414,8 +412,9 @@ def _write_one(projections: Projections, projection: EpisodeProjection,
         built = build_projection(projection.run, events, None, invalid_reason=reason)
         # Only the summary, with the values the database refused left out.
         episode = built.episode
-        out_of_range = {f.name: None for f in dataclasses.fields(episode)
-                        if _overflows(getattr(episode, f.name))}
+        out_of_range: dict[str, Any] = {
+            f.name: None for f in dataclasses.fields(episode)
+            if _overflows(getattr(episode, f.name))}
         invalid = EpisodeProjection(run=built.run,
                                     episode=dataclasses.replace(episode, **out_of_range))
         return projections.write(invalid, before_commit=before_commit), invalid
@@ -484,11 +483,9 @@ def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
                      created_at=dt.datetime.now(dt.UTC))
         return build_projection(run, events, None,
                                 invalid_reason=f"run {started.run_id!r} has no run_created")
-    run = run_rows.get(started.run_id) if run_rows is not None else None
-    if run is None:
-        run = run_row(run_event)
-        if run_rows is not None:
-            run_rows[started.run_id] = run
+    rows = run_rows if run_rows is not None else {}
+    known = rows.get(started.run_id)
+    run = known if known is not None else rows.setdefault(started.run_id, run_row(run_event))
     config = run_event.event.config
     try:
         name = config.tokenizer or config.model
