@@ -27,6 +27,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from store.eventlog import NO_STREAM, EventStore, run_stream_id  # noqa: E402
 from store.events import (  # noqa: E402
     EpisodeFinished,
     EpisodeStarted,
+    Event,
     LLMCalled,
     RewardAssigned,
     RunConfig,
@@ -71,13 +73,15 @@ def episode(tokenizer, run_id: str, group: str, turns: int, seed: int, *,
     def encode(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    messages = [{"role": "user", "content": f"Compute the running total of {seed} items."}]
-    events = [EpisodeStarted(run_id=run_id, group_id=group, messages=messages, tools=[TOOL])]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f"Compute the running total of {seed} items."}]
+    events: list[Event] = [EpisodeStarted(run_id=run_id, group_id=group, messages=messages,
+                                          tools=[TOOL])]
     for t in range(turns):
         call = {"id": f"c{t}", "type": "function", "function": {
             "name": "calculator", "arguments": json.dumps({"expression": f"{seed}+{t}"})}}
         last = t == turns - 1
-        response = ({"role": "assistant", "content": f"The total is {seed + t}."
+        response: dict[str, Any] = ({"role": "assistant", "content": f"The total is {seed + t}."
                      + pad(reply_tokens)} if last
                     else {"role": "assistant", "content": f"Step {t}: adding."
                           + pad(reply_tokens), "tool_calls": [call]})
@@ -86,7 +90,7 @@ def episode(tokenizer, run_id: str, group: str, turns: int, seed: int, *,
         generated = encode(full[len(prompt):].rstrip())
         events.append(LLMCalled(call_id=f"call-{t}", messages=list(messages), tools=[TOOL],
                                 prompt_ids=encode(prompt), response_ids=generated,
-                                logprobs=[-0.1] * len(generated), response=response))
+                                logprobs=np.full(len(generated), -0.1), response=response))
         if not last:
             output = str(seed + t) + pad(tool_tokens)
             events.append(ToolReturned(name="calculator", output=output))
