@@ -9,9 +9,12 @@ payloads decoded) and (b) projecting the same episodes the way the sweep and a r
 events, then per episode segmentation + merge + samples, then one transaction writing the
 batch's rows and checkpoints). Target: (b) >= 0.5x the plain read rate. For reference it also
 times (c) the per-episode path of the replay task (``project_episode``: read, replay, one
-transaction per episode) on a second set of episodes; (c) is printed, not the target.
+transaction per episode) on a second set of episodes, and (d) the projection of a third set
+by a ``ProjectionPool`` of ``--jobs`` processes, the way ``trajstore replay --rebuild --jobs N``
+projects; (c) and (d) are printed beside the target, which is (b)'s.
 
-    python bench/replay.py [--episodes 40 --turns 6 --rounds 3 --tool-tokens 0 --reply-tokens 0]
+    python bench/replay.py [--episodes 40 --turns 6 --rounds 3 --tool-tokens 0 --reply-tokens 0
+                            --jobs 2]
 
 By default messages are short (a sentence, a number); ``--tool-tokens`` and
 ``--reply-tokens`` lengthen tool outputs and replies, and ``--turns`` the episodes, to see
@@ -21,6 +24,7 @@ how the ratio moves with the shape of the episodes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -47,6 +51,7 @@ from store.events import (  # noqa: E402
     ToolReturned,
 )
 from store.settings import Settings  # noqa: E402
+from workers.replay.parallel import ProjectionPool  # noqa: E402
 from workers.replay.project import project_episode, project_episodes  # noqa: E402
 from workers.replay.sweep import BATCH  # noqa: E402
 from workers.tokenizers import load_tokenizer  # noqa: E402
@@ -107,11 +112,15 @@ def main(argv: list[str] | None = None) -> list[float]:
                         help="about this many tokens of text more in every tool output")
     parser.add_argument("--reply-tokens", type=int, default=0,
                         help="about this many tokens of text more in every reply")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="processes of the ProjectionPool timed in (d); 0 skips (d)")
     args = parser.parse_args(argv)
     shape = {"tool_tokens": args.tool_tokens, "reply_tokens": args.reply_tokens}
     tokenizer = load_tokenizer("qwen3")
-    with scratch_database() as url:
+    with scratch_database() as url, contextlib.ExitStack() as stack:
         store = EventStore(Database(url, max_size=2), Settings(database_url=url))
+        pool = (stack.enter_context(ProjectionPool(url, jobs=args.jobs)) if args.jobs > 0
+                else None)
         # Warm up once: the tokenizer's byte-offset table is built on first use per process.
         warm = f"warm-{uuid.uuid4().hex[:6]}"
         store.append(run_stream_id(warm), [RunCreated(run_id=warm, config=RunConfig(
@@ -119,21 +128,27 @@ def main(argv: list[str] | None = None) -> list[float]:
         store.append(f"{warm}-ep", episode(tokenizer, warm, "g", args.turns, 0, **shape),
                      NO_STREAM)
         project_episode(store, f"{warm}-ep")
+        if pool is not None:  # every process loads the tokenizer before the timing starts
+            warm_ids = [f"{warm}-pool{i}" for i in range(4 * args.jobs)]
+            for i, ep in enumerate(warm_ids):
+                store.append(ep, episode(tokenizer, warm, "g", 1, i), NO_STREAM)
+            pool.project(warm_ids)
         ratios: list[float] = []
         single: list[float] = []
+        pooled: list[float] = []
         for r in range(args.rounds):
             run_id = f"bench-{r}-{uuid.uuid4().hex[:6]}"
             store.append(run_stream_id(run_id),
                          [RunCreated(run_id=run_id, config=RunConfig(tokenizer="qwen3",
                                                                      group_size=4))],
                          NO_STREAM)
-            ids: list[str] = []
-            others: list[str] = []
-            for e in range(2 * args.episodes):
+            sets: list[list[str]] = [[], [], []]
+            for e in range(3 * args.episodes):
                 ep = f"{run_id}-ep{e}"
                 store.append(ep, episode(tokenizer, run_id, f"g{e // 4}", args.turns, e,
                                          **shape), NO_STREAM)
-                (ids if e < args.episodes else others).append(ep)
+                sets[e // args.episodes].append(ep)
+            ids, others, parallel = sets
             n_events = sum(len(store.read_stream(ep)) for ep in ids)
             t0 = time.perf_counter()
             for ep in ids:
@@ -150,17 +165,28 @@ def main(argv: list[str] | None = None) -> list[float]:
             single_s = time.perf_counter() - t0
             ratios.append(read_s / replay_s)
             single.append(read_s / single_s)
+            pool_text = ""
+            if pool is not None:
+                t0 = time.perf_counter()
+                outcomes = pool.project(parallel)
+                pool_s = time.perf_counter() - t0
+                assert all(o.status == "completed" for o in outcomes), outcomes
+                pooled.append(read_s / pool_s)
+                pool_text = (f" | {args.jobs} processes {len(parallel) / pool_s:7.1f} "
+                             f"episodes/s (ratio {pooled[-1]:.2f})")
             print(f"  round {r + 1}: replay {len(ids) / replay_s:7.1f} episodes/s "
                   f"({n_events / replay_s:8.1f} events/s) | plain read "
                   f"{len(ids) / read_s:7.1f} episodes/s ({n_events / read_s:8.1f} events/s)"
                   f" | ratio {ratios[-1]:.2f} | per-episode task path "
-                  f"{len(others) / single_s:7.1f} episodes/s (ratio {single[-1]:.2f})")
+                  f"{len(others) / single_s:7.1f} episodes/s (ratio {single[-1]:.2f})"
+                  + pool_text)
         store.close()
     extra = (f" (tool outputs +{args.tool_tokens}, replies +{args.reply_tokens} tokens)"
              if args.tool_tokens or args.reply_tokens else "")
     print(f"{args.episodes} episodes x {args.turns} turns per round{extra}; median replay/read = "
           f"{statistics.median(ratios):.2f} (target >= 0.5); per-episode task path "
-          f"{statistics.median(single):.2f}")
+          f"{statistics.median(single):.2f}"
+          + (f"; {args.jobs} processes {statistics.median(pooled):.2f}" if pooled else ""))
     return ratios
 
 

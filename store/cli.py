@@ -320,14 +320,20 @@ def replay(
     episode: Annotated[str | None, typer.Argument(help="Episode to replay now.")] = None,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Drop and rebuild every "
                                           "projection from the log.")] = False,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Processes that project "
+                                      "episodes (replay is CPU-bound: one per core).")] = 1,
 ) -> None:
     """Replay in the foreground: one episode, every unprojected one, or (``--rebuild``)
-    every projection from the log alone."""
+    every projection from the log alone, on ``--jobs`` processes."""
     from store.projections import Projections
+    from workers.replay.parallel import ProjectionPool
     from workers.replay.project import project_episode
     from workers.replay.sweep import sweep_unprojected
 
     store = _open_store(get_settings())
+    pool = (ProjectionPool(store.db.url, jobs=jobs,
+                           statement_timeout_ms=get_settings().statement_timeout_ms)
+            if jobs > 1 and episode is None else None)
     try:
         if episode is not None:
             outcome = project_episode(store, episode)
@@ -340,13 +346,15 @@ def replay(
         projections = Projections(store)
         kept = projections.rebuild() if rebuild else 0
         total = 0
-        while n := sweep_unprojected(store, limit=500):
+        while n := sweep_unprojected(store, limit=500 * jobs, pool=pool):
             total += n
         restored = projections.restore_kept_state() if rebuild else 0
         console.print(f"projected {total} episodes"
                       + (f"; sample lease state kept for {restored} of {kept}" if rebuild
                          else ""))
     finally:
+        if pool is not None:
+            pool.close()
         store.close()
 
 

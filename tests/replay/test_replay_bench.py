@@ -23,7 +23,8 @@ def test_merge_benchmark_runs_and_agrees(capsys) -> None:
 
 def test_replay_benchmark_runs_at_a_tiny_size(capsys) -> None:
     """The replay benchmark projects its episodes (it asserts every one completes) with
-    longer messages too, and prints a ratio per round."""
+    longer messages too, in one process and on a pool of two, and prints a ratio per
+    round."""
     spec = importlib.util.spec_from_file_location("bench_replay", BENCH.with_name("replay.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -33,3 +34,4 @@ def test_replay_benchmark_runs_at_a_tiny_size(capsys) -> None:
     assert len(ratios) == 1 and ratios[0] > 0
     out = capsys.readouterr().out
     assert "2 turns per round (tool outputs +30, replies +10 tokens)" in out
+    assert "2 processes" in out  # (d): the same projection on a ProjectionPool

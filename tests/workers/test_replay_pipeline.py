@@ -180,8 +180,9 @@ def test_sigkill_mid_replay_then_redelivery_projects_exactly_once(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("jobs", [1, 2])
 def test_rebuild_from_the_log_gives_the_same_rows_and_keeps_lease_state(
-    worker_store, worker_settings, qwen3
+    worker_store, worker_settings, qwen3, jobs
 ) -> None:
     run_id = new_run(worker_store)
     episodes = [f"ep-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
@@ -200,7 +201,8 @@ def test_rebuild_from_the_log_gives_the_same_rows_and_keeps_lease_state(
         conn.execute("UPDATE samples SET status = 'consumed', consumed_version = 1"
                      " WHERE episode_id = %s", (episodes[0],))
     before = snapshot()
-    done = subprocess.run([sys.executable, "-m", "store.cli", "replay", "--rebuild"],
+    done = subprocess.run([sys.executable, "-m", "store.cli", "replay", "--rebuild",
+                           "--jobs", str(jobs)],
                           env=_env(worker_settings), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stderr

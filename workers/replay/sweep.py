@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from store import errors
 from store.eventlog import EventStore
 from store.events import EpisodeFinished
 from store.projections import Projections
 from workers.replay.project import project_episodes
+
+if TYPE_CHECKING:
+    from workers.replay.parallel import ProjectionPool
 
 __all__ = ["abort_stale_episodes", "sweep_unprojected", "sweep_forever"]
 
@@ -21,10 +25,14 @@ log = logging.getLogger(__name__)
 BATCH = 50
 
 
-def sweep_unprojected(store: EventStore, *, limit: int = 200) -> int:
+def sweep_unprojected(store: EventStore, *, limit: int = 200,
+                      pool: ProjectionPool | None = None) -> int:
     """Project up to ``limit`` finished episodes that have no projection yet, oldest first,
-    ``BATCH`` at a time (``project_episodes``). Returns the number written."""
+    ``BATCH`` at a time (``project_episodes``), or on ``pool``'s processes when given.
+    Returns the number written."""
     ids = Projections(store).finished_unprojected(limit)
+    if pool is not None:
+        return sum(1 for o in pool.project(ids) if o.outcome == "written")
     written = 0
     for start in range(0, len(ids), BATCH):
         outcomes = project_episodes(store, ids[start:start + BATCH])
