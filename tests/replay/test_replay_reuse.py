@@ -205,8 +205,18 @@ def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
                 "{% set ns = namespace(a=1) %}{{ ns.a }}{{ ns.b is defined }}|"
                 "{{ messages[0].get('role') }}{{ messages[0].keys() | list }}"
                 "{{ messages[0].content.split(sep='i') }}{{ messages[0].nothing is defined }}"
-                "{{ messages[0].content.rstrip('i') }}")
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+                "{{ messages[0].content.rstrip('i') }}|"
+                # Lookups the compiled template makes inline (dict keys, loop values), next
+                # to the sandbox's own: keys named like dict methods or loop values, missing
+                # keys, attributes of other types, nested lookups.
+                "{% for m in messages %}{{ m['content'] }}{{ m['nothing'] is defined }}"
+                "{{ m['__class__'] is defined }}{{ m['items'] is defined }}{{ m.items is defined }}"
+                "{{ m.last }}{% if m.extra %}{{ m.extra.name }}{{ m['extra']['name'] }}{% endif %}"
+                "{{ loop['index'] }}"
+                "{{ m.content.upper is defined }}{{ m.content['x'] is defined }}{% endfor %}")
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo", "last": "L", "items": 3,
+                 "extra": {"name": "nested"}}]
     expected = qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
     renderer = ChatRenderer(qwen3, chat_template=template)
     assert [renderer.render(messages, tools=None, generation_prompt=False)

@@ -13,6 +13,12 @@ extensions), the template is rendered with the same variables (the tokenizer's s
 tokens, ``tools``, ``documents``, ``add_generation_prompt``), and what the sandbox refuses it
 still refuses.
 
+The template is also compiled with ``_InlineLookups``, Jinja's code generator with the two
+most frequent sandbox lookups written into the template's code: a constant attribute or key
+of an exact ``dict`` that holds it (``message.role``, ``message['content']``), and a value
+property of ``loop`` (``loop.last``). Those are the sandbox's own answers for those types
+(see ``_CachingSandbox.getattr``); every other lookup still calls the sandbox.
+
 A template's first ``CHECKED`` renders in a process are compared with
 ``apply_chat_template``'s; a template whose render differs once (a transformers version that
 sets up its environment or its inputs differently) is rendered by ``apply_chat_template`` from
@@ -26,7 +32,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jinja2 import runtime, utils
+from jinja2 import compiler, nodes, runtime, utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["ChatRenderer"]
@@ -113,6 +119,49 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
+class _InlineLookups(compiler.CodeGenerator):
+    """Jinja's code generator, writing ``x.name`` (and ``x['name']``, a constant string key)
+    as ``x['name'] if type(x) is dict and 'name' in x else environment.getattr(x, 'name')``
+    when ``dict`` has no attribute ``name``, with ``x`` evaluated once. That is what the
+    sandbox answers for an exact ``dict``: no instance attributes, so the item, which is
+    always safe. A ``loop`` value property (``_LOOP_VALUES``) is read straight from a
+    ``LoopContext`` the same way. Anything else (another type, a missing key) goes to the
+    sandbox as before. Saves a method call and its dispatch on most lookups a chat template
+    makes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._temps = 0
+
+    def _inline(self, node: nodes.Expr, frame: compiler.Frame, name: str, fallback: str,
+                loop_value: bool) -> None:
+        self._temps += 1
+        temp = f"_lookup_{self._temps}"
+        key = repr(name)
+        self.write(f"({temp}[{key}] if type({temp} := ")
+        self.visit(node, frame)
+        self.write(f") is dict and {key} in {temp} else ")
+        if loop_value:
+            self.write(f"{temp}.{name} if type({temp}) is LoopContext else ")
+        self.write(f"environment.{fallback}({temp}, {key}))")
+
+    @compiler.optimizeconst
+    def visit_Getattr(self, node: nodes.Getattr, frame: compiler.Frame) -> None:
+        if self.environment.is_async or hasattr(dict, node.attr):
+            super().visit_Getattr(node, frame)
+            return
+        self._inline(node.node, frame, node.attr, "getattr", node.attr in _LOOP_VALUES)
+
+    @compiler.optimizeconst
+    def visit_Getitem(self, node: nodes.Getitem, frame: compiler.Frame) -> None:
+        key = node.arg
+        if self.environment.is_async or not isinstance(key, nodes.Const) \
+                or type(key.value) is not str:
+            super().visit_Getitem(node, frame)
+            return
+        self._inline(node.node, frame, key.value, "getitem", False)
+
+
 def _caching_copy(env: ImmutableSandboxedEnvironment) -> _CachingSandbox:
     """A ``_CachingSandbox`` sharing ``env``'s configuration (as ``Environment.overlay``
     builds one), with its extensions bound to the copy."""
@@ -124,6 +173,7 @@ def _caching_copy(env: ImmutableSandboxedEnvironment) -> _CachingSandbox:
     copy.extensions = {key: ext.bind(copy) for key, ext in env.extensions.items()}
     copy._safe = {}
     copy._has = {}
+    copy.code_generator_class = _InlineLookups
     return copy
 
 
