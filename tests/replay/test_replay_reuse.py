@@ -284,3 +284,39 @@ def test_render_cache_tells_key_orders_apart(qwen3) -> None:
     second = segmenter._prefix_render(node, other, None)
     assert first.startswith("role=user;content=hi;")
     assert second.startswith("content=hi;role=user;")
+
+
+def test_renderer_tojson_memo_tells_types_orders_and_options_apart(qwen3) -> None:
+    """The memoized ``tojson`` answers as transformers' does for values equal in Python but
+    not in JSON (1, 1.0, True; key orders) and for each set of options."""
+    template = ("{% for m in messages %}{{ m.args | tojson }}{{ m.args | tojson(indent=2) }}"
+                "{{ m.args | tojson(sort_keys=true) }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "", "args": args} for args in (
+        {"b": 1, "a": [1, 2]}, {"a": [1, 2], "b": 1}, {"b": 1.0, "a": [1, 2]},
+        {"b": True, "a": [1, 2]}, {"b": "é", "a": (1, 2)}, {"b": None, "a": []})]
+    expected = qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
+    assert '{"b": 1, "a"' in expected and '{"b": 1.0, "a"' in expected
+    renderer = ChatRenderer(qwen3, chat_template=template)
+    assert [renderer.render(messages, tools=None, generation_prompt=False)
+            for _ in range(CHECKED + 2)] == [expected] * (CHECKED + 2)
+
+
+def test_tojson_memo_dumps_what_marshal_refuses_each_time() -> None:
+    import enum
+    import json
+
+    from workers.replay.render import _memoized_tojson
+
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    calls: list[object] = []
+
+    def dump(value, **options):
+        calls.append(value)
+        return json.dumps(value, **options)
+
+    tojson = _memoized_tojson(dump)
+    assert tojson({"a": 1}) == tojson({"a": 1}) == '{"a": 1}' and len(calls) == 1
+    assert tojson([Level.HIGH]) == tojson([Level.HIGH]) == "[2]" and len(calls) == 3
+    assert tojson({"a": 1}, separators=[",", ":"]) == '{"a":1}' and len(calls) == 4

@@ -19,6 +19,10 @@ of an exact ``dict`` that holds it (``message.role``, ``message['content']``), a
 property of ``loop`` (``loop.last``). Those are the sandbox's own answers for those types
 (see ``_CachingSandbox.getattr``); every other lookup still calls the sandbox.
 
+transformers' ``tojson`` filter (the tool schemas, every tool call's arguments, on every
+render) is memoized by ``_memoized_tojson``: JSON text is a function of the value's types,
+order and contents, which its ``marshal`` bytes give exactly.
+
 A template's first ``CHECKED`` renders in a process are compared with
 ``apply_chat_template``'s; a template whose render differs once (a transformers version that
 sets up its environment or its inputs differently) is rendered by ``apply_chat_template`` from
@@ -27,9 +31,10 @@ then on, as is every template when transformers' compiled environment cannot be 
 
 from __future__ import annotations
 
+import marshal
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jinja2 import compiler, nodes, runtime, utils
@@ -162,6 +167,33 @@ class _InlineLookups(compiler.CodeGenerator):
         self._inline(node.node, frame, key.value, "getitem", False)
 
 
+#: JSON texts a memoized ``tojson`` keeps before it starts again.
+_JSON_CACHE = 4096
+
+
+def _memoized_tojson(dump: Callable[..., str]) -> Callable[..., str]:
+    """``dump`` (transformers' ``tojson``: ``json.dumps`` with the template's options)
+    remembering its answers, keyed by the value's ``marshal`` format 0 bytes (exact types,
+    key order and contents, so equal bytes give equal JSON) and the options. Values marshal
+    refuses (other types) and unhashable options are dumped each time."""
+    cache: dict[tuple[bytes, tuple[Any, ...], tuple[Any, ...]], str] = {}
+
+    def tojson(value: Any, *args: Any, **kwargs: Any) -> str:
+        try:
+            key = (marshal.dumps(value, 0), args, tuple(kwargs.items()))
+            out = cache.get(key)
+        except (ValueError, TypeError):
+            return dump(value, *args, **kwargs)
+        if out is None:
+            out = dump(value, *args, **kwargs)
+            if len(cache) >= _JSON_CACHE:
+                cache.clear()
+            cache[key] = out
+        return out
+
+    return tojson
+
+
 def _caching_copy(env: ImmutableSandboxedEnvironment) -> _CachingSandbox:
     """A ``_CachingSandbox`` sharing ``env``'s configuration (as ``Environment.overlay``
     builds one), with its extensions bound to the copy."""
@@ -174,6 +206,10 @@ def _caching_copy(env: ImmutableSandboxedEnvironment) -> _CachingSandbox:
     copy._safe = {}
     copy._has = {}
     copy.code_generator_class = _InlineLookups
+    dump = env.filters.get("tojson")
+    if getattr(dump, "__module__", None) == "transformers.utils.chat_template_utils" \
+            and getattr(dump, "__name__", None) == "tojson":
+        copy.filters = {**env.filters, "tojson": _memoized_tojson(dump)}
     return copy
 
 
