@@ -6,7 +6,8 @@ groups of ``--group-size`` plus -1 negatives, it times
 - the baseline: verl's ``compute_grpo_outcome_advantage`` if verl is importable, else a copy of
   its per-sample loop written here (same operations: per-sample 0-d tensors in a dict of lists,
   ``torch.stack``/``mean``/``std`` per group, a per-sample assignment loop);
-- ``workers.trainer.egpo.grpo_advantages`` (same inputs);
+- ``workers.trainer.egpo.grpo_advantages`` (same inputs), returning a new tensor and writing
+  into a reused ``out=`` buffer (what a training loop with a fixed batch shape can do);
 - ``workers.trainer.egpo.egpo_advantages`` against a per-sample loop EGPO (the loop GRPO plus,
   per response, its CoT span from the marker positions, the mean CoT entropy and the clip).
 
@@ -271,6 +272,14 @@ def speed(args: argparse.Namespace) -> None:
         args.rounds,
     )
     t_loop, _ = report("GRPO advantages (bs, length)", times, (ours - ref).abs().max().item())
+    buffer = torch.empty_like(ours)
+    times, ref, ours = compare_rounds(
+        lambda: baseline(rewards, mask, index),
+        lambda: grpo_advantages(rewards, mask, index, out=buffer)[0],
+        args.repeats,
+        args.rounds,
+    )
+    report("GRPO advantages into a reused out= buffer", times, (ours - ref).abs().max().item())
     times, sref, sours = compare_rounds(
         lambda: loop_grpo_scalars(rewards, index),
         lambda: grpo_scalar_advantages(rewards, index),

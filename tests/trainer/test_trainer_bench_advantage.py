@@ -22,7 +22,7 @@ def test_quick_run_prints_every_measurement() -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout
     diffs = [float(x) for x in re.findall(r"max abs diff ([0-9.e+-]+)", out)]
-    assert len(diffs) == 3
+    assert len(diffs) == 4
     assert max(diffs) <= 1e-6
     assert out.count("MEASURED") == 3 and out.count("EXTRAPOLATED") >= 1
     assert re.search(r"chunked / naive peak above inputs: 1/\d+", out)

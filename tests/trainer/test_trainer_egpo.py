@@ -344,3 +344,15 @@ def test_subnormal_advantage_keeps_its_sign() -> None:
         norm_adv_by_std=False,
     )
     assert advantages[0, 0].item() < 0 < advantages[1, 0].item()
+
+
+def test_out_receives_the_egpo_advantages() -> None:
+    batch = two_responses(0.2, 0.4)
+    expected, _ = egpo_advantages(**batch, cot_start_id=S, cot_end_id=E)  # type: ignore[arg-type]
+    out = torch.full((2, 6), 5.0, dtype=torch.float64)
+    advantages, returns = egpo_advantages(  # type: ignore[arg-type]
+        **batch, cot_start_id=S, cot_end_id=E, out=out)
+    assert advantages is out and returns is out and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="out has shape"):
+        egpo_advantages(**batch, cot_start_id=S, cot_end_id=E,  # type: ignore[arg-type]
+                        out=torch.zeros(2, 5, dtype=torch.float64))

@@ -232,3 +232,35 @@ def test_bad_input(kwargs: dict[str, object], error: type[Exception], match: str
     args.update(kwargs)
     with pytest.raises(error, match=match):
         grpo_advantages(**args)  # type: ignore[arg-type]
+
+
+def test_out_receives_the_advantages_and_is_returned() -> None:
+    """A buffer passed as ``out`` is filled with what a fresh tensor would hold, step after
+    step, and is the tensor returned."""
+    rewards, mask, uids = random_batch(3)
+    out = torch.full(mask.shape, 7.0, dtype=torch.float64)
+    address = out.data_ptr()
+    for step in range(3):
+        step_rewards = rewards * (step + 1) + step
+        expected, _ = grpo_advantages(step_rewards, mask, uids)
+        advantages, returns = grpo_advantages(step_rewards, mask, uids, out=out)
+        assert advantages is out and returns is out and out.data_ptr() == address
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "match"),
+    [
+        (torch.zeros(3, 3), ValueError, r"out has shape \(3, 3\) but response_mask has shape"),
+        (torch.zeros(3, 2, dtype=torch.float64), TypeError, "out must have dtype torch.float32"),
+        (torch.zeros(3, 2, dtype=torch.long), TypeError, "out must have dtype torch.float32"),
+        (np.zeros((3, 2), dtype=np.float32), TypeError, "out must be a torch.Tensor or None"),
+    ],
+)
+def test_a_bad_out_is_refused_and_left_as_it_was(out: object, error: type[Exception],
+                                                  match: str) -> None:
+    before = out.clone() if isinstance(out, torch.Tensor) else out.copy()  # type: ignore[attr-defined]
+    with pytest.raises(error, match=match):
+        grpo_advantages(torch.ones(3, 2), torch.ones(3, 2), ["a", "a", "b"], out=out)  # type: ignore[arg-type]
+    assert (torch.equal(out, before) if isinstance(out, torch.Tensor)
+            else np.array_equal(out, before))  # type: ignore[arg-type]

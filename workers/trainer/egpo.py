@@ -137,6 +137,29 @@ def grpo_scalar_advantages(
     return centred
 
 
+def _broadcast(
+    scalars: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``scalars[:, None] * mask``, written into ``out`` when given. Raises TypeError when
+    ``out`` is not a tensor or has another dtype than the product, ValueError when its shape or
+    device differs from the mask's."""
+    if out is None:
+        return scalars.unsqueeze(-1) * mask
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    dtype = torch.promote_types(scalars.dtype, mask.dtype)
+    if out.shape != mask.shape:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} but response_mask has shape "
+            f"{tuple(mask.shape)}; they must match"
+        )
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype} (the advantages'), got {out.dtype}")
+    if out.device != mask.device:
+        raise ValueError(f"out is on {out.device} but response_mask is on {mask.device}")
+    return torch.mul(scalars.unsqueeze(-1), mask, out=out)
+
+
 def grpo_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -144,6 +167,7 @@ def grpo_advantages(
     *,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantages ``(bs, response_length)``; returns equal the advantages.
 
@@ -152,16 +176,21 @@ def grpo_advantages(
     ``compute_grpo_outcome_advantage`` (with ``norm_adv_by_std`` for its
     ``norm_adv_by_std_in_grpo``), vectorised. No gradient flows through the result.
 
+    ``out``: a tensor of the mask's shape and device and the advantages' dtype to write them
+    into (and return), instead of a new one. A training loop that passes the same buffer each
+    step skips allocating, and page-faulting in, a fresh ``(bs, response_length)`` tensor.
+
     Raises TypeError/ValueError (naming the argument) for shape mismatches, tensors that are not
     2-D, non-float rewards, an ``index`` of the wrong length or with unhashable or NaN ids, a bad
-    ``epsilon``, and non-finite reward sums.
+    ``epsilon``, non-finite reward sums, and an ``out`` of another shape, dtype or device. When
+    it raises, ``out`` is left as it was.
     """
     rewards, mask = _check_rewards(token_level_rewards, response_mask)
     with torch.no_grad():
         scalars = grpo_scalar_advantages(
             rewards, index, norm_adv_by_std=norm_adv_by_std, epsilon=epsilon
         )
-        advantages = scalars.unsqueeze(-1) * mask
+        advantages = _broadcast(scalars, mask, out)
     return advantages, advantages
 
 
@@ -215,6 +244,7 @@ def egpo_advantages(
     variant: str = "clip",
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EGPO advantages ``(bs, response_length)``: GRPO plus a bounded CoT-entropy bonus.
 
@@ -222,7 +252,8 @@ def egpo_advantages(
     policy) and ``responses`` (token ids) are ``(bs, response_length)``; ``index`` holds ``bs``
     group ids. ``variant`` names an entry of :data:`EGPO_VARIANTS` (``clip`` or ``paper``). The
     scalar ``A_i + bonus_i`` is broadcast over the response and multiplied by the mask; returns
-    equal the advantages. No gradient flows through the result.
+    equal the advantages. No gradient flows through the result. ``out`` as in
+    :func:`grpo_advantages`.
 
     Raises TypeError/ValueError (naming the argument) for everything :func:`grpo_advantages` and
     :func:`workers.trainer.cot.cot_mask` refuse, an unknown ``variant`` (the known ones are
@@ -248,5 +279,5 @@ def egpo_advantages(
         # |bonus| < |A| keeps the sign exactly, but for a subnormal A the sum can round to 0:
         # keep A there so the sign guarantee also holds in floating point.
         combined = torch.where((combined == 0) & (scalars != 0), scalars, combined)
-        advantages = combined.unsqueeze(-1) * mask
+        advantages = _broadcast(combined, mask, out)
     return advantages, advantages
