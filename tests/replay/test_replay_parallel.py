@@ -7,7 +7,7 @@ import concurrent.futures
 import uuid
 
 import pytest
-from test_replay_project_batch import new_run, record, rows
+from test_replay_project_batch import new_run, record, renamed, rows
 from test_replay_reuse import tool_episode
 
 from store.eventlog import NO_STREAM, EventStore
@@ -33,11 +33,6 @@ def test_a_pool_writes_what_one_process_writes(store: EventStore, qwen3, pg_url:
         assert [o.outcome for o in pool.project(pooled)] == ["skipped"] * 6
         assert pool.project([]) == []
     project_episodes(store, alone)
-
-    def renamed(got: dict[str, list[tuple]], ids: list[str]) -> dict[str, list[tuple]]:
-        names = {episode: str(i) for i, episode in enumerate(ids)}
-        return {table: sorted(((names[r[0]], *r[1:]) for r in found), key=repr)
-                for table, found in got.items()}
 
     got = rows(store, pooled)
     assert got["samples"] and got["failures"]

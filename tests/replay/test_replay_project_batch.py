@@ -39,6 +39,14 @@ def rows(store: EventStore, episodes: list[str]) -> dict[str, list[tuple]]:
                 for name, sql in TABLES.items()}
 
 
+def renamed(got: dict[str, list[tuple]], ids: list[str]) -> dict[str, list[tuple]]:
+    """``rows`` with each episode id replaced by its index in ``ids``, to compare the rows of
+    two sets of episodes recorded alike."""
+    names = {episode: str(i) for i, episode in enumerate(ids)}
+    return {table: sorted(((names[r[0]], *r[1:]) for r in found), key=repr)
+            for table, found in got.items()}
+
+
 def rollback_episode(tok) -> list:
     """A search call that fails and is rolled back, its fix, and an answer: failures, a
     negative sample and a fork."""
@@ -104,11 +112,6 @@ def test_batch_writes_what_single_projections_write(store: EventStore, qwen3) ->
     assert "not a rendering" in (outcomes[1].reason or "")
     for episode in single:
         assert project_episode(store, episode).outcome == "written"
-
-    def renamed(got: dict[str, list[tuple]], ids: list[str]) -> dict[str, list[tuple]]:
-        names = {episode: str(i) for i, episode in enumerate(ids)}
-        return {table: sorted(((names[r[0]], *r[1:]) for r in found), key=repr)
-                for table, found in got.items()}
 
     first = rows(store, batch)
     assert renamed(first, batch) == renamed(rows(store, single), single)

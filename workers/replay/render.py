@@ -207,8 +207,8 @@ def _caching_copy(env: ImmutableSandboxedEnvironment) -> _CachingSandbox:
     copy._has = {}
     copy.code_generator_class = _InlineLookups
     dump = env.filters.get("tojson")
-    if getattr(dump, "__module__", None) == "transformers.utils.chat_template_utils" \
-            and getattr(dump, "__name__", None) == "tojson":
+    if callable(dump) and getattr(dump, "__name__", None) == "tojson" \
+            and getattr(dump, "__module__", None) == "transformers.utils.chat_template_utils":
         copy.filters = {**env.filters, "tojson": _memoized_tojson(dump)}
     return copy
 
