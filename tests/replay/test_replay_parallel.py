@@ -4,6 +4,9 @@ uses) writes the rows that projecting in one process writes."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
+import threading
 import uuid
 
 import pytest
@@ -39,10 +42,12 @@ def test_a_pool_writes_what_one_process_writes(store: EventStore, qwen3, pg_url:
     assert renamed(got, pooled) == renamed(rows(store, alone), alone)
 
 
-@pytest.mark.parametrize("jobs", [0, -1, True, 1.5, "2"])
-def test_a_pool_refuses_a_bad_number_of_jobs(jobs, pg_url: str) -> None:
-    with pytest.raises(ValueError, match="jobs must be a positive int"):
-        ProjectionPool(pg_url, jobs=jobs)
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
+@pytest.mark.parametrize("name", ["jobs", "batch"])
+def test_a_pool_refuses_a_bad_number_of_jobs_or_batch(name: str, value, pg_url: str) -> None:
+    options = {"jobs": 1, name: value}
+    with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+        ProjectionPool(pg_url, **options)
 
 
 def test_a_pool_refuses_an_empty_url_and_ids_that_are_not_strings(pg_url: str) -> None:
@@ -60,3 +65,36 @@ def test_a_pool_that_cannot_connect_raises_instead_of_hanging(pg_url: str) -> No
     with ProjectionPool(unreachable, jobs=1) as pool:
         with pytest.raises(concurrent.futures.process.BrokenProcessPool):
             pool.project(["episode-1"])
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_pool_process_leaves_whole_episodes_and_a_second_pass_finishes(
+        store: EventStore, qwen3, pg_url: str) -> None:
+    """SIGKILL a pool process while it projects: the pool reports it broken, each episode is
+    either fully projected or not at all, and projecting the same ids again writes the rest,
+    with the rows one process writes."""
+    run_id = new_run(store)
+    pooled = record(store, qwen3, run_id, 24, prefix="killed")
+    alone = record(store, qwen3, run_id, 24, prefix="alive")
+    warm = record(store, qwen3, run_id, 1, prefix="warm")
+    with ProjectionPool(pg_url, jobs=1, batch=3) as pool:
+        pool.project(warm)  # the process has started and loaded the tokenizer
+        (process,) = pool._executor._processes.values()  # type: ignore[attr-defined]
+        # Eight transactions of three episodes: the kill lands among them (where exactly
+        # does not matter to what is checked).
+        killer = threading.Timer(0.1, os.kill, (process.pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+            pool.project(pooled)
+        killer.join()
+    half = rows(store, pooled)
+    projected = {r[0] for r in half["episodes"]}
+    assert len(projected) % 3 == 0  # whole transactions of three
+    for table, found in half.items():  # nothing of an episode without its summary row
+        assert {r[0] for r in found} <= projected, table
+    with ProjectionPool(pg_url, jobs=2) as pool:
+        outcomes = pool.project(pooled)
+    assert [o.outcome for o in outcomes] == ["skipped" if e in projected else "written"
+                                             for e in pooled]
+    project_episodes(store, alone)
+    assert renamed(rows(store, pooled), pooled) == renamed(rows(store, alone), alone)

@@ -5,10 +5,10 @@ share one core. ``ProjectionPool`` runs ``project_episodes`` in ``jobs`` worker 
 instead. Each process has its own connection pool and loads each tokenizer once.
 
 Processes are started with ``spawn``: a child inherits no connection, thread or lock of its
-parent. Episodes go out in batches of at most ``sweep.BATCH``, cut small enough that every
-process gets work. Each batch is one ``project_episodes`` call: one read, one write
-transaction, idempotent. A process that dies therefore leaves whole episodes projected or
-not projected at all, and projecting the same ids again finishes the job.
+parent. Episodes go out in batches of at most ``batch`` (``sweep.BATCH`` by default), cut
+small enough that every process gets work. Each batch is one ``project_episodes`` call: one
+read, one write transaction, idempotent. A process that dies therefore leaves whole episodes
+projected or not projected at all, and projecting the same ids again finishes the job.
 """
 
 from __future__ import annotations
@@ -40,17 +40,22 @@ def _project(episode_ids: list[str]) -> list[ProjectOutcome]:
 
 
 class ProjectionPool:
-    """``jobs`` processes projecting episodes of the database at ``database_url``. Use it as
-    a context manager, or call ``close``. Raises ValueError when ``jobs`` is not a positive
-    int or ``database_url`` is empty."""
+    """``jobs`` processes projecting episodes of the database at ``database_url``, at most
+    ``batch`` episodes per read and write transaction (default ``sweep.BATCH``). Use it as a
+    context manager, or call ``close``. Raises ValueError when ``jobs`` or ``batch`` is not a
+    positive int or ``database_url`` is empty."""
 
-    def __init__(self, database_url: str, *, jobs: int,
+    def __init__(self, database_url: str, *, jobs: int, batch: int | None = None,
                  statement_timeout_ms: int = 60_000) -> None:
-        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-            raise ValueError(f"jobs must be a positive int, got {jobs!r}")
+        from workers.replay.sweep import BATCH
+
+        for name, value in (("jobs", jobs), ("batch", BATCH if batch is None else batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(database_url, str) or not database_url:
             raise ValueError(f"database_url must be a non-empty string, got {database_url!r}")
         self.jobs = jobs
+        self.batch = BATCH if batch is None else batch
         self._executor = ProcessPoolExecutor(
             max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
             initializer=_start, initargs=(database_url, statement_timeout_ms))
@@ -60,13 +65,11 @@ class ProjectionPool:
         id, in order. Raises TypeError when ``episode_ids`` is not a list of strings; an error
         in a worker process (a database error, a process that died) propagates, with the
         batches that finished before it written."""
-        from workers.replay.sweep import BATCH
-
         if isinstance(episode_ids, (str, bytes)) or not isinstance(episode_ids, Sequence) \
                 or not all(isinstance(e, str) for e in episode_ids):
             raise TypeError(f"episode_ids must be a list of strings, got {episode_ids!r:.80}")
         ids = list(episode_ids)
-        size = max(1, min(BATCH, -(-len(ids) // self.jobs)))
+        size = max(1, min(self.batch, -(-len(ids) // self.jobs)))
         outcomes: list[ProjectOutcome] = []
         for batch in self._executor.map(_project, [ids[i:i + size]
                                                    for i in range(0, len(ids), size)]):
