@@ -14,11 +14,13 @@ by a ``ProjectionPool`` of ``--jobs`` processes, the way ``trajstore replay --re
 projects; (c) and (d) are printed beside the target, which is (b)'s.
 
     python bench/replay.py [--episodes 40 --turns 6 --rounds 3 --tool-tokens 0 --reply-tokens 0
-                            --jobs 2]
+                            --system-tokens 0 --shared-prompt --jobs 2]
 
-By default messages are short (a sentence, a number); ``--tool-tokens`` and
-``--reply-tokens`` lengthen tool outputs and replies, and ``--turns`` the episodes, to see
-how the ratio moves with the shape of the episodes.
+By default messages are short (a sentence, a number) and every episode asks its own question;
+``--tool-tokens`` and ``--reply-tokens`` lengthen tool outputs and replies, ``--turns`` the
+episodes, ``--system-tokens`` adds a system prompt, and ``--shared-prompt`` makes the four
+episodes of a group ask the same question (as a GRPO group's rollouts do), to see how the
+ratio moves with the shape of the episodes.
 """
 
 from __future__ import annotations
@@ -63,9 +65,13 @@ TOOL = {"type": "function", "function": {
 
 
 def episode(tokenizer, run_id: str, group: str, turns: int, seed: int, *,
-            tool_tokens: int = 0, reply_tokens: int = 0) -> list:
+            tool_tokens: int = 0, reply_tokens: int = 0, system_tokens: int = 0,
+            task: int | None = None) -> list:
     """One episode of ``turns`` calculator calls; with ``tool_tokens`` / ``reply_tokens``,
-    each tool output / reply carries about that many tokens of English-like text more."""
+    each tool output / reply carries about that many tokens of English-like text more; with
+    ``system_tokens``, a system prompt of about that many tokens (the same in every episode)
+    opens it. ``task`` numbers the user's request (default: ``seed``); episodes of one GRPO
+    group share it."""
     rng = np.random.default_rng(seed)
 
     def pad(n: int) -> str:
@@ -78,8 +84,12 @@ def episode(tokenizer, run_id: str, group: str, turns: int, seed: int, *,
     def encode(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    messages: list[dict[str, Any]] = [
-        {"role": "user", "content": f"Compute the running total of {seed} items."}]
+    system = ([{"role": "system", "content": words(np.random.default_rng(12345),
+                                                    system_tokens)}]
+              if system_tokens else [])
+    messages: list[dict[str, Any]] = [*system, {
+        "role": "user",
+        "content": f"Compute the running total of {seed if task is None else task} items."}]
     events: list[Event] = [EpisodeStarted(run_id=run_id, group_id=group, messages=messages,
                                           tools=[TOOL])]
     for t in range(turns):
@@ -112,10 +122,15 @@ def main(argv: list[str] | None = None) -> list[float]:
                         help="about this many tokens of text more in every tool output")
     parser.add_argument("--reply-tokens", type=int, default=0,
                         help="about this many tokens of text more in every reply")
+    parser.add_argument("--system-tokens", type=int, default=0,
+                        help="a system prompt of about this many tokens opens every episode")
+    parser.add_argument("--shared-prompt", action="store_true",
+                        help="the 4 episodes of a group share their request, as GRPO groups do")
     parser.add_argument("--jobs", type=int, default=2,
                         help="processes of the ProjectionPool timed in (d); 0 skips (d)")
     args = parser.parse_args(argv)
-    shape = {"tool_tokens": args.tool_tokens, "reply_tokens": args.reply_tokens}
+    shape = {"tool_tokens": args.tool_tokens, "reply_tokens": args.reply_tokens,
+             "system_tokens": args.system_tokens}
     tokenizer = load_tokenizer("qwen3")
     with scratch_database() as url, contextlib.ExitStack() as stack:
         store = EventStore(Database(url, max_size=2), Settings(database_url=url))
@@ -146,6 +161,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             for e in range(3 * args.episodes):
                 ep = f"{run_id}-ep{e}"
                 store.append(ep, episode(tokenizer, run_id, f"g{e // 4}", args.turns, e,
+                                         task=e // 4 if args.shared_prompt else None,
                                          **shape), NO_STREAM)
                 sets[e // args.episodes].append(ep)
             ids, others, parallel = sets
@@ -183,6 +199,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         store.close()
     extra = (f" (tool outputs +{args.tool_tokens}, replies +{args.reply_tokens} tokens)"
              if args.tool_tokens or args.reply_tokens else "")
+    extra += f" (system prompt {args.system_tokens} tokens)" if args.system_tokens else ""
+    extra += " (groups share their request)" if args.shared_prompt else ""
     print(f"{args.episodes} episodes x {args.turns} turns per round{extra}; median replay/read = "
           f"{statistics.median(ratios):.2f} (target >= 0.5); per-episode task path "
           f"{statistics.median(single):.2f}"

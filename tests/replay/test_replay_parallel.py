@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -80,9 +81,16 @@ def test_a_killed_pool_process_leaves_whole_episodes_and_a_second_pass_finishes(
     with ProjectionPool(pg_url, jobs=1, batch=3) as pool:
         pool.project(warm)  # the process has started and loaded the tokenizer
         (process,) = pool._executor._processes.values()  # type: ignore[attr-defined]
-        # Eight transactions of three episodes: the kill lands among them (where exactly
-        # does not matter to what is checked).
-        killer = threading.Timer(0.1, os.kill, (process.pid, signal.SIGKILL))
+
+        def kill_once_a_transaction_committed() -> None:
+            # Eight transactions of three episodes: the kill lands among them.
+            with store.db.connection() as conn:
+                while conn.execute("SELECT count(*) FROM episodes WHERE episode_id ="
+                                   " ANY(%s)", (pooled,)).fetchone()[0] < 3:
+                    time.sleep(0.001)
+            os.kill(process.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_a_transaction_committed)
         killer.start()
         with pytest.raises(concurrent.futures.process.BrokenProcessPool):
             pool.project(pooled)

@@ -320,3 +320,47 @@ def test_tojson_memo_dumps_what_marshal_refuses_each_time() -> None:
     assert tojson({"a": 1}) == tojson({"a": 1}) == '{"a": 1}' and len(calls) == 1
     assert tojson([Level.HIGH]) == tojson([Level.HIGH]) == "[2]" and len(calls) == 3
     assert tojson({"a": 1}, separators=[",", ":"]) == '{"a":1}' and len(calls) == 4
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_episodes_that_open_alike_share_the_first_segmentation(name: str, request,
+                                                               monkeypatch) -> None:
+    """Two episodes of one group (same opening prompt, different continuations): the second
+    takes the first call's segmentation without rendering or decoding it again, and both
+    replay as in full. Another template override does not share it."""
+    import workers.replay.segment as segment
+
+    tok = request.getfixturevalue(name)
+    first, second = (tool_episode(tok, turns=3, reasoning=r) for r in (False, True))
+    calls = [[e for e in episode if isinstance(e, LLMCalled)] for episode in (first, second)]
+    assert calls[0][0].messages == calls[1][0].messages and calls[0][1:] != calls[1][1:]
+    monkeypatch.setattr(segment, "_FIRST_CALLS", segment.weakref.WeakKeyDictionary())
+    full_segmentations = []
+    original = Segmenter._full
+
+    def counting(self, *args, **kwargs):
+        full_segmentations.append(args[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Segmenter, "_full", counting)
+    reused = [replay_episode(episode, config=RunConfig(), tokenizer=tok)
+              for episode in (first, second)]
+    assert len(full_segmentations) == 1  # the second episode's opening came from the first
+    fast, _ = segment_all(tok, second, reuse=True)
+    assert len(full_segmentations) == 1
+    full, _ = segment_all(tok, second, reuse=False)  # every call in full, no sharing
+    assert len(full_segmentations) == 1 + len(full)
+    assert [as_tuple(s) for s in fast] == [as_tuple(s) for s in full]
+    template = "{# another template #}" + tok.chat_template  # its own segmentation
+    segment_all(tok, second, reuse=True, chat_template=template)
+    assert len(full_segmentations) == 2 + len(full)
+    monkeypatch.setattr(Segmenter, "_full", original)
+    original_init = Segmenter.__init__
+
+    def full_only(self, *args, **kwargs):
+        kwargs["reuse"] = False
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Segmenter, "__init__", full_only)
+    for episode, replayed in zip((first, second), reused, strict=True):
+        same_replay(replayed, replay_episode(episode, config=RunConfig(), tokenizer=tok))

@@ -62,14 +62,22 @@ segmented from the earlier segmentation, with the result the steps above give:
   A prompt extended by a later call is checked through that call: its text is the beginning
   of a prompt that is checked.
 
+Reuse across episodes. A call segmented in full (an episode's first) is kept for the process,
+per tokenizer and template, by its messages, tools and prompt ids: the episodes of a GRPO
+group open with the same prompt, so only the first of them segments it, and the others take
+a copy of that segmentation (the same deterministic result, ``FIRST_CALLS_KEPT`` kept).
+
 ``Segmenter(tokenizer, reuse=False)`` segments every call in full.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import marshal
 import sys
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,6 +296,16 @@ class _Done:
     extended: bool = field(default=False)
 
 
+#: Calls segmented in full, per tokenizer: (templates, override, tools, messages, ids) ->
+#: the segmentation's state (see the module docstring). Entries are never handed out
+#: themselves, only copies, since a Segmenter marks its own state as extended.
+_FIRST_CALLS: weakref.WeakKeyDictionary[Any, OrderedDict[tuple[Any, ...], _Done]] = \
+    weakref.WeakKeyDictionary()
+_FIRST_CALLS_LOCK = threading.Lock()
+#: Full segmentations kept per tokenizer (the openings of the groups being replayed).
+FIRST_CALLS_KEPT = 256
+
+
 @dataclass
 class _Placed:
     ends: list[int]
@@ -321,8 +339,9 @@ class Segmenter:
         self._interner = PrefixInterner()
         self._renders: dict[int, str] = {0: ""}
         templates = getattr(tokenizer, "chat_template", None)
-        self._generation_prompts = _accepted_generation_prompts(
-            templates if isinstance(templates, str) else repr(templates), chat_template)
+        self._template_key = (templates if isinstance(templates, str) else repr(templates),
+                              chat_template)
+        self._generation_prompts = _accepted_generation_prompts(*self._template_key)
         self._special_tokens: list[str] | None = None
         self._done: list[_Done] = []
         self._derived: list[_Done] = []
@@ -384,7 +403,7 @@ class Segmenter:
                     done = None  # the full path says what is wrong
                 if done is not None:
                     return self._finish(done, base)
-        return self._finish(self._full(messages, tools, tools_key_, ids, call_id), None)
+        return self._finish(self._full_shared(messages, tools, tools_key_, ids, call_id), None)
 
     def _base(self, messages: Sequence[Mapping[str, Any]], tools_key_: bytes | str, ids: np.ndarray
               ) -> _Done | None:
@@ -429,6 +448,43 @@ class Segmenter:
     def _new_key(self) -> int:
         self._count += 1
         return self._count
+
+    def _full_shared(self, messages: Sequence[Mapping[str, Any]],
+                     tools: Sequence[Mapping[str, Any]] | None, tools_key_: bytes | str,
+                     ids: np.ndarray, call_id: str | None) -> _Done:
+        """``_full``, or a copy of the same call segmented in full by another Segmenter of
+        this tokenizer and template (see the module docstring)."""
+        key: tuple[Any, ...] | None = None
+        cache = None
+        if self.reuse and ids.ndim == 1 and ids.dtype == np.int64:
+            try:
+                key = (*self._template_key, tools_key_, marshal.dumps(list(messages), 0),
+                       ids.tobytes())
+            except ValueError:  # messages of types marshal refuses: no key for them
+                key = None
+        if key is not None:
+            with _FIRST_CALLS_LOCK:
+                try:
+                    cache = _FIRST_CALLS.setdefault(self.tokenizer, OrderedDict())
+                except TypeError:  # a tokenizer that cannot be weakly referenced
+                    cache = None
+                hit = cache.get(key) if cache is not None else None
+                if hit is not None and cache is not None:
+                    cache.move_to_end(key)
+            if hit is not None:
+                node = self._interner.root(tools_key_)
+                for message in messages:
+                    node = self._interner.child(node, _render_key(message))
+                return dataclasses.replace(
+                    hit, key=self._new_key(), messages=list(messages), tools=list(tools or ()),
+                    ids=ids, message_ids=[], node=node, derived=None, extended=False)
+        done = self._full(messages, tools, tools_key_, ids, call_id)
+        if key is not None and cache is not None:
+            with _FIRST_CALLS_LOCK:
+                cache[key] = dataclasses.replace(done)
+                while len(cache) > FIRST_CALLS_KEPT:
+                    cache.popitem(last=False)
+        return done
 
     def _full(self, messages: Sequence[Mapping[str, Any]],
               tools: Sequence[Mapping[str, Any]] | None, tools_key_: bytes | str, ids: np.ndarray,
