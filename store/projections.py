@@ -187,8 +187,26 @@ def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
     return columns
 
 
-#: Episode columns in ``EpisodeRow`` field order, and their array types for ``unnest``.
-_EPISODE_FIELDS = [f.name for f in fields(EpisodeRow)]
+def _unnest_insert(table: str, row_type: type, types: dict[str, str]) -> str:
+    """``INSERT INTO table (...) SELECT * FROM unnest(...)`` with one binary array parameter
+    per column of ``types`` (column -> element type), in its order: the statement that writes
+    rows of the dataclass ``row_type``, whose fields are named as the columns. Raises
+    ValueError (at import) when the fields and the columns differ, so that a field added to
+    a row type cannot go unwritten."""
+    names = {f.name for f in fields(row_type)}
+    if names != set(types):
+        raise ValueError(f"{row_type.__name__} fields {sorted(names)} differ from the columns "
+                         f"of {table}: {sorted(types)}")
+    return (f"INSERT INTO {table} ({', '.join(types)}) SELECT * FROM unnest("
+            + ", ".join(f"%b::{t}[]" for t in types.values()) + ")")
+
+
+def _row_columns(rows: Sequence[Any], types: dict[str, str]) -> list[list[Any]]:
+    """The column arrays of an ``_unnest_insert`` statement for dataclass ``rows``."""
+    return _columns([tuple(getattr(r, c) for c in types) for r in rows], len(types))
+
+
+#: Column -> array element type of the tables written as dataclass rows, and their inserts.
 _EPISODE_TYPES = {
     "episode_id": "text", "run_id": "text", "group_id": "text", "status": "text",
     "projected_version": "int", "task_id": "text", "invalid_reason": "text",
@@ -197,8 +215,25 @@ _EPISODE_TYPES = {
     "survivors": "int", "forks": "int", "drifted_messages": "int", "negatives": "int",
     "tokens": "int", "started_at": "timestamptz", "finished_at": "timestamptz",
 }
-_EPISODE_COLUMNS = ", ".join(_EPISODE_FIELDS)
-_EPISODE_ARRAYS = ", ".join(f"%b::{_EPISODE_TYPES[f]}[]" for f in _EPISODE_FIELDS)
+_FORK_TYPES = {"episode_id": "text", "agent": "text", "timeline": "int", "other": "int",
+               "message_index": "int", "reason": "text"}
+_TOOL_CALL_TYPES = {
+    "run_id": "text", "group_id": "text", "episode_id": "text", "agent": "text",
+    "stream_version": "int", "tool_name": "text", "is_error": "boolean", "policy_version": "int",
+    "error_type": "text", "position_key": "text", "duration_ms": "float8",
+    "occurred_at": "timestamptz",
+}
+_FAILURE_TYPES = {
+    "run_id": "text", "group_id": "text", "episode_id": "text", "agent": "text",
+    "policy_version": "int", "source": "text", "stream_version": "int", "tool_name": "text",
+    "error_type": "text", "error_message": "text", "position_key": "text",
+    "retry_index": "int", "recovered": "boolean", "occurred_at": "timestamptz",
+    "retried": "boolean", "retries_to_recover": "int",
+}
+_EPISODE_INSERT = _unnest_insert("episodes", EpisodeRow, _EPISODE_TYPES)
+_FORK_INSERT = _unnest_insert("timeline_forks", ForkRow, _FORK_TYPES)
+_TOOL_CALL_INSERT = _unnest_insert("tool_calls", ToolCallRow, _TOOL_CALL_TYPES)
+_FAILURE_INSERT = _unnest_insert("failures", FailureRow, _FAILURE_TYPES)
 
 _SAMPLE_COLUMNS = (
     "run_id, group_id, episode_id, agent, kind, timeline_index, reward, policy_version,"
@@ -314,12 +349,8 @@ class Projections:
                     ).fetchall()
                     cur.execute("DELETE FROM episodes WHERE episode_id = ANY(%b::text[])",
                                  (again,))
-                cur.execute(
-                    f"INSERT INTO episodes ({_EPISODE_COLUMNS})"
-                    f" SELECT * FROM unnest({_EPISODE_ARRAYS})",
-                    _columns([tuple(getattr(p.episode, f) for f in _EPISODE_FIELDS) for p in todo],
-                             len(_EPISODE_FIELDS)),
-                )
+                cur.execute(_EPISODE_INSERT,
+                            _row_columns([p.episode for p in todo], _EPISODE_TYPES))
                 samples = [_sample_values(s) for p in todo for s in p.samples]
                 if samples:
                     cur.execute(
@@ -350,46 +381,13 @@ class Projections:
                         " AND s.timeline_index = k.timeline_index",
                         _columns(kept, 7),
                     )
-                forks = [(f.episode_id, f.agent, f.timeline, f.other, f.message_index, f.reason)
-                         for p in todo for f in p.forks]
-                if forks:
-                    cur.execute(
-                        "INSERT INTO timeline_forks (episode_id, agent, timeline, other,"
-                        " message_index, reason) SELECT * FROM unnest(%b::text[], %b::text[],"
-                        " %b::int[], %b::int[], %b::int[], %b::text[])",
-                        _columns(forks, 6),
-                    )
-                tool_calls = [(t.run_id, t.group_id, t.episode_id, t.agent, t.stream_version,
-                               t.tool_name, t.is_error, t.policy_version, t.error_type,
-                               t.position_key, t.duration_ms, t.occurred_at)
-                              for p in todo for t in p.tool_calls]
-                if tool_calls:
-                    cur.execute(
-                        "INSERT INTO tool_calls (run_id, group_id, episode_id, agent,"
-                        " stream_version, tool_name, is_error, policy_version, error_type,"
-                        " position_key, duration_ms, occurred_at)"
-                        " SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[],"
-                        " %b::int[], %b::text[], %b::boolean[], %b::int[], %b::text[], %b::text[],"
-                        " %b::float8[], %b::timestamptz[])",
-                        _columns(tool_calls, 12),
-                    )
-                failures = [(f.run_id, f.group_id, f.episode_id, f.agent, f.policy_version,
-                             f.source, f.stream_version, f.tool_name, f.error_type,
-                             f.error_message, f.position_key, f.retry_index, f.recovered,
-                             f.occurred_at, f.retried, f.retries_to_recover)
-                            for p in todo for f in p.failures]
-                if failures:
-                    cur.execute(
-                        "INSERT INTO failures (run_id, group_id, episode_id, agent,"
-                        " policy_version, source, stream_version, tool_name, error_type,"
-                        " error_message, position_key, retry_index, recovered, occurred_at,"
-                        " retried, retries_to_recover)"
-                        " SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[],"
-                        " %b::int[], %b::text[], %b::int[], %b::text[], %b::text[], %b::text[],"
-                        " %b::text[], %b::int[], %b::boolean[], %b::timestamptz[], %b::boolean[],"
-                        " %b::int[])",
-                        _columns(failures, 16),
-                    )
+                for statement, types, rows in (
+                        (_FORK_INSERT, _FORK_TYPES, [f for p in todo for f in p.forks]),
+                        (_TOOL_CALL_INSERT, _TOOL_CALL_TYPES,
+                         [t for p in todo for t in p.tool_calls]),
+                        (_FAILURE_INSERT, _FAILURE_TYPES, [f for p in todo for f in p.failures])):
+                    if rows:
+                        cur.execute(statement, _row_columns(rows, types))
                 # Every statement executed (their errors raised) before the hook runs.
                 pipeline.sync()
                 if before_commit is not None:

@@ -226,3 +226,18 @@ def test_collector_paused_nests_restores_and_survives_errors() -> None:
         assert not gc.isenabled()  # left as the caller had it
     finally:
         gc.enable()
+
+
+def test_a_row_type_and_its_columns_must_agree() -> None:
+    """A field added to a projection row type without its column is refused when the
+    statement is built, instead of going unwritten."""
+    from store.projections import ForkRow, _unnest_insert
+
+    columns = {"episode_id": "text", "agent": "text", "timeline": "int", "other": "int",
+               "message_index": "int"}
+    with pytest.raises(ValueError, match="ForkRow fields .* differ from the columns"):
+        _unnest_insert("timeline_forks", ForkRow, columns)
+    assert _unnest_insert("timeline_forks", ForkRow, {**columns, "reason": "text"}) == (
+        "INSERT INTO timeline_forks (episode_id, agent, timeline, other, message_index, reason)"
+        " SELECT * FROM unnest(%b::text[], %b::text[], %b::int[], %b::int[], %b::int[],"
+        " %b::text[])")

@@ -49,13 +49,14 @@ class ProjectionPool:
                  statement_timeout_ms: int = 60_000) -> None:
         from workers.replay.sweep import BATCH
 
-        for name, value in (("jobs", jobs), ("batch", BATCH if batch is None else batch)):
+        batch = BATCH if batch is None else batch
+        for name, value in (("jobs", jobs), ("batch", batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(database_url, str) or not database_url:
             raise ValueError(f"database_url must be a non-empty string, got {database_url!r}")
         self.jobs = jobs
-        self.batch = BATCH if batch is None else batch
+        self.batch = batch
         self._executor = ProcessPoolExecutor(
             max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
             initializer=_start, initargs=(database_url, statement_timeout_ms))

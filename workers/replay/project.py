@@ -484,8 +484,9 @@ def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
         return build_projection(run, events, None,
                                 invalid_reason=f"run {started.run_id!r} has no run_created")
     rows = run_rows if run_rows is not None else {}
-    known = rows.get(started.run_id)
-    run = known if known is not None else rows.setdefault(started.run_id, run_row(run_event))
+    run = rows.get(started.run_id)
+    if run is None:
+        run = rows[started.run_id] = run_row(run_event)
     config = run_event.event.config
     try:
         name = config.tokenizer or config.model
