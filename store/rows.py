@@ -197,15 +197,68 @@ def encode_llm_call(
     return LLMCallMemory(row.stream_version, sequence, full_messages)
 
 
+#: The JSON fields of a stored ``llm_called`` (``LLMCalled.to_data``).
+_LLM_CALL_FIELDS = frozenset({"agent", "call_id", "messages", "tools", "response",
+                              "finish_reason", "policy_version", "latency_ms", "usage"})
+
+
+def _name_ok(value: Any) -> bool:
+    return type(value) is str and 1 <= len(value) <= 200
+
+
+def _dicts(value: Any) -> bool:
+    return type(value) is list and all(type(v) is dict for v in value)
+
+
+def _stored_llm_call(data: dict[str, Any], own_messages: Any) -> dict[str, Any] | None:
+    """The fields of a stored ``llm_called`` as its model holds them, when the row's own
+    JSON (``own_messages``: the messages the row stores, not those taken from its delta
+    base) has every type and bound ``LLMCalled`` checks; None when it has not."""
+    if not data.keys() <= _LLM_CALL_FIELDS or not _name_ok(data.get("call_id")) \
+            or not _name_ok(data.get("agent", "main")) or not _dicts(own_messages):
+        return None
+    tools = data.get("tools")
+    response = data.get("response", {})
+    finish = data.get("finish_reason")
+    version = data.get("policy_version", 0)
+    latency = data.get("latency_ms")
+    usage = data.get("usage")
+    if (tools is not None and not _dicts(tools)) or type(response) is not dict \
+            or (finish is not None and type(finish) is not str) \
+            or type(version) is not int or version < 0 \
+            or (latency is not None and type(latency) not in (int, float)) \
+            or (usage is not None and type(usage) is not dict):
+        return None
+    fields = dict(data)
+    fields.setdefault("agent", "main")
+    fields.setdefault("messages", [])
+    fields["response"] = response
+    fields["policy_version"] = version
+    if type(latency) is int:
+        fields["latency_ms"] = float(latency)
+    return fields
+
+
 class Decoder:
     """Turns fetched rows back into events, expanding prompt and message deltas.
 
     Rows must be fed so that a delta's base comes first (stream version order within a
     stream); bases fetched only to decode others are fed with ``remember``.
+
+    By default every event is validated as ``parse_event`` does on append. With ``trusted``
+    (the projections, which read their own log in bulk), an ``llm_called`` of the current
+    schema version is checked only for what its row stores itself: the types and bounds of
+    its fields and of the messages it adds to its delta base, which were checked in the
+    base's own row. Its history is not validated once per later call (quadratic in the
+    turns), its token payloads are taken as stored (the int32 and float32 arrays append
+    checked), and the messages it shares with its base are the same dicts, not copies
+    (events are read-only). A row that fails those checks is validated in full, which
+    raises pydantic's error as the default does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, trusted: bool = False) -> None:
         self._memory: dict[tuple[str, int], LLMCallMemory] = {}
+        self._trusted = trusted
 
     def missing_bases(self, rows: Iterable[Any]) -> set[tuple[str, int]]:
         """(stream, version) of delta bases that these rows need and the decoder lacks."""
@@ -231,6 +284,7 @@ class Decoder:
         """The ``RecordedEvent`` of one fetched row (a mapping with ``ROW_COLUMNS``)."""
         data = dict(row["data"])
         tokens: dict[str, Any] | None = None
+        own_messages: Any = None
         if row["type"] == LLMCalled.type:
             stream = row["stream_id"]
             suffix = codec.unpack_ids(row["prompt_ids"])
@@ -247,6 +301,7 @@ class Decoder:
             else:
                 prompt = suffix
             msg_base = data.pop(MESSAGES_BASE_KEY, None)
+            own_messages = data.get("messages", [])
             if msg_base is not None:
                 if base is None or base.version != msg_base["version"]:
                     raise ValueError(f"event {stream}@{row['stream_version']}: bad message base")
@@ -265,6 +320,16 @@ class Decoder:
                 np.concatenate([prompt, response]).astype(np.int32, copy=False),
                 full_messages,
             )
+        if tokens is not None and self._trusted \
+                and row["schema_version"] == LLMCalled.schema_version:
+            fields = _stored_llm_call(data, own_messages)
+            if fields is not None:
+                for name, array in tokens.items():
+                    array.flags.writeable = False
+                    fields[name] = array
+                fields["event_id"] = row["event_id"]
+                fields["occurred_at"] = row["occurred_at"]
+                return self._recorded(row, LLMCalled.model_construct(**fields))
         event = parse_event(
             row["type"],
             data,
@@ -273,6 +338,10 @@ class Decoder:
             event_id=row["event_id"],
             occurred_at=row["occurred_at"],
         )
+        return self._recorded(row, event)
+
+    @staticmethod
+    def _recorded(row: Any, event: Event) -> RecordedEvent:
         return RecordedEvent(
             position=row["position"],
             tx_id=row["tx_id"],

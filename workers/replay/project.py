@@ -435,7 +435,8 @@ def _read_events(store: EventStore, stream_ids: Sequence[str], where: str, *,
                  conn: psycopg.Connection | None = None) -> list[RecordedEvent]:
     """The events of ``stream_ids`` that ``where`` (SQL after the stream filter) keeps,
     decoded as ``EventStore.read_stream`` gives them (token payloads and delta encodings
-    expanded), read with one query (on ``conn`` when given)."""
+    expanded; ``llm_called`` rows checked as a trusted ``Decoder`` checks them), read with
+    one query (on ``conn`` when given)."""
     if not stream_ids:
         return []
     if conn is None:
@@ -445,7 +446,8 @@ def _read_events(store: EventStore, stream_ids: Sequence[str], where: str, *,
         f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%b::text[]) {where}",
         (list(stream_ids),),
     ).fetchall()
-    decoder = Decoder()
+    # The log's own rows, checked on append: not validated again (see ``Decoder``).
+    decoder = Decoder(trusted=True)
     return [decoder.decode(row) for row in rows]
 
 
