@@ -2,9 +2,9 @@
 
 Segmenting a prompt into messages needs, for every prompt token, the character at which its
 text starts. Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen) map every id to a fixed byte
-string, so the offsets are a cumulative sum over a per-id byte-length table, computed with
-numpy in one pass; the table is checked against the tokenizer's own decoding of every
-sequence that holds an id no earlier check covered, and is not used when the two disagree.
+string, so the offsets are a cumulative sum of the ids' byte lengths; the table is checked
+against the tokenizer's own decoding of every sequence that holds an id no earlier check
+covered, and is not used when the two disagree.
 Every other tokenizer is decoded incrementally with ``tokenizers``' ``DecodeStream`` (linear,
 slower). A token that ends inside a multi-byte character starts at that character.
 """
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
 from workers.replay.errors import ReplayError
 
-__all__ = ["byte_level_alphabet", "decode_appendable", "decode_with_offsets"]
+__all__ = ["byte_level_alphabet", "decode_appendable", "decode_ids", "decode_with_offsets"]
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -55,12 +56,15 @@ class _ByteTable:
             if idx < size:
                 pieces[idx] = added.content.encode("utf-8")
         self.pieces = pieces
-        self.lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
         #: Ids that occurred in a sequence whose table decoding equalled the tokenizer's.
-        self.checked = np.zeros(size, dtype=bool)
+        self.checked: set[int] = set()
 
 
 _TABLES: weakref.WeakKeyDictionary[Any, _ByteTable] = weakref.WeakKeyDictionary()
+#: tokenizer -> (its ``tokenizers`` backend, the backend's byte table or None), found once
+#: per tokenizer (reading ``backend.decoder`` builds a new wrapper object every time).
+_DECODERS: weakref.WeakKeyDictionary[Any, tuple[Any, _ByteTable | None]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _backend(tokenizer: Any) -> Any:
@@ -87,46 +91,68 @@ def _byte_table(backend: Any) -> _ByteTable | None:
     return table
 
 
-def _char_starts_of_bytes(text: str, byte_starts: np.ndarray) -> np.ndarray:
+def _decoder_of(tokenizer: Any) -> tuple[Any, _ByteTable | None]:
+    """The backend of ``tokenizer`` and its byte table; TypeError when it has no fast
+    (``tokenizers``) backend."""
+    try:
+        found = _DECODERS.get(tokenizer)
+    except TypeError:  # a tokenizer that cannot be weakly referenced
+        found = None
+    if found is None:
+        backend = _backend(tokenizer)
+        if backend is None or not hasattr(backend, "decode"):
+            raise TypeError(f"tokenizer must be a fast tokenizer with a `tokenizers` backend, "
+                            f"got {type(tokenizer).__name__}")
+        found = (backend, _byte_table(backend))
+        try:
+            _DECODERS[tokenizer] = found
+        except TypeError:
+            pass
+    return found
+
+
+def _char_starts_of_bytes(text: str, byte_starts: list[int]) -> list[int]:
     """Map byte offsets into ``text``'s UTF-8 encoding to character offsets."""
-    if not text.isascii():
-        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        widths = 1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000)
-        char_byte_start = np.cumsum(widths) - widths
-        return np.searchsorted(char_byte_start, byte_starts, side="right") - 1
-    return byte_starts
+    if text.isascii():
+        return byte_starts
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    widths = 1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000)
+    char_byte_start = np.cumsum(widths) - widths
+    starts = np.searchsorted(char_byte_start, np.asarray(byte_starts, dtype=np.int64),
+                             side="right") - 1
+    return starts.tolist()
 
 
-def _by_table(backend: Any, table: _ByteTable, ids: np.ndarray, id_list: list[int]
-              ) -> tuple[str, np.ndarray] | None:
+def _by_table(backend: Any, table: _ByteTable, ids: list[int]) -> tuple[str, list[int]] | None:
     """The text and token starts from the byte table, or None when the table cannot be
     trusted for these ids: a strict UTF-8 decoding fails (a sequence ending inside a
     character), or ids no earlier check covered give a text other than the tokenizer's
     own decoding. A byte-level decoding is the concatenation of the ids' byte strings, so
-    an id whose byte string a check confirmed stays confirmed in any sequence."""
-    pieces = table.pieces
+    an id whose byte string a check confirmed stays confirmed in any sequence. Plain list
+    operations: a call's new tokens are a few dozen, where numpy's per-call cost dominates."""
+    parts = list(map(table.pieces.__getitem__, ids))
     try:
-        text = b"".join([pieces[i] for i in id_list]).decode("utf-8")
+        text = b"".join(parts).decode("utf-8")
     except UnicodeDecodeError:
         return None
-    if not table.checked[ids].all():
-        if text != backend.decode(id_list, skip_special_tokens=False):
+    if not table.checked.issuperset(ids):
+        if text != backend.decode(ids, skip_special_tokens=False):
             return None
-        table.checked[ids] = True
-    lengths = table.lengths[ids]
-    byte_starts = np.cumsum(lengths) - lengths
+        table.checked.update(ids)
+    byte_starts = list(accumulate(map(len, parts), initial=0))
+    byte_starts.pop()
     return text, _char_starts_of_bytes(text, byte_starts)
 
 
-def _by_stream(backend: Any, ids: np.ndarray) -> tuple[str, np.ndarray]:
+def _by_stream(backend: Any, ids: list[int]) -> tuple[str, list[int]]:
     from tokenizers.decoders import DecodeStream
 
     stream = DecodeStream(skip_special_tokens=False)
-    starts = np.empty(len(ids), dtype=np.int64)
+    starts = [0] * len(ids)
     chunks: list[str] = []
     emitted = 0
     pending: list[int] = []
-    for t, token in enumerate(ids.tolist()):
+    for t, token in enumerate(ids):
         pending.append(t)
         chunk = stream.step(backend, token)
         if chunk is None:
@@ -160,27 +186,28 @@ def decode_appendable(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
     texts (a byte-level decoder joins byte strings and decodes them as UTF-8; both halves
     being whole characters, nothing straddles the join), with the second's offsets shifted
     by the first text's length. Raises as ``decode_with_offsets``."""
-    backend = _backend(tokenizer)
-    if backend is None or not hasattr(backend, "decode"):
-        raise TypeError(f"tokenizer must be a fast tokenizer with a `tokenizers` backend, got "
-                        f"{type(tokenizer).__name__}")
+    _decoder_of(tokenizer)
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
         raise TypeError(f"token_ids must be a 1-d sequence of integers, got shape {ids.shape} "
                         f"dtype {ids.dtype}")
-    ids = ids.astype(np.int64, copy=False)
-    id_list = ids.tolist()
-    table = _byte_table(backend)
+    text, starts, appendable = decode_ids(tokenizer, ids.astype(np.int64, copy=False).tolist())
+    return text, np.asarray(starts, dtype=np.int64), appendable
+
+
+def decode_ids(tokenizer: Any, ids: list[int]) -> tuple[str, list[int], bool]:
+    """``decode_appendable`` for a list of Python ints, with the starts as a list."""
+    backend, table = _decoder_of(tokenizer)
     size = backend.get_vocab_size(with_added_tokens=True)
-    if id_list and (min(id_list) < 0 or max(id_list) >= size):
-        p = next(p for p, i in enumerate(id_list) if not 0 <= i < size)
-        raise ReplayError(f"token id {id_list[p]} at position {p} is outside the "
+    if ids and (min(ids) < 0 or max(ids) >= size):
+        p = next(p for p, i in enumerate(ids) if not 0 <= i < size)
+        raise ReplayError(f"token id {ids[p]} at position {p} is outside the "
                           f"vocabulary of size {size}")
-    if table is not None and table.lengths.size >= size:
-        found = _by_table(backend, table, ids, id_list)
+    if table is not None and len(table.pieces) >= size:
+        found = _by_table(backend, table, ids)
         if found is not None:
             return found[0], found[1], True
-    expected = backend.decode(id_list, skip_special_tokens=False)
+    expected = backend.decode(ids, skip_special_tokens=False)
     text, starts = _by_stream(backend, ids)
     if text != expected:
         raise ReplayError("incremental decoding of the token ids does not reproduce the "

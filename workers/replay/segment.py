@@ -77,6 +77,7 @@ import marshal
 import sys
 import threading
 import weakref
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ import numpy as np
 
 from workers.replay.equality import PrefixInterner, content_text
 from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
-from workers.replay.offsets import decode_appendable
+from workers.replay.offsets import decode_ids
 from workers.replay.render import ChatRenderer
 
 __all__ = ["Segmentation", "Segmenter", "common_prefix_length"]
@@ -276,7 +277,10 @@ class _Done:
     tools_key: bytes | str
     ids: np.ndarray
     text: str
-    starts: np.ndarray
+    #: Each token's start in ``text``: the first ``len(ids)`` entries of a list that the
+    #: segmentations extending this one may share, each appending its own tokens' starts
+    #: (a list someone appended to already is copied first).
+    starts: list[int]
     appendable: bool
     ends: list[int]
     relocated: list[int]
@@ -431,8 +435,8 @@ class Segmenter:
         # Token boundaries of the messages not taken over (ends never decrease): only their
         # tokens and the generation prompt's become new lists.
         first = done.ends[reused - 1] if reused else 0
-        cuts = np.searchsorted(done.starts, np.asarray([first, *done.ends[reused:]],
-                                                       dtype=np.int64), side="left").tolist()
+        count = len(done.ids)
+        cuts = [bisect_left(done.starts, end, 0, count) for end in (first, *done.ends[reused:])]
         low = cuts[0]
         ids = done.ids[low:].tolist()
         message_ids = list(base.message_ids) if base is not None else []
@@ -477,11 +481,12 @@ class Segmenter:
                     node = self._interner.child(node, _render_key(message))
                 return dataclasses.replace(
                     hit, key=self._new_key(), messages=list(messages), tools=list(tools or ()),
-                    ids=ids, message_ids=[], node=node, derived=None, extended=False)
+                    ids=ids, starts=list(hit.starts), message_ids=[], node=node, derived=None,
+                    extended=False)
         done = self._full(messages, tools, tools_key_, ids, call_id)
         if key is not None and cache is not None:
             with _FIRST_CALLS_LOCK:
-                cache[key] = dataclasses.replace(done)
+                cache[key] = dataclasses.replace(done, starts=list(done.starts))
                 while len(cache) > FIRST_CALLS_KEPT:
                     cache.popitem(last=False)
         return done
@@ -489,7 +494,7 @@ class Segmenter:
     def _full(self, messages: Sequence[Mapping[str, Any]],
               tools: Sequence[Mapping[str, Any]] | None, tools_key_: bytes | str, ids: np.ndarray,
               call_id: str | None) -> _Done:
-        text, starts, appendable = decode_appendable(self.tokenizer, ids)
+        text, starts, appendable = decode_ids(self.tokenizer, ids.tolist())
         node = self._interner.root(tools_key_)
         renders: list[str] = []
         for k in range(1, len(messages) + 1):
@@ -508,7 +513,7 @@ class Segmenter:
                 tools: Sequence[Mapping[str, Any]] | None, ids: np.ndarray,
                 call_id: str | None) -> _Done | None:
         """Segment a call that extends ``base``; None when it must be segmented in full."""
-        added, added_starts, appendable = decode_appendable(self.tokenizer, ids[len(base.ids):])
+        added, added_starts, appendable = decode_ids(self.tokenizer, ids[len(base.ids):].tolist())
         if not appendable:
             return None
         text = base.text + added
@@ -532,7 +537,11 @@ class Segmenter:
             renders.append(last if k == n else self._prefix_render(node, messages[:k], tools))
         placed = self._place(text, messages, renders, first=m, previous_end=base.ends[-1],
                              horizon=base.horizon, call_id=call_id)
-        starts = np.concatenate([base.starts, added_starts + len(base.text)])
+        starts = base.starts
+        if len(starts) != len(base.ids):  # another call extended it: this one forks
+            starts = starts[:len(base.ids)]
+        offset = len(base.text)
+        starts.extend([start + offset for start in added_starts])
         return _Done(key=self._new_key(), messages=list(messages), tools=base.tools,
                      tools_key=base.tools_key, ids=ids, text=text, starts=starts,
                      appendable=True, ends=base.ends + placed.ends,
