@@ -15,7 +15,7 @@ from store.events import LLMCalled, RunConfig
 from workers.replay.episode import replay_episode
 from workers.replay.errors import PromptMismatchError, ReplayError
 from workers.replay.offsets import decode_appendable
-from workers.replay.render import CHECKED, ChatRenderer
+from workers.replay.render import CHECKED, ChatRenderer, _verified
 from workers.replay.segment import Segmenter, _render_key
 
 TOOLS = [SEARCH_TOOL]
@@ -182,6 +182,7 @@ def test_renderer_gives_apply_chat_template_text(qwen3, llama) -> None:
     ("{{ raise_exception('no') }}", jinja2.TemplateError),
     ("{{ messages.append(1) }}", jinja2.exceptions.SecurityError),
     ("{{ messages[0].update({'x': 1}) }}", jinja2.exceptions.SecurityError),
+    ("{{ messages[0].nothing.strip() }}", jinja2.exceptions.UndefinedError),
 ])
 def test_renderer_refuses_what_the_sandbox_refuses(qwen3, template: str, error) -> None:
     messages = [{"role": "user", "content": "hi"}]
@@ -206,6 +207,12 @@ def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
                 "{{ messages[0].get('role') }}{{ messages[0].keys() | list }}"
                 "{{ messages[0].content.split(sep='i') }}{{ messages[0].nothing is defined }}"
                 "{{ messages[0].content.rstrip('i') }}|"
+                # str methods called straight away on a str, through the sandbox on others.
+                "{{ messages.count(1) }}{{ messages[0].content.startswith('h', 0) }}"
+                "{{ messages[0].content.replace('h', 'j').upper() }}"
+                "{{ messages[0].content.center(6, '*') }}{{ '{}!'.format(1) }}"
+                "{{ ' x '.strip() }}{{ messages[1].items.real }}"
+                "{{ '{0.__class__}'.format(messages) }}{{ '{x.__class__}'.format_map({'x': 1}) }}|"
                 # Lookups the compiled template makes inline (dict keys, loop values), next
                 # to the sandbox's own: keys named like dict methods or loop values, missing
                 # keys, attributes of other types, nested lookups.
@@ -221,6 +228,8 @@ def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
     renderer = ChatRenderer(qwen3, chat_template=template)
     assert [renderer.render(messages, tools=None, generation_prompt=False)
             for _ in range(CHECKED + 2)] == [expected] * (CHECKED + 2)
+    # The compiled template's own renders matched (none fell back to apply_chat_template).
+    assert _verified[(template, renderer._variables_key)] == CHECKED
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
@@ -299,6 +308,8 @@ def test_renderer_tojson_memo_tells_types_orders_and_options_apart(qwen3) -> Non
     renderer = ChatRenderer(qwen3, chat_template=template)
     assert [renderer.render(messages, tools=None, generation_prompt=False)
             for _ in range(CHECKED + 2)] == [expected] * (CHECKED + 2)
+    # The compiled template's own renders matched (none fell back to apply_chat_template).
+    assert _verified[(template, renderer._variables_key)] == CHECKED
 
 
 def test_tojson_memo_dumps_what_marshal_refuses_each_time() -> None:

@@ -57,6 +57,12 @@ _METHODS = (types.MethodType, types.BuiltinMethodType)
 _LOOP_VALUES = frozenset({"index", "index0", "revindex", "revindex0", "first", "last",
                           "length", "depth", "depth0", "previtem", "nextitem"})
 _BUILTIN_CALLABLES = (types.BuiltinMethodType, types.BuiltinFunctionType)
+#: Methods of ``str`` a template may call without the sandbox's dispatch: every public one
+#: but the two it wraps (``format``, ``format_map``). None raises StopIteration, which is all
+#: ``Context.call`` would catch.
+_STR_METHODS = frozenset(name for name in dir(str) if not name.startswith("_")
+                         and callable(getattr(str, name))
+                         and name not in ("format", "format_map"))
 
 
 class _CachingSandbox(ImmutableSandboxedEnvironment):
@@ -156,6 +162,36 @@ class _InlineLookups(compiler.CodeGenerator):
             super().visit_Getattr(node, frame)
             return
         self._inline(node.node, frame, node.attr, "getattr", node.attr in _LOOP_VALUES)
+
+    @compiler.optimizeconst
+    def visit_Call(self, node: nodes.Call, frame: compiler.Frame,
+                   forward_caller: bool = False) -> None:
+        callee = node.node
+        if (self.environment.is_async or forward_caller or not isinstance(callee, nodes.Getattr)
+                or callee.attr not in _STR_METHODS or node.kwargs or node.dyn_args
+                or node.dyn_kwargs or not all(isinstance(a, nodes.Const) for a in node.args)):
+            super().visit_Call(node, frame, forward_caller=forward_caller)
+            return
+        # ``x.strip('\n')``: called straight away when ``x`` is a ``str`` (a public method of
+        # it, which the sandbox allows and calls as it is), through the sandbox otherwise,
+        # with ``x`` evaluated once.
+        self._temps += 1
+        temp = f"_lookup_{self._temps}"
+        self.write(f"({temp}.{callee.attr}(")
+        for i, arg in enumerate(node.args):
+            if i:
+                self.write(", ")
+            self.visit(arg, frame)
+        self.write(f") if type({temp} := ")
+        self.visit(callee.node, frame)
+        self.write(") is str else ")
+        name = object.__new__(nodes.InternalName)
+        nodes.Node.__init__(name, temp, lineno=callee.lineno)
+        fallback = nodes.Call(nodes.Getattr(name, callee.attr, callee.ctx, lineno=callee.lineno),
+                              node.args, node.kwargs, node.dyn_args, node.dyn_kwargs,
+                              lineno=node.lineno)
+        super().visit_Call(fallback, frame)
+        self.write(")")
 
     @compiler.optimizeconst
     def visit_Getitem(self, node: nodes.Getitem, frame: compiler.Frame) -> None:
