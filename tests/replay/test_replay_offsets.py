@@ -110,3 +110,23 @@ def test_byte_table_is_checked_for_ids_no_check_covered(qwen3) -> None:
     assert text == tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=False)
     assert "giraffe" not in text and victim not in table.checked
     assert starts.tolist() == _prefix_decoding_reference(tokenizer, ids)
+
+
+def test_common_prefix_length_matches_a_plain_loop() -> None:
+    """Whatever ``likely`` guesses (nothing, too little, exactly, too much, past the end)."""
+    rng = random.Random(11)
+    for _ in range(1500):
+        shared = "".join(rng.choice("ab<>\n") for _ in range(rng.randint(0, 300)))
+        a = shared + "".join(rng.choice("abc") for _ in range(rng.randint(0, 80)))
+        b = shared[:rng.randint(0, len(shared))] + "".join(rng.choice("abd")
+                                                            for _ in range(rng.randint(0, 80)))
+        a_start, b_start = rng.randint(0, 3), rng.randint(0, 3)
+        if rng.random() < 0.5:
+            b_start = a_start
+        expected = 0
+        while (a_start + expected < len(a) and b_start + expected < len(b)
+               and a[a_start + expected] == b[b_start + expected]):
+            expected += 1
+        for likely in (0, rng.randint(1, 400), expected, expected + 1, len(a) + 5):
+            assert common_prefix_length(a, b, a_start=a_start, b_start=b_start,
+                                        likely=likely) == expected

@@ -127,6 +127,10 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
             except StopIteration:
                 return __self.undefined("value was undefined because a callable raised a"
                                         " StopIteration exception")
+        if __obj is utils.Namespace:  # ``namespace(...)``: what the sandbox's call does
+            kwargs.pop("_loop_vars", None)
+            kwargs.pop("_block_vars", None)
+            return utils.Namespace(*args, **kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
 

@@ -93,15 +93,20 @@ from workers.replay.render import ChatRenderer
 __all__ = ["Segmentation", "Segmenter", "common_prefix_length"]
 
 
-def common_prefix_length(a: str, b: str, *, a_start: int = 0, b_start: int = 0) -> int:
+def common_prefix_length(a: str, b: str, *, a_start: int = 0, b_start: int = 0,
+                         likely: int = 0) -> int:
     """Length of the longest common prefix of ``a[a_start:]`` and ``b[b_start:]``, found by
-    comparing slices of doubling size (C-speed comparisons, no per-character Python loop)."""
+    comparing slices of doubling size (C-speed comparisons, no per-character Python loop).
+    ``likely``: a length the prefix probably reaches (the history two renderings share),
+    compared first in one piece."""
     n = min(len(a) - a_start, len(b) - b_start)
     # The usual case, a rendering that the prompt text begins with: one comparison, no slices.
     if n > 0 and ((a_start == 0 and len(a) == n and b.startswith(a, b_start))
                   or (b_start == 0 and len(b) == n and a.startswith(b, a_start))):
         return n
     done = 0
+    if 0 < likely <= n and a[a_start:a_start + likely] == b[b_start:b_start + likely]:
+        done = likely
     step = 64
     while done < n:
         size = min(step, n - done)
@@ -207,12 +212,13 @@ def _straddles(text: str, piece: str, cut: int) -> bool:
 _OPEN = sys.maxsize
 
 
-def _agreement(rendered: str, text: str, *, r_start: int = 0, t_start: int = 0
-               ) -> tuple[int, int]:
+def _agreement(rendered: str, text: str, *, r_start: int = 0, t_start: int = 0,
+               likely: int = 0) -> tuple[int, int]:
     """``common_prefix_length`` of ``rendered[r_start:]`` and ``text[t_start:]``, and how far
     into ``text`` the answer depends on it: up to the first differing character, up to where
     ``rendered`` ran out, or ``_OPEN`` when ``text`` ran out first."""
-    length = common_prefix_length(rendered, text, a_start=r_start, b_start=t_start)
+    length = common_prefix_length(rendered, text, a_start=r_start, b_start=t_start,
+                                  likely=likely)
     at = t_start + length
     if at >= len(text):
         return length, _OPEN
@@ -577,7 +583,7 @@ class Segmenter:
         unsettled: list[tuple[int, str]] = []
         for index, rendered in enumerate(renders, start=first):
             message = messages[index]
-            agreed, reach = _agreement(rendered, text)
+            agreed, reach = _agreement(rendered, text, likely=previous_end)
             horizon = max(horizon, reach)
             pieces = _anchor_pieces(message, rendered)
             body = _body(rendered, pieces)
