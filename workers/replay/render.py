@@ -140,9 +140,10 @@ class _InlineLookups(compiler.CodeGenerator):
     when ``dict`` has no attribute ``name``, with ``x`` evaluated once. That is what the
     sandbox answers for an exact ``dict``: no instance attributes, so the item, which is
     always safe. A ``loop`` value property (``_LOOP_VALUES``) is read straight from a
-    ``LoopContext`` the same way. Anything else (another type, a missing key) goes to the
-    sandbox as before. Saves a method call and its dispatch on most lookups a chat template
-    makes."""
+    ``LoopContext`` the same way, and a public attribute of a ``namespace`` that holds a
+    plain value (``ns.last_query_index``) from the namespace. Anything else (another type, a
+    missing key or attribute, another value) goes to the sandbox as before. Saves a method
+    call and its dispatch on most lookups a chat template makes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -153,11 +154,24 @@ class _InlineLookups(compiler.CodeGenerator):
         self._temps += 1
         temp = f"_lookup_{self._temps}"
         key = repr(name)
-        self.write(f"({temp}[{key}] if type({temp} := ")
-        self.visit(node, frame)
-        self.write(f") is dict and {key} in {temp} else ")
+        if hasattr(dict, name):  # a missing key is looked up as the dict's attribute
+            self.write(f"({temp}[{key}] if type({temp} := ")
+            self.visit(node, frame)
+            self.write(f") is dict and {key} in {temp} else ")
+        else:  # nor is there an attribute: a missing key is undefined, as the sandbox says
+            self.write(f"(({temp}[{key}] if {key} in {temp} else "
+                       f"environment.undefined(obj={temp}, name={key})) if type({temp} := ")
+            self.visit(node, frame)
+            self.write(") is dict else ")
         if loop_value:
             self.write(f"{temp}.{name} if type({temp}) is LoopContext else ")
+        if fallback == "getattr" and not name.startswith("_"):
+            # A public attribute of a namespace holding a plain value: the sandbox returns
+            # the value (``Namespace`` overrides attribute access, so read its dict).
+            value = f"_value_{self._temps}"
+            self.write(f"{value} if type({temp}) is Namespace and type({value} := "
+                       f"object.__getattribute__({temp}, '_Namespace__attrs').get({key}, "
+                       f"{temp})) in (str, int, bool, float, list, dict, tuple) else ")
         self.write(f"environment.{fallback}({temp}, {key}))")
 
     @compiler.optimizeconst
