@@ -201,10 +201,13 @@ def main(argv: list[str] | None = None) -> list[float]:
              if args.tool_tokens or args.reply_tokens else "")
     extra += f" (system prompt {args.system_tokens} tokens)" if args.system_tokens else ""
     extra += " (groups share their request)" if args.shared_prompt else ""
-    print(f"{args.episodes} episodes x {args.turns} turns per round{extra}; median replay/read = "
-          f"{statistics.median(ratios):.2f} (target >= 0.5); per-episode task path "
-          f"{statistics.median(single):.2f}"
-          + (f"; {args.jobs} processes {statistics.median(pooled):.2f}" if pooled else ""))
+    def verdict(ratio: float) -> str:
+        return f"{ratio:.2f} ({'met' if ratio >= 0.5 else 'not met'})"
+
+    print(f"{args.episodes} episodes x {args.turns} turns per round{extra}; median replay/read "
+          f"against the target 0.5: one process {verdict(statistics.median(ratios))}"
+          + (f", {args.jobs} processes {verdict(statistics.median(pooled))}" if pooled else "")
+          + f"; per-episode task path {statistics.median(single):.2f}")
     return ratios
 
 
