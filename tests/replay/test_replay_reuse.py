@@ -208,6 +208,11 @@ def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
                 " d={'k': 2}) %}{{ ns2.s }}{{ ns2.l }}{{ ns2.n }}{{ ns2.f() }}{{ ns2.d.k }}"
                 "{{ ns2._Namespace__attrs is defined }}{{ ns2.__class__ is defined }}"
                 "{{ ns2.items is defined }}{% set ns2.s = 'y' %}{{ ns2.s }}|"
+                # Indexes: in and out of range, negative, bool, of a str and of a dict.
+                "{{ messages[1].role }}{{ messages[-1].role }}{{ messages[-3] is defined }}"
+                "{{ messages[7] is defined }}{{ messages[true].role }}{{ 'abc'[1] }}"
+                "{{ {1: 'a'}[1] }}{{ messages[1.0] is defined }}"
+                "{% for m in messages %}{{ messages[loop.index0 - 1].role }}{% endfor %}|"
                 "{{ messages[0].get('role') }}{{ messages[0].keys() | list }}"
                 "{{ messages[0].content.split(sep='i') }}{{ messages[0].nothing is defined }}"
                 "{{ messages[0].content.rstrip('i') }}|"

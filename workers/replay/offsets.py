@@ -20,7 +20,8 @@ import numpy as np
 
 from workers.replay.errors import ReplayError
 
-__all__ = ["byte_level_alphabet", "decode_appendable", "decode_ids", "decode_with_offsets"]
+__all__ = ["IdDecoder", "byte_level_alphabet", "decode_appendable", "decode_ids",
+           "decode_with_offsets"]
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -198,7 +199,26 @@ def decode_appendable(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
 def decode_ids(tokenizer: Any, ids: list[int]) -> tuple[str, list[int], bool]:
     """``decode_appendable`` for a list of Python ints, with the starts as a list."""
     backend, table = _decoder_of(tokenizer)
-    size = backend.get_vocab_size(with_added_tokens=True)
+    return _decode(backend, table, backend.get_vocab_size(with_added_tokens=True), ids)
+
+
+class IdDecoder:
+    """``decode_ids`` with one tokenizer, whose backend, byte table and vocabulary size are
+    looked up on the first call only (a ``Segmenter`` decodes an episode's calls with one)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._found: tuple[Any, _ByteTable | None, int] | None = None
+
+    def __call__(self, ids: list[int]) -> tuple[str, list[int], bool]:
+        if self._found is None:
+            backend, table = _decoder_of(self.tokenizer)
+            self._found = (backend, table, backend.get_vocab_size(with_added_tokens=True))
+        return _decode(*self._found, ids)
+
+
+def _decode(backend: Any, table: _ByteTable | None, size: int, ids: list[int]
+            ) -> tuple[str, list[int], bool]:
     if ids and (min(ids) < 0 or max(ids) >= size):
         p = next(p for p, i in enumerate(ids) if not 0 <= i < size)
         raise ReplayError(f"token id {ids[p]} at position {p} is outside the "

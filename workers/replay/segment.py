@@ -87,7 +87,7 @@ import numpy as np
 
 from workers.replay.equality import PrefixInterner, content_text
 from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
-from workers.replay.offsets import decode_ids
+from workers.replay.offsets import IdDecoder
 from workers.replay.render import ChatRenderer
 
 __all__ = ["Segmentation", "Segmenter", "common_prefix_length"]
@@ -346,6 +346,7 @@ class Segmenter:
         self.chat_template = chat_template
         self.reuse = reuse
         self._renderer = ChatRenderer(tokenizer, chat_template=chat_template)
+        self._decode = IdDecoder(tokenizer)
         self._interner = PrefixInterner()
         self._renders: dict[int, str] = {0: ""}
         templates = getattr(tokenizer, "chat_template", None)
@@ -501,7 +502,7 @@ class Segmenter:
     def _full(self, messages: Sequence[Mapping[str, Any]],
               tools: Sequence[Mapping[str, Any]] | None, tools_key_: bytes | str, ids: np.ndarray,
               call_id: str | None) -> _Done:
-        text, starts, appendable = decode_ids(self.tokenizer, ids.tolist())
+        text, starts, appendable = self._decode(ids.tolist())
         node = self._interner.root(tools_key_)
         renders: list[str] = []
         for k in range(1, len(messages) + 1):
@@ -520,7 +521,7 @@ class Segmenter:
                 tools: Sequence[Mapping[str, Any]] | None, ids: np.ndarray,
                 call_id: str | None) -> _Done | None:
         """Segment a call that extends ``base``; None when it must be segmented in full."""
-        added, added_starts, appendable = decode_ids(self.tokenizer, ids[len(base.ids):].tolist())
+        added, added_starts, appendable = self._decode(ids[len(base.ids):].tolist())
         if not appendable:
             return None
         text = base.text + added
