@@ -384,3 +384,18 @@ def test_episodes_that_open_alike_share_the_first_segmentation(name: str, reques
     monkeypatch.setattr(Segmenter, "__init__", full_only)
     for episode, replayed in zip((first, second), reused, strict=True):
         same_replay(replayed, replay_episode(episode, config=RunConfig(), tokenizer=tok))
+
+
+def test_two_calls_that_extend_one_call_segment_as_in_full(qwen3) -> None:
+    """A retry after a rollback extends the same earlier call as the attempt it replaces:
+    both take over that call's segmentation (the second copies the token starts the first
+    appended to), and both equal the full path's."""
+    from test_replay_project_batch import rollback_episode
+
+    events = rollback_episode(qwen3)
+    fast, segmenter = segment_all(qwen3, events, reuse=True)
+    full, _ = segment_all(qwen3, events, reuse=False)
+    assert [as_tuple(s) for s in fast] == [as_tuple(s) for s in full]
+    first, fix, answer = fast
+    assert fix.base == answer.base == first.key
+    assert segmenter.verify()
