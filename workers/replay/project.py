@@ -481,10 +481,10 @@ def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
     assert isinstance(started, EpisodeStarted)
     episode_id = events[0].stream_id
     if run_event is None or not isinstance(run_event.event, RunCreated):
-        run = RunRow(run_id=started.run_id, project="default", group_size=1,
-                     max_negatives_per_group=0, save_negative_samples=False, config={},
-                     created_at=dt.datetime.now(dt.UTC))
-        return build_projection(run, events, None,
+        unknown = RunRow(run_id=started.run_id, project="default", group_size=1,
+                         max_negatives_per_group=0, save_negative_samples=False, config={},
+                         created_at=dt.datetime.now(dt.UTC))
+        return build_projection(unknown, events, None,
                                 invalid_reason=f"run {started.run_id!r} has no run_created")
     rows = run_rows if run_rows is not None else {}
     run = rows.get(started.run_id)
