@@ -208,6 +208,22 @@ def test_an_episode_the_database_cannot_hold_is_invalid_and_blocks_nothing(
     assert status == ("invalid",)
 
 
+def test_an_episode_of_a_run_never_created_is_invalid_and_blocks_nothing(
+        store: EventStore, qwen3) -> None:
+    """An episode whose run has no run_created (its stream was never written) is projected
+    as invalid with the reason, with its summary and failures, and the rest of the batch is
+    written."""
+    good = record(store, qwen3, new_run(store), 1, prefix="known")[0]
+    orphan = record(store, qwen3, f"missing-{uuid.uuid4().hex[:8]}", 1, prefix="orphan")[0]
+    outcomes = {o.episode_id: o for o in project_episodes(store, [orphan, good])}
+    assert outcomes[good].outcome == "written" and outcomes[good].status == "completed"
+    assert outcomes[orphan].outcome == "written" and outcomes[orphan].status == "invalid"
+    assert "has no run_created" in (outcomes[orphan].reason or "")
+    found = rows(store, [orphan])
+    assert found["samples"] == [] and len(found["episodes"]) == 1
+    assert found["episodes"][0][3] == "invalid" and len(found["tool_calls"]) == 2
+
+
 def test_collector_paused_nests_restores_and_survives_errors() -> None:
     assert gc.isenabled()
     with collector_paused():
