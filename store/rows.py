@@ -202,8 +202,13 @@ _LLM_CALL_FIELDS = frozenset({"agent", "call_id", "messages", "tools", "response
                               "finish_reason", "policy_version", "latency_ms", "usage"})
 
 
+#: The length bound of ``LLMCalled``'s names (``agent``, ``call_id``), read from the model.
+_NAME_MAX = next(m.max_length for m in LLMCalled.model_fields["call_id"].metadata
+                 if hasattr(m, "max_length"))
+
+
 def _name_ok(value: Any) -> bool:
-    return type(value) is str and 1 <= len(value) <= 200
+    return type(value) is str and 1 <= len(value) <= _NAME_MAX
 
 
 def _dicts(value: Any) -> bool:

@@ -20,8 +20,7 @@ import numpy as np
 
 from workers.replay.errors import ReplayError
 
-__all__ = ["IdDecoder", "byte_level_alphabet", "decode_appendable", "decode_ids",
-           "decode_with_offsets"]
+__all__ = ["IdDecoder", "byte_level_alphabet", "decode_appendable", "decode_with_offsets"]
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -187,34 +186,35 @@ def decode_appendable(tokenizer: Any, token_ids: Sequence[int] | np.ndarray
     texts (a byte-level decoder joins byte strings and decodes them as UTF-8; both halves
     being whole characters, nothing straddles the join), with the second's offsets shifted
     by the first text's length. Raises as ``decode_with_offsets``."""
-    _decoder_of(tokenizer)
+    decode = IdDecoder(tokenizer)
+    decode.prepare()  # a tokenizer without a fast backend is refused before the ids
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
         raise TypeError(f"token_ids must be a 1-d sequence of integers, got shape {ids.shape} "
                         f"dtype {ids.dtype}")
-    text, starts, appendable = decode_ids(tokenizer, ids.astype(np.int64, copy=False).tolist())
+    text, starts, appendable = decode(ids.astype(np.int64, copy=False).tolist())
     return text, np.asarray(starts, dtype=np.int64), appendable
 
 
-def decode_ids(tokenizer: Any, ids: list[int]) -> tuple[str, list[int], bool]:
-    """``decode_appendable`` for a list of Python ints, with the starts as a list."""
-    backend, table = _decoder_of(tokenizer)
-    return _decode(backend, table, backend.get_vocab_size(with_added_tokens=True), ids)
-
-
 class IdDecoder:
-    """``decode_ids`` with one tokenizer, whose backend, byte table and vocabulary size are
-    looked up on the first call only (a ``Segmenter`` decodes an episode's calls with one)."""
+    """``decode_appendable`` for lists of Python ints, with the starts as a list, with one
+    tokenizer whose backend, byte table and vocabulary size are looked up once (a
+    ``Segmenter`` decodes an episode's calls with one). Raises as ``decode_appendable``."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._found: tuple[Any, _ByteTable | None, int] | None = None
 
-    def __call__(self, ids: list[int]) -> tuple[str, list[int], bool]:
+    def prepare(self) -> tuple[Any, _ByteTable | None, int]:
+        """The backend, byte table and vocabulary size; TypeError when the tokenizer has no
+        fast backend."""
         if self._found is None:
             backend, table = _decoder_of(self.tokenizer)
             self._found = (backend, table, backend.get_vocab_size(with_added_tokens=True))
-        return _decode(*self._found, ids)
+        return self._found
+
+    def __call__(self, ids: list[int]) -> tuple[str, list[int], bool]:
+        return _decode(*self.prepare(), ids)
 
 
 def _decode(backend: Any, table: _ByteTable | None, size: int, ids: list[int]

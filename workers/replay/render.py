@@ -13,11 +13,13 @@ extensions), the template is rendered with the same variables (the tokenizer's s
 tokens, ``tools``, ``documents``, ``add_generation_prompt``), and what the sandbox refuses it
 still refuses.
 
-The template is also compiled with ``_InlineLookups``, Jinja's code generator with the two
-most frequent sandbox lookups written into the template's code: a constant attribute or key
-of an exact ``dict`` that holds it (``message.role``, ``message['content']``), and a value
-property of ``loop`` (``loop.last``). Those are the sandbox's own answers for those types
-(see ``_CachingSandbox.getattr``); every other lookup still calls the sandbox.
+The template is also compiled with ``_InlineLookups``, Jinja's code generator with the most
+frequent sandbox lookups written into the template's code: a constant attribute or key of an
+exact ``dict`` (``message.role``, ``message['content']``, or the undefined of a missing one),
+a value property of ``loop`` (``loop.last``), a plain value of a ``namespace``
+(``ns.last_query_index``) and a call of a ``str`` method on a ``str``
+(``content.startswith('<tool_response>')``). Those are the sandbox's own answers for those
+types (see ``_CachingSandbox.getattr``); every other lookup still calls the sandbox.
 
 transformers' ``tojson`` filter (the tool schemas, every tool call's arguments, on every
 render) is memoized by ``_memoized_tojson``: JSON text is a function of the value's types,
@@ -136,23 +138,28 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
 
 class _InlineLookups(compiler.CodeGenerator):
     """Jinja's code generator, writing ``x.name`` (and ``x['name']``, a constant string key)
-    as ``x['name'] if type(x) is dict and 'name' in x else environment.getattr(x, 'name')``
-    when ``dict`` has no attribute ``name``, with ``x`` evaluated once. That is what the
+    for an exact ``dict`` ``x`` as its item, with ``x`` evaluated once. That is what the
     sandbox answers for an exact ``dict``: no instance attributes, so the item, which is
-    always safe. A ``loop`` value property (``_LOOP_VALUES``) is read straight from a
-    ``LoopContext`` the same way, and a public attribute of a ``namespace`` that holds a
-    plain value (``ns.last_query_index``) from the namespace. Anything else (another type, a
-    missing key or attribute, another value) goes to the sandbox as before. Saves a method
-    call and its dispatch on most lookups a chat template makes."""
+    always safe; a missing key is undefined when ``dict`` has no attribute ``name`` either,
+    and left to the sandbox when it has. A ``loop`` value property (``_LOOP_VALUES``) is read
+    straight from a ``LoopContext`` the same way, a public attribute of a ``namespace`` that
+    holds a plain value (``ns.last_query_index``) from the namespace, and ``x.method(consts)``
+    of a ``str`` method is called straight away on a ``str``. Anything else (another type, a
+    missing attribute, another value) goes to the sandbox as before. Saves a method call and
+    its dispatch on most lookups a chat template makes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._temps = 0
 
+    def _temp(self) -> str:
+        """A new name for a value the generated code evaluates once."""
+        self._temps += 1
+        return f"_lookup_{self._temps}"
+
     def _inline(self, node: nodes.Expr, frame: compiler.Frame, name: str, fallback: str,
                 loop_value: bool) -> None:
-        self._temps += 1
-        temp = f"_lookup_{self._temps}"
+        temp = self._temp()
         key = repr(name)
         if hasattr(dict, name):  # a missing key is looked up as the dict's attribute
             self.write(f"({temp}[{key}] if type({temp} := ")
@@ -168,7 +175,7 @@ class _InlineLookups(compiler.CodeGenerator):
         if fallback == "getattr" and not name.startswith("_"):
             # A public attribute of a namespace holding a plain value: the sandbox returns
             # the value (``Namespace`` overrides attribute access, so read its dict).
-            value = f"_value_{self._temps}"
+            value = self._temp()
             self.write(f"{value} if type({temp}) is Namespace and type({value} := "
                        f"object.__getattribute__({temp}, '_Namespace__attrs').get({key}, "
                        f"{temp})) in (str, int, bool, float, list, dict, tuple) else ")
@@ -193,8 +200,7 @@ class _InlineLookups(compiler.CodeGenerator):
         # ``x.strip('\n')``: called straight away when ``x`` is a ``str`` (a public method of
         # it, which the sandbox allows and calls as it is), through the sandbox otherwise,
         # with ``x`` evaluated once.
-        self._temps += 1
-        temp = f"_lookup_{self._temps}"
+        temp = self._temp()
         self.write(f"({temp}.{callee.attr}(")
         for i, arg in enumerate(node.args):
             if i:

@@ -399,7 +399,7 @@ class Segmenter:
                             f"{messages!r:.80}")
         for i, m in enumerate(messages):
             if not (type(m) is dict or isinstance(m, Mapping)) \
-                    or type(m.get("role")) is not str and not isinstance(m.get("role"), str):
+                    or not isinstance(m.get("role"), str):
                 raise TypeError(f"messages[{i}] must be a mapping with a string 'role', got "
                                 f"{m!r:.80}")
         ids = np.asarray(prompt_ids)
