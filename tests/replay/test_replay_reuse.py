@@ -241,6 +241,54 @@ def test_renderer_sees_safe_attributes_as_the_sandbox_does(qwen3) -> None:
     assert _verified[(template, renderer._variables_key)] == CHECKED
 
 
+def test_renderer_loops_by_position_as_loop_context_does(qwen3) -> None:
+    """Loops whose body reads only position values of ``loop`` are compiled to iterate a
+    list by position; every value, over every kind of iterable, nested either way, with
+    ``else``, and with names the body reads from the context, is what Jinja's LoopContext
+    gives."""
+    values = ("{{ loop.index }}{{ loop.index0 }}{{ loop.first }}{{ loop.last }}"
+              "{{ loop.length }}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.depth }}"
+              "{{ loop.depth0 }}")
+    template = (
+        # Over lists (reversed, empty with else), a tuple, a str, a dict, a generator.
+        f"{{% for m in messages[::-1] %}}{{{{ m.role }}}}{values};{{% endfor %}}|"
+        f"{{% for m in [] %}}{values}{{% else %}}empty{{{{ loop is defined }}}}{{% endfor %}}|"
+        f"{{% for x in (1, 2) %}}{values}{{% endfor %}}|"
+        f"{{% for c in 'ab' %}}{{{{ c }}}}{values}{{% endfor %}}|"
+        f"{{% for k in {{'p': 1, 'q': 2}} %}}{{{{ k }}}}{values}{{% endfor %}}|"
+        f"{{% for m in messages | selectattr('role', 'ne', 'tool') %}}{values}{{% endfor %}}|"
+        # A positional loop inside one that is not (previtem), and the other way round.
+        "{% for m in messages %}{{ loop.previtem is defined }}{% for c in m.role %}"
+        "{{ loop.index }}{{ loop.last }}{% endfor %}{{ loop.index }}{% endfor %}|"
+        "{% for m in messages %}{% for c in m.role %}{{ loop.cycle('x', 'y') }}{% endfor %}"
+        "{{ loop.last }}{% for c in m.role %}{% else %}{{ loop.index }}{% endfor %}{% endfor %}|"
+        # A filtered loop and a macro seeing the loop stay with LoopContext.
+        "{% for m in messages if m.role != 'tool' %}{{ loop.length }}{% endfor %}|"
+        "{% for m in messages %}{% macro f() %}{{ loop.index }}{% endmacro %}{{ f() }}"
+        "{{ loop.last }}{% endfor %}|"
+        # Names the body reads from the context: set before the loop, set in it on some
+        # iterations only (the outer value again on the others), never set.
+        "{% set content = 'outer' %}{% set ns = namespace(n=0) %}{% for m in messages %}"
+        "{% if loop.first %}{% set content = m.content %}{% endif %}{{ content }}"
+        "{{ undefined_name is defined }}{% set ns.n = ns.n + loop.index %}{% endfor %}"
+        "{{ content }}{{ ns.n }}")
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"},
+                {"role": "tool", "content": "42"}]
+    expected = qwen3.apply_chat_template(messages, tokenize=False, chat_template=template)
+    assert "empty" in expected and "outeryo" not in expected
+    renderer = ChatRenderer(qwen3, chat_template=template)
+    assert [renderer.render(messages, tools=None, generation_prompt=False)
+            for _ in range(CHECKED + 2)] == [expected] * (CHECKED + 2)
+    # The compiled template's own renders matched (none fell back to apply_chat_template).
+    assert _verified[(template, renderer._variables_key)] == CHECKED
+    # ... and its positional loops were compiled as such.
+    from workers.replay.render import _fast_template
+    fast = _fast_template(renderer._source(False))
+    code = fast.template.environment.compile(template, raw=True)
+    assert code.count("loop_positions(") == 9
+
+
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_appendable_decodings_concatenate(name: str, request) -> None:
     tok = request.getfixturevalue(name)

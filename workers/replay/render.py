@@ -33,13 +33,14 @@ then on, as is every template when transformers' compiled environment cannot be 
 
 from __future__ import annotations
 
+import itertools
 import marshal
 import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from jinja2 import compiler, nodes, runtime, utils
+from jinja2 import compiler, idtracking, nodes, runtime, utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["ChatRenderer"]
@@ -58,6 +59,14 @@ _METHODS = (types.MethodType, types.BuiltinMethodType)
 #: straight away.
 _LOOP_VALUES = frozenset({"index", "index0", "revindex", "revindex0", "first", "last",
                           "length", "depth", "depth0", "previtem", "nextitem"})
+#: ``loop`` values that follow from the position ``i`` in a list of ``n`` items, as
+#: ``LoopContext`` computes them for a loop that is not recursive.
+_POSITIONS = {"index0": "{i}", "index": "{i} + 1", "first": "{i} == 0", "last": "{i} == {n} - 1",
+              "length": "{n}", "revindex": "{n} - {i}", "revindex0": "{n} - {i} - 1",
+              "depth": "1", "depth0": "0"}
+#: Nodes whose code can see the loop variable other than through its attributes.
+_OPAQUE = (nodes.Macro, nodes.CallBlock, nodes.Block, nodes.Include, nodes.Import,
+           nodes.FromImport, nodes.Extends)
 _BUILTIN_CALLABLES = (types.BuiltinMethodType, types.BuiltinFunctionType)
 #: Methods of ``str`` a template may call without the sandbox's dispatch: every public one
 #: but the two it wraps (``format``, ``format_map``). None raises StopIteration, which is all
@@ -72,6 +81,13 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
 
     _safe: dict[tuple[type, str], bool]
     _has: dict[tuple[type, str], bool]
+
+    @staticmethod
+    def loop_positions(items: list[Any]) -> Iterator[tuple[Any, tuple[int, int]]]:
+        """``(item, (index0, length))`` for each item of a list: what a positional loop
+        (``_InlineLookups.visit_For``) iterates over, built in C."""
+        n = len(items)
+        return zip(items, zip(range(n), itertools.repeat(n)))
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         kind = type(obj)
@@ -151,6 +167,8 @@ class _InlineLookups(compiler.CodeGenerator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._temps = 0
+        #: The loop variables of the positional loops whose bodies are being compiled.
+        self._positional: list[str] = []
 
     def _temp(self) -> str:
         """A new name for a value the generated code evaluates once."""
@@ -186,7 +204,87 @@ class _InlineLookups(compiler.CodeGenerator):
         if self.environment.is_async or hasattr(dict, node.attr):
             super().visit_Getattr(node, frame)
             return
+        if (self._positional and isinstance(node.node, nodes.Name)
+                and node.node.name == "loop" and node.attr in _POSITIONS
+                and frame.symbols.find_ref("loop") == self._positional[-1]):
+            # A positional loop's variable: (index0, length) over a list, a LoopContext
+            # over anything else.
+            temp = self._temp()
+            value = _POSITIONS[node.attr].format(i=f"{temp}[0]", n=f"{temp}[1]")
+            self.write(f"(({value}) if type({temp} := ")
+            self.visit(node.node, frame)
+            self.write(") is tuple else ")
+            self._inline(node.node, frame, node.attr, "getattr", True)
+            self.write(")")
+            return
         self._inline(node.node, frame, node.attr, "getattr", node.attr in _LOOP_VALUES)
+
+    def visit_For(self, node: nodes.For, frame: compiler.Frame) -> None:
+        """A loop whose body uses ``loop`` only for values of its position (``loop.last``,
+        ``loop.index0``: ``_POSITIONS``) iterates a list as ``(item, (index0, length))``
+        pairs instead of through a ``LoopContext`` (the same values: a list cannot change
+        while the immutable sandbox loops over it), and looks the names its body reads from
+        the context up once instead of on every iteration (only top-level assignments
+        change the context, and a loop body is not top level). Other iterables, and every
+        other loop, are compiled by Jinja as before."""
+        if self.environment.is_async or not _positional(node):
+            super().visit_For(node, frame)
+            return
+        loop_frame = frame.inner()
+        loop_frame.loop_frame = True
+        else_frame = frame.inner()
+        loop_ref = loop_frame.symbols.declare_parameter("loop")
+        loop_frame.symbols.analyze_node(node, for_branch="body")
+        if node.else_:
+            else_frame.symbols.analyze_node(node, for_branch="else")
+        hoisted: dict[str, str] = {}
+        for target, (action, param) in loop_frame.symbols.loads.items():
+            if action == idtracking.VAR_LOAD_RESOLVE:
+                hoisted[target] = self._temp()
+                self.writeline(f"{hoisted[target]} = {self.get_resolve_func()}({param!r})")
+        self.writeline(f"{loop_ref} = missing")
+        iteration = None
+        if node.else_:
+            iteration = self.temporary_identifier()
+            self.writeline(f"{iteration} = 1")
+        items = self._temp()
+        self.writeline("for ", node)
+        self.visit(node.target, loop_frame)
+        self.write(f", {loop_ref} in (environment.loop_positions({items}) if type({items} := ")
+        self.visit(node.iter, frame)
+        self.write(f") is list else LoopContext({items}, undefined)):")
+        self.indent()
+        undefined = []
+        for target, (action, param) in loop_frame.symbols.loads.items():
+            if action == idtracking.VAR_LOAD_RESOLVE:
+                self.writeline(f"{target} = {hoisted[target]}")
+            elif action == idtracking.VAR_LOAD_ALIAS:
+                self.writeline(f"{target} = {param}")
+            elif action == idtracking.VAR_LOAD_UNDEFINED:
+                undefined.append(target)
+            elif action != idtracking.VAR_LOAD_PARAMETER:
+                raise NotImplementedError("unknown load instruction")
+        if undefined:
+            self.writeline(f"{' = '.join(undefined)} = missing")
+        self.writeline("_loop_vars = {}")
+        self._positional.append(loop_ref)
+        try:
+            self.blockvisit(node.body, loop_frame)
+        finally:
+            self._positional.pop()
+        if iteration is not None:
+            self.writeline(f"{iteration} = 0")
+        self.outdent()
+        self.leave_frame(loop_frame)
+        if node.else_:
+            self.writeline(f"if {iteration}:")
+            self.indent()
+            self.enter_frame(else_frame)
+            self.blockvisit(node.else_, else_frame)
+            self.leave_frame(else_frame)
+            self.outdent()
+        if self._assign_stack:
+            self._assign_stack[-1].difference_update(loop_frame.symbols.stores)
 
     @compiler.optimizeconst
     def visit_Call(self, node: nodes.Call, frame: compiler.Frame,
@@ -225,6 +323,31 @@ class _InlineLookups(compiler.CodeGenerator):
             super().visit_Getitem(node, frame)
             return
         self._inline(node.node, frame, key.value, "getitem", False)
+
+
+def _positional(node: nodes.For) -> bool:
+    """Whether ``node`` is a loop that is neither recursive nor filtered and whose body uses
+    ``loop``, and only as ``loop.<name>`` of ``_POSITIONS`` (never passed on, called, stored or
+    seen by a macro, a call block, a block or an included template)."""
+    if node.recursive or node.test is not None:
+        return False
+    used = False
+
+    def plain(n: nodes.Node) -> bool:
+        nonlocal used
+        if isinstance(n, _OPAQUE):
+            return False
+        if isinstance(n, nodes.Getattr) and isinstance(n.node, nodes.Name) \
+                and n.node.name == "loop":
+            used = used or n.attr in _POSITIONS
+            return n.attr in _POSITIONS and n.node.ctx == "load"
+        if isinstance(n, nodes.Name):
+            return n.name != "loop"
+        if isinstance(n, nodes.For):  # its body and filter see its own loop variable
+            return all(plain(c) for c in (n.target, n.iter, *n.else_))
+        return all(plain(c) for c in n.iter_child_nodes())
+
+    return all(plain(c) for c in node.body) and used
 
 
 #: JSON texts a memoized ``tojson`` keeps before it starts again.
