@@ -19,7 +19,10 @@ exact ``dict`` (``message.role``, ``message['content']``, or the undefined of a 
 a value property of ``loop`` (``loop.last``), a plain value of a ``namespace``
 (``ns.last_query_index``) and a call of a ``str`` method on a ``str``
 (``content.startswith('<tool_response>')``). Those are the sandbox's own answers for those
-types (see ``_CachingSandbox.getattr``); every other lookup still calls the sandbox.
+types (see ``_CachingSandbox.getattr``); every other lookup still calls the sandbox. A loop
+whose body reads only position values of ``loop`` (``loop.last``, ``loop.index0``) walks a
+list by index instead of through a ``LoopContext``, and looks the context names its body
+reads up once (``_InlineLookups.visit_For``).
 
 transformers' ``tojson`` filter (the tool schemas, every tool call's arguments, on every
 render) is memoized by ``_memoized_tojson``: JSON text is a function of the value's types,
@@ -33,11 +36,10 @@ then on, as is every template when transformers' compiled environment cannot be 
 
 from __future__ import annotations
 
-import itertools
 import marshal
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jinja2 import compiler, idtracking, nodes, runtime, utils
@@ -81,13 +83,6 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
 
     _safe: dict[tuple[type, str], bool]
     _has: dict[tuple[type, str], bool]
-
-    @staticmethod
-    def loop_positions(items: list[Any]) -> Iterator[tuple[Any, tuple[int, int]]]:
-        """``(item, (index0, length))`` for each item of a list: what a positional loop
-        (``_InlineLookups.visit_For``) iterates over, built in C."""
-        n = len(items)
-        return zip(items, zip(range(n), itertools.repeat(n)))
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         kind = type(obj)
@@ -167,8 +162,9 @@ class _InlineLookups(compiler.CodeGenerator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._temps = 0
-        #: The loop variables of the positional loops whose bodies are being compiled.
-        self._positional: list[str] = []
+        #: (loop variable, length variable) of the positional loops whose bodies are being
+        #: compiled.
+        self._positional: list[tuple[str, str]] = []
 
     def _temp(self) -> str:
         """A new name for a value the generated code evaluates once."""
@@ -206,14 +202,14 @@ class _InlineLookups(compiler.CodeGenerator):
             return
         if (self._positional and isinstance(node.node, nodes.Name)
                 and node.node.name == "loop" and node.attr in _POSITIONS
-                and frame.symbols.find_ref("loop") == self._positional[-1]):
-            # A positional loop's variable: (index0, length) over a list, a LoopContext
-            # over anything else.
+                and frame.symbols.find_ref("loop") == self._positional[-1][0]):
+            # A positional loop's variable: the index over a list (whose length the loop
+            # keeps), a LoopContext over anything else.
             temp = self._temp()
-            value = _POSITIONS[node.attr].format(i=f"{temp}[0]", n=f"{temp}[1]")
+            value = _POSITIONS[node.attr].format(i=temp, n=self._positional[-1][1])
             self.write(f"(({value}) if type({temp} := ")
             self.visit(node.node, frame)
-            self.write(") is tuple else ")
+            self.write(") is int else ")
             self._inline(node.node, frame, node.attr, "getattr", True)
             self.write(")")
             return
@@ -221,12 +217,12 @@ class _InlineLookups(compiler.CodeGenerator):
 
     def visit_For(self, node: nodes.For, frame: compiler.Frame) -> None:
         """A loop whose body uses ``loop`` only for values of its position (``loop.last``,
-        ``loop.index0``: ``_POSITIONS``) iterates a list as ``(item, (index0, length))``
-        pairs instead of through a ``LoopContext`` (the same values: a list cannot change
-        while the immutable sandbox loops over it), and looks the names its body reads from
-        the context up once instead of on every iteration (only top-level assignments
-        change the context, and a loop body is not top level). Other iterables, and every
-        other loop, are compiled by Jinja as before."""
+        ``loop.index0``: ``_POSITIONS``) iterates a list as ``(item, index0)`` pairs, with
+        the list's length kept beside, instead of through a ``LoopContext`` (the same
+        values: a list cannot change while the immutable sandbox loops over it). It looks the
+        names its body reads from the context up once instead of on every iteration (only
+        top-level assignments change the context, and a loop body is not top level). Other
+        iterables, and every other loop, are compiled by Jinja as before."""
         if self.environment.is_async or not _positional(node):
             super().visit_For(node, frame)
             return
@@ -247,10 +243,11 @@ class _InlineLookups(compiler.CodeGenerator):
         if node.else_:
             iteration = self.temporary_identifier()
             self.writeline(f"{iteration} = 1")
-        items = self._temp()
+        items, length = self._temp(), self._temp()
         self.writeline("for ", node)
         self.visit(node.target, loop_frame)
-        self.write(f", {loop_ref} in (environment.loop_positions({items}) if type({items} := ")
+        self.write(f", {loop_ref} in (zip({items}, range({length} := len({items}))) "
+                   f"if type({items} := ")
         self.visit(node.iter, frame)
         self.write(f") is list else LoopContext({items}, undefined)):")
         self.indent()
@@ -267,7 +264,7 @@ class _InlineLookups(compiler.CodeGenerator):
         if undefined:
             self.writeline(f"{' = '.join(undefined)} = missing")
         self.writeline("_loop_vars = {}")
-        self._positional.append(loop_ref)
+        self._positional.append((loop_ref, length))
         try:
             self.blockvisit(node.body, loop_frame)
         finally:
