@@ -426,8 +426,12 @@ class _FastTemplate:
     def render(self, **variables: Any) -> str:
         template = self.template
         # Template.render builds this dict from the globals' ChainMap and the variables,
-        # then renders a context over it; the context does not change the dict.
-        context = template.new_context({**self.globals, **variables}, shared=True)
+        # then renders a context over it; the context does not change the dict. The context
+        # is built as Template.new_context builds it, with the names of the globals taken
+        # from the merged dict instead of iterating the ChainMap.
+        context = template.environment.context_class(
+            template.environment, {**self.globals, **variables}, template.name,
+            template.blocks, globals=self.globals)
         try:
             return template.environment.concat(template.root_render_func(context))
         except Exception:
@@ -462,6 +466,9 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._sources: dict[bool, str | None] = {}
+        #: The template's source and compiled template, with and without tools (None:
+        #: rendered by apply_chat_template).
+        self._fast: dict[bool, tuple[str, _FastTemplate | None]] = {}
         self._variables: dict[str, Any] | None = None
         self._variables_key = ""
 
@@ -491,18 +498,23 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> Any:
-        """The template's output for copies of ``messages`` and ``tools``."""
-        chat = [dict(m) for m in messages]
-        schemas = [dict(t) for t in tools] if tools else None
-        source = self._source(schemas is not None)
-        fast = _fast_template(source) if source is not None else None
-        if source is None or fast is None or not chat:
-            return self._slow(chat, schemas, generation_prompt)
+        """The template's output for ``messages`` and ``tools`` (``apply_chat_template`` is
+        given copies; the compiled template, which cannot change them, exact dicts as they
+        are)."""
+        chat = [m if type(m) is dict else dict(m) for m in messages]
+        schemas = [t if type(t) is dict else dict(t) for t in tools] if tools else None
+        found = self._fast.get(schemas is not None)
+        if found is None:
+            source = self._source(schemas is not None)
+            found = self._fast[schemas is not None] = (
+                (source, _fast_template(source)) if source is not None else ("", None))
+        source, fast = found
         variables = self._template_variables()
         key = (source, self._variables_key)
         matched = _verified.get(key, 0)
-        if matched < 0:
-            return self._slow(chat, schemas, generation_prompt)
+        if fast is None or not chat or matched < 0:
+            return self._slow([dict(m) for m in messages],
+                              [dict(t) for t in tools] if tools else None, generation_prompt)
         out = fast.render(messages=chat, tools=schemas, documents=None,
                           add_generation_prompt=generation_prompt, **variables)
         if matched < CHECKED:
