@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from replay_episodes import SEARCH_TOOL, Script, tool_call
 
-from workers.replay.errors import PromptMismatchError, SegmentationError
+from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
 from workers.replay.initial import build_initial_timeline
 from workers.replay.segment import Segmenter
 
@@ -128,6 +128,29 @@ def test_generated_turn_equals_its_later_segment_token_for_token(qwen3) -> None:
     assert t1.messages[1].token_ids == t2.messages[1].token_ids
     assert qwen3.decode(t1.messages[1].token_ids).startswith("\n<|im_start|>assistant\n<think>")
     assert t1.messages[1].sampled == [0] * 4 + [1] * len(c1.response_ids)
+
+
+def test_initial_timeline_refuses_bad_arguments(qwen3) -> None:
+    script = Script(qwen3, tools=TOOLS)
+    call = script.call([{"role": "user", "content": "Find x."}],
+                       {"role": "assistant", "content": "x is 1."})
+    args = dict(agent=call.agent, messages=call.messages, tools=call.tools,
+                prompt_ids=call.prompt_ids, response_ids=call.response_ids,
+                logprobs=call.logprobs, response=call.response,
+                finish_reason=call.finish_reason)
+    timeline = build_initial_timeline(**args, segmenter=Segmenter(qwen3))
+    assert timeline.agent == call.agent and timeline.tools == call.tools
+    assert timeline.tools is not call.tools and len(timeline) == 2
+    for bad, match in ((dict(agent=""), "agent must be a non-empty string"),
+                       (dict(agent=7), "agent must be a non-empty string"),
+                       (dict(segmenter="s"), "segmenter must be a Segmenter"),
+                       (dict(messages=[]), "no request messages")):
+        with pytest.raises((TypeError, ReplayError), match=match):
+            build_initial_timeline(**{**args, "segmenter": Segmenter(qwen3), **bad})
+    with pytest.raises(ReplayError, match="cannot render"):
+        build_initial_timeline(**{**args, "tools": "calculator"}, segmenter=Segmenter(qwen3))
+    with pytest.raises(ReplayError, match="logprobs has 1 entries"):
+        build_initial_timeline(**{**args, "logprobs": [0.0]}, segmenter=Segmenter(qwen3))
 
 
 def test_prompt_of_other_messages_is_refused(qwen3) -> None:

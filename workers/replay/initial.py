@@ -96,6 +96,8 @@ def build_initial_timeline(
     arguments of the wrong type."""
     if not isinstance(segmenter, Segmenter):
         raise TypeError(f"segmenter must be a Segmenter, got {type(segmenter).__name__}")
+    if not isinstance(agent, str) or not agent:
+        raise TypeError(f"agent must be a non-empty string, got {agent!r}")
     if not messages:
         raise ReplayError("the call has no request messages", call_id=call_id)
     seg = segmenter.segment(messages, tools=tools, prompt_ids=prompt_ids, call_id=call_id)
@@ -113,5 +115,8 @@ def build_initial_timeline(
             response_ids=response_ids, logprobs=logprobs, finish_reason=finish_reason))
     except ValueError as exc:
         raise ReplayError(str(exc), call_id=call_id) from exc
-    return Timeline(agent=agent, messages=timeline_messages,
-                    tools=[dict(t) for t in tools] if tools else None)
+    if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
+        raise TypeError(f"tools must be a list of tool schemas or None, got "
+                        f"{type(tools).__name__}")
+    # Messages built here and arguments checked: no second check.
+    return Timeline._built(agent, timeline_messages, [dict(t) for t in tools] if tools else None)

@@ -451,11 +451,14 @@ class Segmenter:
         for i in range(len(cuts) - 1):
             message_ids.append(ids[cuts[i] - low:cuts[i + 1] - low])
         done.message_ids = message_ids
-        return Segmentation(text=done.text, ends=done.ends, message_ids=message_ids,
+        # A frozen dataclass's __init__ sets each field through object.__setattr__.
+        out = object.__new__(Segmentation)
+        out.__dict__.update(text=done.text, ends=done.ends, message_ids=message_ids,
                             generation_prompt_ids=ids[cuts[-1] - low:],
                             relocated=done.relocated,
                             key=done.key, base=base.key if base is not None else None,
                             reused=reused)
+        return out
 
     def _new_key(self) -> int:
         self._count += 1

@@ -22,7 +22,6 @@ prefix gives each timeline's absorber with one lookup.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -221,6 +220,16 @@ class Timeline:
                                 f"{type(self.tools).__name__}")
             object.__setattr__(self, "tools", [dict(t) for t in self.tools])
 
+    @classmethod
+    def _built(cls, agent: str, messages: list[Message],
+               tools: list[dict[str, Any]] | None) -> Timeline:
+        """A timeline from fields already in the form ``__post_init__`` leaves them in (a
+        non-empty string, a new non-empty list of ``Message``, new tool dicts or None),
+        without checking or copying them again: for timelines the replay builds itself."""
+        timeline = object.__new__(cls)
+        timeline.__dict__.update(agent=agent, messages=messages, tools=tools)
+        return timeline
+
     def __len__(self) -> int:
         return len(self.messages)
 
@@ -345,7 +354,7 @@ def _absorb(survivor: Timeline, absorbed: list[Timeline], *, track_drift: bool
                     None if m.logprobs is None else list(m.logprobs),
                     tool_calls=kept.tool_calls, truncated=m.truncated,
                     sampled=None if m.sampled is None else list(m.sampled))
-    return dataclasses.replace(survivor, messages=merged), sorted(drifted)
+    return Timeline._built(survivor.agent, merged, survivor.tools), sorted(drifted)
 
 
 def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY
