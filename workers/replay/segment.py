@@ -158,12 +158,23 @@ def _render_key(value: Any) -> bytes | str:
         return repr(value)
 
 
-def _anchor_pieces(message: Mapping[str, Any], rendered: str) -> list[str]:
-    """Texts of ``message`` that ``rendered`` (a rendering ending with it) shows verbatim:
-    its stripped content (or, when that is not shown, its last non-empty line) and the names
-    of its tool calls, in rendering order."""
+def _texts_of(message: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """The stripped content of ``message`` and the names of its tool calls (the string
+    ones, in order)."""
+    names: list[str] = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", call) if isinstance(call, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if isinstance(name, str):
+            names.append(name)
+    return content_text(message.get("content")).strip(), names
+
+
+def _anchor_pieces(content: str, names: list[str], rendered: str) -> list[str]:
+    """Texts of a message (its ``_texts_of``) that ``rendered`` (a rendering ending with
+    it) shows verbatim: its stripped content (or, when that is not shown, its last non-empty
+    line) and the names of its tool calls, in rendering order."""
     pieces: list[str] = []
-    content = content_text(message.get("content")).strip()
     if content:
         if rendered.rfind(content) >= 0:
             pieces.append(content)
@@ -171,10 +182,8 @@ def _anchor_pieces(message: Mapping[str, Any], rendered: str) -> list[str]:
             lines = [line.strip() for line in content.splitlines() if line.strip()]
             if lines and rendered.rfind(lines[-1]) >= 0:
                 pieces.append(lines[-1])
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function", call) if isinstance(call, Mapping) else None
-        name = fn.get("name") if isinstance(fn, Mapping) else None
-        if isinstance(name, str) and name and rendered.rfind(name) >= 0:
+    for name in names:
+        if name and rendered.rfind(name) >= 0:
             pieces.append(name)
     return pieces
 
@@ -189,17 +198,6 @@ def _body(rendered: str, pieces: list[str]) -> tuple[int, int] | None:
     if start < 0 or start > end:
         start = end
     return start, end + len(last)
-
-
-def _own_texts(message: Mapping[str, Any]) -> list[str]:
-    """The stripped content and tool call names of ``message``."""
-    texts = [content_text(message.get("content")).strip()]
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function", call) if isinstance(call, Mapping) else None
-        name = fn.get("name") if isinstance(fn, Mapping) else None
-        if isinstance(name, str):
-            texts.append(name)
-    return [t for t in texts if len(t) > 1]
 
 
 def _straddles(text: str, piece: str, cut: int) -> bool:
@@ -228,9 +226,10 @@ def _agreement(rendered: str, text: str, *, r_start: int = 0, t_start: int = 0,
 
 
 def _check_segment(text: str, start: int, end: int, message: Mapping[str, Any],
-                   pieces: list[str], index: int, call_id: str | None
+                   pieces: list[str], own: list[str], index: int, call_id: str | None
                    ) -> tuple[list[str], list[tuple[int, str]], int]:
-    """Refuse a segment that misses its message's text or cuts through it. Returns the
+    """Refuse a segment that misses its message's text or cuts through it (``own``: its
+    stripped content and tool call names longer than one character). Returns the
     message's texts found nowhere in ``text`` (a longer text holding one would be refused),
     the (boundary, text) checks that a longer text could fail (an occurrence crossing the
     end of ``text``), and how far into ``text`` the other checks read."""
@@ -245,7 +244,7 @@ def _check_segment(text: str, start: int, end: int, message: Mapping[str, Any],
                     f"its segment {_snippet(text[:end], start)}; the template renders it in a "
                     f"way that cannot be segmented", message_index=index, call_id=call_id)
             absent.append(piece)
-    for piece in _own_texts(message):
+    for piece in own:
         for cut in (start, end):
             if cut + len(piece) - 1 > len(text):
                 unsettled.append((cut, piece))
@@ -590,7 +589,8 @@ class Segmenter:
             message = messages[index]
             agreed, reach = _agreement(rendered, text, likely=previous_end)
             horizon = max(horizon, reach)
-            pieces = _anchor_pieces(message, rendered)
+            content, names = _texts_of(message)
+            pieces = _anchor_pieces(content, names, rendered)
             body = _body(rendered, pieces)
             if agreed >= previous_end and (body is None or body[1] <= agreed):
                 end = agreed
@@ -600,8 +600,9 @@ class Segmenter:
                 relocated.append(index)
             while end > previous_end and text[end - 1].isspace():
                 end -= 1
+            own = [t for t in (content, *names) if len(t) > 1]
             missing, open_checks, reach = _check_segment(text, previous_end, end, message,
-                                                         pieces, index, call_id)
+                                                         pieces, own, index, call_id)
             absent.extend(missing)
             unsettled.extend(open_checks)
             horizon = max(horizon, reach)
