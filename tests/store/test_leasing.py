@@ -131,7 +131,10 @@ def test_ack_release_and_expiry(store: EventStore) -> None:
     third = leasing.lease_batch(run, groups=1, lease_seconds=0.5)
     assert third is not None and third.groups == ["b"]
     time.sleep(1.0)
-    assert leasing.expire() == 2
+    # expire() gives back every expired lease of the database, so leases other tests left
+    # to expire may go back with this run's: count this run's samples, not the total.
+    assert leasing.expire() >= 2
+    assert {k: v for k, v in leasing.stats(run).items() if v} == {"consumed": 2, "ready": 2}
     with pytest.raises(LeaseExpired):
         leasing.ack(third.lease_id, policy_version=2)
     with pytest.raises(LeaseExpired):
