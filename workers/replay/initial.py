@@ -16,7 +16,14 @@ import numpy as np
 from workers.replay.equality import content_text
 from workers.replay.errors import ReplayError
 from workers.replay.segment import Segmenter
-from workers.replay.timeline import LLM_AUTHOR, Message, Timeline, _int_list
+from workers.replay.timeline import (
+    LLM_AUTHOR,
+    Message,
+    Timeline,
+    _check_agent,
+    _int_list,
+    _tool_list,
+)
 
 __all__ = ["author_of", "build_initial_timeline", "generated_message", "request_message"]
 
@@ -96,8 +103,7 @@ def build_initial_timeline(
     arguments of the wrong type."""
     if not isinstance(segmenter, Segmenter):
         raise TypeError(f"segmenter must be a Segmenter, got {type(segmenter).__name__}")
-    if not isinstance(agent, str) or not agent:
-        raise TypeError(f"agent must be a non-empty string, got {agent!r}")
+    _check_agent(agent, "agent")
     if not messages:
         raise ReplayError("the call has no request messages", call_id=call_id)
     seg = segmenter.segment(messages, tools=tools, prompt_ids=prompt_ids, call_id=call_id)
@@ -115,8 +121,5 @@ def build_initial_timeline(
             response_ids=response_ids, logprobs=logprobs, finish_reason=finish_reason))
     except ValueError as exc:
         raise ReplayError(str(exc), call_id=call_id) from exc
-    if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
-        raise TypeError(f"tools must be a list of tool schemas or None, got "
-                        f"{type(tools).__name__}")
-    # Messages built here and arguments checked: no second check.
-    return Timeline._built(agent, timeline_messages, [dict(t) for t in tools] if tools else None)
+    # Messages built here and the agent checked: no second check.
+    return Timeline._built(agent, timeline_messages, _tool_list(tools, "tools") or None)

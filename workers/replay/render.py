@@ -465,7 +465,6 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self._sources: dict[bool, str | None] = {}
         #: The template's source and compiled template, with and without tools (None:
         #: rendered by apply_chat_template).
         self._fast: dict[bool, tuple[str, _FastTemplate | None]] = {}
@@ -473,16 +472,24 @@ class ChatRenderer:
         self._variables_key = ""
 
     def _source(self, with_tools: bool) -> str | None:
-        if with_tools not in self._sources:
-            getter = getattr(self.tokenizer, "get_chat_template", None)
-            source = None
-            if getter is not None:
-                try:
-                    source = getter(self.chat_template, [{}] if with_tools else None)
-                except Exception:
-                    source = None
-            self._sources[with_tools] = source if isinstance(source, str) else None
-        return self._sources[with_tools]
+        getter = getattr(self.tokenizer, "get_chat_template", None)
+        if getter is None:
+            return None
+        try:
+            source = getter(self.chat_template, [{}] if with_tools else None)
+        except Exception:
+            return None
+        return source if isinstance(source, str) else None
+
+    def _compiled(self, with_tools: bool) -> tuple[str, _FastTemplate | None]:
+        """The template's source and its compiled template (None: render with
+        apply_chat_template), found once per renderer."""
+        found = self._fast.get(with_tools)
+        if found is None:
+            source = self._source(with_tools)
+            found = self._fast[with_tools] = (
+                (source, _fast_template(source)) if source is not None else ("", None))
+        return found
 
     def _template_variables(self) -> dict[str, Any]:
         if self._variables is None:
@@ -490,10 +497,12 @@ class ChatRenderer:
             self._variables_key = repr(sorted(self._variables.items()))
         return self._variables
 
-    def _slow(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-              generation_prompt: bool) -> Any:
+    def _slow(self, messages: Sequence[Mapping[str, Any]],
+              tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> Any:
+        """``apply_chat_template`` on copies of ``messages`` and ``tools``."""
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt,
+            [dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
+            tokenize=False, add_generation_prompt=generation_prompt,
             chat_template=self.chat_template)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
@@ -503,24 +512,16 @@ class ChatRenderer:
         are)."""
         chat = [m if type(m) is dict else dict(m) for m in messages]
         schemas = [t if type(t) is dict else dict(t) for t in tools] if tools else None
-        found = self._fast.get(schemas is not None)
-        if found is None:
-            source = self._source(schemas is not None)
-            found = self._fast[schemas is not None] = (
-                (source, _fast_template(source)) if source is not None else ("", None))
-        source, fast = found
+        source, fast = self._compiled(schemas is not None)
         variables = self._template_variables()
         key = (source, self._variables_key)
         matched = _verified.get(key, 0)
         if fast is None or not chat or matched < 0:
-            return self._slow([dict(m) for m in messages],
-                              [dict(t) for t in tools] if tools else None, generation_prompt)
+            return self._slow(messages, tools, generation_prompt)
         out = fast.render(messages=chat, tools=schemas, documents=None,
                           add_generation_prompt=generation_prompt, **variables)
         if matched < CHECKED:
-            expected = self._slow([dict(m) for m in messages],
-                                  [dict(t) for t in tools] if tools else None,
-                                  generation_prompt)
+            expected = self._slow(messages, tools, generation_prompt)
             with _lock:
                 if _verified.get(key, 0) >= 0:
                     _verified[key] = _verified.get(key, 0) + 1 if expected == out else -1

@@ -102,6 +102,23 @@ def _tool_calls(value: Any) -> list[dict[str, Any]] | None:
     return [dict(c) for c in value]
 
 
+def _check_agent(value: Any, name: str) -> None:
+    """Refuse an agent name that is not a non-empty string (TypeError naming ``name``)."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _tool_list(value: Any, name: str) -> list[dict[str, Any]] | None:
+    """A timeline's tools as stored: None, or a new list of new dicts. Raises TypeError
+    (naming ``name``) when ``value`` is not a sequence."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of tool schemas or None, got "
+                        f"{type(value).__name__}")
+    return [dict(t) for t in value]
+
+
 @dataclass(frozen=True)
 class Message:
     """One message of a timeline.
@@ -201,8 +218,7 @@ class Timeline:
     tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.agent, str) or not self.agent:
-            raise TypeError(f"Timeline.agent must be a non-empty string, got {self.agent!r}")
+        _check_agent(self.agent, "Timeline.agent")
         if isinstance(self.messages, (str, bytes)) or not isinstance(self.messages, Sequence):
             raise TypeError(f"Timeline.messages must be a list of Message, got "
                             f"{type(self.messages).__name__}")
@@ -214,11 +230,7 @@ class Timeline:
                 raise TypeError(f"Timeline.messages[{i}] must be a Message, got "
                                 f"{type(m).__name__}")
         object.__setattr__(self, "messages", msgs)
-        if self.tools is not None:
-            if isinstance(self.tools, (str, bytes)) or not isinstance(self.tools, Sequence):
-                raise TypeError(f"Timeline.tools must be a list of tool schemas or None, got "
-                                f"{type(self.tools).__name__}")
-            object.__setattr__(self, "tools", [dict(t) for t in self.tools])
+        object.__setattr__(self, "tools", _tool_list(self.tools, "Timeline.tools"))
 
     @classmethod
     def _built(cls, agent: str, messages: list[Message],
@@ -354,7 +366,9 @@ def _absorb(survivor: Timeline, absorbed: list[Timeline], *, track_drift: bool
                     None if m.logprobs is None else list(m.logprobs),
                     tool_calls=kept.tool_calls, truncated=m.truncated,
                     sampled=None if m.sampled is None else list(m.sampled))
-    return Timeline._built(survivor.agent, merged, survivor.tools), sorted(drifted)
+    # The survivor's fields, checked when it was built; its tools as a copy of their own.
+    return (Timeline._built(survivor.agent, merged, _tool_list(survivor.tools, "tools")),
+            sorted(drifted))
 
 
 def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY
