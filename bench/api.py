@@ -139,7 +139,7 @@ class _Server:
         self._log = open(log, "ab")
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "store.cli", "serve", "--host", "127.0.0.1", "--port",
+            [sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1", "--port",
              str(self.port), "--workers", str(workers)],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120

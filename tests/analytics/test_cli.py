@@ -22,7 +22,7 @@ from store import analytics
 from store.analytics import Filters
 from store.settings import get_settings
 from tests.analytics.conftest import RUN, Seeded
-from workers.analytics_cli import OutputFormat, format_cell, parse_time, register, render
+from trajstore.analytics_cli import OutputFormat, format_cell, parse_time, register, render
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_grant_command_creates_a_read_only_login_role(cli: Any, seeded: Seeded) 
 
 
 def test_a_real_process_prints_the_same_json(seeded: Seeded, tmp_path: Any) -> None:
-    launcher = ("import typer; from workers.analytics_cli import register; "
+    launcher = ("import typer; from trajstore.analytics_cli import register; "
                 "app = typer.Typer(); register(app); app.callback()(lambda: None); app()")
     env = {"TRAJSTORE_DATABASE_URL": seeded.url, "TRAJSTORE_DATA_DIR": str(tmp_path),
            "PATH": "/usr/bin:/bin"}

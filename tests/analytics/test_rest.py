@@ -23,7 +23,7 @@ from store import analytics
 from store.analytics import Filters
 from store.settings import Settings, get_settings
 from tests.analytics.conftest import OTHER, RUN, Seeded
-from workers.analytics_cli import register
+from trajstore.analytics_cli import register
 
 
 def _plain(row: Any) -> dict[str, Any]:

@@ -105,7 +105,7 @@ class Server:
         })
         environ.update(env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "store.cli", "serve", "--host", "127.0.0.1",
+            [sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1",
              "--port", str(self.port)],
             env=environ, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 

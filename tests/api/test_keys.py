@@ -96,7 +96,7 @@ def cli_env(pg_url: str, tmp_path, monkeypatch: pytest.MonkeyPatch):  # type: ig
 
 
 def test_cli_creates_lists_and_revokes_keys(cli_env: None, key_store: KeyStore) -> None:
-    from store.cli import app
+    from trajstore.cli import app
 
     runner = CliRunner()
     made = runner.invoke(app, ["keys", "create", "--project", "p-cli", "--role", "ingest",

@@ -29,7 +29,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--seed", "0"],
+    done = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--seed", "0"],
                           env=_env(tmp_path), capture_output=True, text=True, timeout=1400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     match = re.search(r"run (demo-\w+): mean reward ([\d.]+) at version 0 -> ([\d.]+) at "
@@ -42,7 +42,7 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
     for chart in ("reward.png", "failures.png"):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --resume continues the same run from its last policy_updated.
-    more = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--resume", run_id,
+    more = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--resume", run_id,
                            "--steps", "13"], env=_env(tmp_path), capture_output=True,
                           text=True, timeout=600)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
@@ -68,9 +68,9 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
 
 
 def test_bad_options_are_named(tmp_path: Path) -> None:
-    bad = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--backend", "tpu"],
+    bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--backend", "tpu"],
                          env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--backend" in bad.stdout + bad.stderr
-    missing = subprocess.run([sys.executable, "-m", "store.cli", "demo", "--resume", "nope"],
+    missing = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--resume", "nope"],
                              env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and "no run 'nope'" in missing.stdout

@@ -12,8 +12,8 @@ import pytest
 import typer
 import yaml
 
-from store.cli import app
 from store.settings import Settings
+from trajstore.cli import app
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CLI = typer.main.get_command(app)

@@ -34,7 +34,7 @@ class ApiServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "store.cli", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "trajstore", "serve", "--port", str(self.port)],
             env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
             start_new_session=True)
         deadline = time.monotonic() + 120
@@ -56,7 +56,7 @@ class ApiServer:
 
 
 def _key(env: dict[str, str], role: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "store.cli", "keys", "create", "--project",
+    out = subprocess.run([sys.executable, "-m", "trajstore", "keys", "create", "--project",
                           "faults", "--role", role], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

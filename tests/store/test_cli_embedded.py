@@ -14,7 +14,7 @@ import pytest
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "store.cli", *args],
+        [sys.executable, "-m", "trajstore", *args],
         env=env, capture_output=True, text=True, timeout=timeout,
     )
 

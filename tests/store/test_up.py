@@ -18,7 +18,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
     env["TRAJSTORE_DATA_DIR"] = str(tmp_path)
     log = tmp_path / "up.log"
-    proc = subprocess.Popen([sys.executable, "-m", "store.cli", "up", "--no-api"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "trajstore", "up", "--no-api"], env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     return proc, log
 

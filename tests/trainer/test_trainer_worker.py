@@ -66,7 +66,7 @@ def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
     env.update({"TRAJSTORE_DATABASE_URL": settings.database_url or "",
                 "TRAJSTORE_DATA_DIR": str(settings.data_dir), "COLUMNS": "200"})
-    return subprocess.run([sys.executable, "-m", "store.cli", "train", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "trajstore", "train", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300, check=False)
 
 

@@ -71,7 +71,7 @@ class Worker:
         self.log_path = log
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "store.cli", "worker", *args],
+            [sys.executable, "-m", "trajstore", "worker", *args],
             env=_env(settings, **env), stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )

@@ -201,7 +201,7 @@ def test_rebuild_from_the_log_gives_the_same_rows_and_keeps_lease_state(
         conn.execute("UPDATE samples SET status = 'consumed', consumed_version = 1"
                      " WHERE episode_id = %s", (episodes[0],))
     before = snapshot()
-    done = subprocess.run([sys.executable, "-m", "store.cli", "replay", "--rebuild",
+    done = subprocess.run([sys.executable, "-m", "trajstore", "replay", "--rebuild",
                            "--jobs", str(jobs)],
                           env=_env(worker_settings), capture_output=True, text=True,
                           timeout=240)

@@ -18,7 +18,7 @@ The trainer worker (needs the store, numpy and transformers):
   :mod:`workers.trainer.advantages`, :mod:`workers.trainer.checkpoint`,
   :mod:`workers.trainer.weights`: its parts
 - :mod:`workers.trainer.worker`: the per-run trainer cache behind the ``train_step`` task;
-  :mod:`workers.trainer.cli`: ``trajstore train``
+  :mod:`trajstore.train_cli`: ``trajstore train``
 
 This package module imports none of them, so importing one never pulls in the others' needs.
 """

@@ -68,7 +68,7 @@ def supervise(settings: Settings, children: Sequence[Child], *, out: IO[str] | N
     selector = selectors.DefaultSelector()
     for child in children:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "store.cli", *child.args], env=env,
+            [sys.executable, "-m", "trajstore", *child.args], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
         procs[child.name] = proc

@@ -1,12 +1,12 @@
 """The ``trajstore`` command line.
 
-Commands of the store live here; later parts (workers, API) add theirs with lazy imports so
-that ``trajstore status`` never pays for torch.
+The commands of the store live here; ``api_cli``, ``train_cli`` and ``analytics_cli`` add
+theirs. Heavy imports (torch, FastAPI) happen inside the commands, so that ``trajstore status``
+never pays for them.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import sys
@@ -19,6 +19,7 @@ from rich.table import Table
 
 from store import errors
 from store.settings import Settings, get_settings
+from trajstore import analytics_cli, api_cli, train_cli
 
 __all__ = ["app"]
 
@@ -208,7 +209,7 @@ def demo(
     from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from workers.demo import DemoOptions, run_demo, summary, write_charts
+    from trajstore.demo import DemoOptions, run_demo, summary, write_charts
 
     settings = get_settings()
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
@@ -397,7 +398,7 @@ def up(
     """Run the API, a worker per queue (replay, rollout, train) and the periodic sweep as
     supervised subprocesses with one log stream. Ctrl-C stops everything; a child that dies
     stops the rest and exits non-zero."""
-    from store.up import default_children, supervise
+    from trajstore.up import default_children, supervise
 
     names = {c.name or (c.callback.__name__ if c.callback else "")
              for c in app.registered_commands}
@@ -408,21 +409,15 @@ def up(
 
 
 def _register_extensions() -> None:
-    """Commands that other packages contribute (each module has ``register(app)``)."""
-    for module in ("api.cli", "workers.trainer.cli", "workers.analytics_cli"):
-        try:
-            extension = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:  # that package has no commands (yet)
-                continue
-            raise
+    """The commands of the other modules of this package (each has ``register(app)``)."""
+    for extension in (api_cli, train_cli, analytics_cli):
         extension.register(app)
 
 
 _register_extensions()
 
 
-def main() -> None:  # pragma: no cover - console entry for `python -m store.cli`
+def main() -> None:  # pragma: no cover - console entry (`python -m trajstore`)
     from store.logs import configure_logging
 
     configure_logging(get_settings())

@@ -145,7 +145,7 @@ def write_charts(rows: list[VersionRow], directory: Path) -> tuple[Path, Path]:
 @contextmanager
 def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[list[Any]]:
     """The demo's worker processes (rollout + replay, and train), stopped on exit."""
-    from store.up import child_env
+    from trajstore.up import child_env
 
     env = child_env(settings)
     env["TRAJSTORE_ROLLOUT_BACKEND"] = options.backend
@@ -154,7 +154,7 @@ def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[l
     for name, queues in (("rollout", "rollout,replay"), ("train", "train")):
         log = open(logs / f"{name}.log", "ab")
         procs.append((name, log, subprocess.Popen(
-            [sys.executable, "-m", "store.cli", "worker", "--queues", queues],
+            [sys.executable, "-m", "trajstore", "worker", "--queues", queues],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)))
     try:
         yield procs

@@ -1,4 +1,4 @@
-"""``trajstore serve`` and ``trajstore keys …``, registered into the store's CLI.
+"""``trajstore serve`` and ``trajstore keys …``, registered on the ``trajstore`` command line.
 
 Cheap to import: FastAPI, uvicorn and the store open only inside the commands.
 """

@@ -1,6 +1,6 @@
 """``trajstore train``: the training loop in the foreground, with a progress bar.
 
-Registered on the ``trajstore`` command line by ``store.cli``; torch and transformers are
+Registered on the ``trajstore`` command line by ``trajstore.cli``; torch and transformers are
 imported only when the command runs, so other commands stay fast.
 """
 
