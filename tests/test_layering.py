@@ -1,0 +1,112 @@
+"""The dependency rules of the house, checked on every import statement of the code.
+
+``trajstore`` (command line, supervision, demo) is the top: it imports ``api``, ``workers`` and
+``store``, and nothing imports it. ``api`` and ``workers`` import ``store``; ``store`` imports
+neither. ``api`` never runs the agent loop in a request (it starts a task) and never imports
+the replay jobs. Only ``store`` talks to the database driver.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import depgraph  # noqa: E402
+
+# (importing part, forbidden prefixes, why)
+RULES: list[tuple[str, tuple[str, ...], str]] = [
+    ("store", ("workers", "api", "trajstore"),
+     "store is the bottom of the graph: the event log and all SQL"),
+    ("migrations", ("workers", "api", "trajstore"), "migrations stand alone"),
+    ("workers", ("api", "trajstore"), "workers are driven through the store and Celery"),
+    ("api", ("trajstore",), "nothing imports the command line"),
+    ("api", ("workers.replay.jobs", "workers.tasks", "workers.dispatch"),
+     "the API reads projections; replay jobs run in workers"),
+    ("api", ("workers.rollout.loop", "workers.rollout.remote", "workers.rollout.group",
+             "workers.rollout.agent_tasks"),
+     "a request never runs an agent loop: it starts a Celery task"),
+]
+DRIVER = ("psycopg", "psycopg_pool")
+
+# Imports that break a rule today, each with the reason it is still there. Empty is the goal.
+# (importing module, imported module or package)
+KNOWN: set[tuple[str, str]] = {
+    ("api.routers.rollout", "workers.rollout.remote"),
+    ("api.errors", "psycopg"),
+    ("api.queries", "psycopg"),
+    ("workers.replay.project", "psycopg"),
+}
+
+
+def _matches(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _known(imp: depgraph.Import) -> bool:
+    return any(imp.importer == a and _matches(imp.imported, (b,)) for a, b in KNOWN)
+
+
+@pytest.fixture(scope="module")
+def found() -> list[depgraph.Import]:
+    return depgraph.imports()
+
+
+def _where(imp: depgraph.Import) -> str:
+    return f"{imp.path.relative_to(depgraph.ROOT)}:{imp.line} imports {imp.imported}"
+
+
+@pytest.mark.parametrize(("importer", "forbidden", "why"), RULES,
+                         ids=[f"{r[0]}-not-{r[1][0]}" for r in RULES])
+def test_layer_rule(found: list[depgraph.Import], importer: str, forbidden: tuple[str, ...],
+                    why: str) -> None:
+    broken = sorted({_where(i) for i in found
+                     if _matches(i.importer, (importer,)) and _matches(i.imported, forbidden)
+                     and not _known(i)})
+    assert not broken, f"{why}:\n" + "\n".join(broken)
+
+
+def test_nothing_imports_trajstore(found: list[depgraph.Import]) -> None:
+    outside = depgraph.imports(packages=("bench",))
+    broken = sorted({_where(i) for i in [*found, *outside]
+                     if not _matches(i.importer, ("trajstore",))
+                     and _matches(i.imported, ("trajstore",))})
+    assert not broken, "the command line is the top of the graph:\n" + "\n".join(broken)
+
+
+def test_only_store_talks_to_the_driver(found: list[depgraph.Import]) -> None:
+    broken = sorted({_where(i) for i in found
+                     if not _matches(i.importer, ("store",)) and _matches(i.imported, DRIVER)
+                     and not _known(i)})
+    assert not broken, "SQL and driver errors live in store/:\n" + "\n".join(broken)
+
+
+def test_known_exceptions_still_exist(found: list[depgraph.Import]) -> None:
+    """An exception that no longer occurs is taken off the list, so it cannot come back."""
+    gone = sorted(k for k in KNOWN
+                  if not any(i.importer == k[0] and _matches(i.imported, (k[1],))
+                             for i in found))
+    assert not gone, f"remove from KNOWN: {gone}"
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """The rules are only as good as the parser: an import inside a function, a relative
+    import and an importlib.import_module string all count."""
+    pkg = tmp_path / "store"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .. import x\n")
+    (pkg / "sub" / "m.py").write_text(
+        "import importlib\n"
+        "def f():\n    from workers.replay import y\n"
+        "def g():\n    return importlib.import_module('api.cli')\n"
+        "from .n import z\n")
+    got = {(i.importer, i.imported)
+           for i in depgraph.imports(root=tmp_path, packages=("store",))}
+    assert ("store.sub.m", "workers.replay") in got
+    assert ("store.sub.m", "api.cli") in got
+    assert ("store.sub.m", "store.sub.n") in got
+    assert ("store.sub", "store") in got

@@ -1,0 +1,167 @@
+"""The import graph of the code, read from its syntax trees, and its picture.
+
+Every ``import`` and ``from ... import`` in the packages (at module level or inside a function:
+a lazy import is a dependency all the same), and every ``importlib.import_module("...")`` with
+a literal name, is one edge from the importing module to the imported one. The layering test
+(``tests/test_layering.py``) checks the rules of the house on these edges, and
+
+    python tools/depgraph.py            # rewrite docs/img/dependencies.mmd
+    python tools/depgraph.py --check    # exit 1 when the committed picture is stale
+
+draws the graph between the parts of the house as a Mermaid flowchart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "PACKAGES",
+    "ROOT",
+    "Import",
+    "imports",
+    "mermaid",
+    "part_of",
+    "part_edges",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+# The packages of the distribution, top of the graph first.
+PACKAGES = ("trajstore", "api", "workers", "store", "migrations")
+PICTURE = ROOT / "docs" / "img" / "dependencies.mmd"
+
+# The parts the picture shows: a package, or a subpackage where it is a part of its own.
+PARTS = (
+    "trajstore",
+    "api.gateway", "api.routers", "api.ui", "api.schemas", "api",
+    "workers.replay.jobs", "workers.replay", "workers.rollout", "workers.trainer", "workers",
+    "store",
+    "migrations",
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import: ``importer`` (a dotted module name) imports ``imported`` at ``path:line``."""
+
+    importer: str
+    imported: str
+    path: Path
+    line: int
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    base = importer.split(".")
+    if not is_package:
+        base.pop()
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join([*base, module] if module else base)
+
+
+def _file_imports(path: Path, root: Path) -> Iterator[Import]:
+    importer = _module_name(path, root)
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(importer, alias.name, path, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            module = (_resolve(importer, is_package, node.level, node.module)
+                      if node.level else node.module or "")
+            yield Import(importer, module, path, node.lineno)
+            # ``from pkg import mod`` imports the submodule pkg.mod when there is one.
+            for alias in node.names:
+                yield Import(importer, f"{module}.{alias.name}", path, node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            yield Import(importer, node.args[0].value, path, node.lineno)
+
+
+def imports(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> list[Import]:
+    """Every import in the ``.py`` files of ``packages`` under ``root``, in file order.
+    A file that does not parse raises ``SyntaxError`` naming it."""
+    found: list[Import] = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            found.extend(_file_imports(path, root))
+    return found
+
+
+def part_of(module: str) -> str | None:
+    """The part of the house a module belongs to (the longest of :data:`PARTS` that is it or
+    contains it), or None for a module outside the house (third-party, the standard
+    library)."""
+    for part in PARTS:
+        if module == part or module.startswith(part + "."):
+            return part
+    return None
+
+
+def part_edges(found: Iterable[Import]) -> set[tuple[str, str]]:
+    """The edges between different parts of the house."""
+    edges = set()
+    for imp in found:
+        a, b = part_of(imp.importer), part_of(imp.imported)
+        if a and b and a != b:
+            edges.add((a, b))
+    return edges
+
+
+def mermaid(edges: Iterable[tuple[str, str]]) -> str:
+    """A Mermaid flowchart of ``edges``, one subgraph per top package, in a stable order."""
+    edges = sorted(set(edges))
+    nodes = sorted({n for e in edges for n in e} | {"trajstore", "store"},
+                   key=lambda n: (PACKAGES.index(n.split(".")[0]), n))
+    ident = {n: n.replace(".", "_") for n in nodes}
+    lines = ["%% generated by tools/depgraph.py from the import statements; do not edit",
+             "flowchart TD"]
+    for package in PACKAGES:
+        members = [n for n in nodes if n.split(".")[0] == package]
+        if not members:
+            continue
+        if len(members) == 1:
+            lines.append(f"    {ident[members[0]]}[{members[0]}]")
+            continue
+        lines.append(f"    subgraph {package}_pkg[{package}]")
+        lines += [f"        {ident[n]}[{n}]" for n in members]
+        lines.append("    end")
+    lines += [f"    {ident[a]} --> {ident[b]}" for a, b in edges]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="Exit 1 when the committed picture differs from the code's.")
+    args = parser.parse_args(argv)
+    text = mermaid(part_edges(imports()))
+    if args.check:
+        if not PICTURE.exists() or PICTURE.read_text(encoding="utf-8") != text:
+            print(f"{PICTURE.relative_to(ROOT)} is stale: run python tools/depgraph.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    PICTURE.parent.mkdir(parents=True, exist_ok=True)
+    PICTURE.write_text(text, encoding="utf-8")
+    print(f"wrote {PICTURE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
