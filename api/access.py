@@ -12,9 +12,9 @@ import threading
 import uuid
 from collections import OrderedDict
 
-from api import queries
 from api.errors import ApiError
 from api.keys import ApiKey
+from store import queries
 from store.eventlog import EventStore
 
 __all__ = ["Access"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -105,10 +104,6 @@ def _store_error(exc: store_errors.StoreError) -> JSONResponse:
         return error_response(503, "unavailable", str(exc), headers={"Retry-After": "1"})
     if type(exc).__name__ == "LeaseExpired":
         return error_response(409, "lease_ended", str(exc))
-    if isinstance(exc.__cause__, psycopg.DataError):
-        # The database refused a value the client sent (a NUL character in an id, a number
-        # out of range): the request is at fault, not the server.
-        return error_response(422, "invalid_request", f"a value was refused: {exc}")
     log.error("store error: %s", exc)
     return error_response(500, "store_error", "the store failed; see the server log")
 

@@ -29,10 +29,10 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
+from store import api_keys as table
 from store import errors
-from store.db import Database, connect
+from store.db import Database
 from store.settings import Settings
 
 __all__ = [
@@ -116,9 +116,6 @@ def _check_role(role: object) -> str:
     return str(role)
 
 
-_COLUMNS = "key_id, project, role, name, created_at, revoked_at"
-
-
 def _key(row: tuple[object, ...]) -> ApiKey:
     return ApiKey(*row)  # type: ignore[arg-type]
 
@@ -150,39 +147,20 @@ class KeyStore:
         digest = hash_secret(secret, salt=salt, n=s.api_key_scrypt_n, r=s.api_key_scrypt_r,
                              p=s.api_key_scrypt_p)
         params = f"scrypt${s.api_key_scrypt_n}${s.api_key_scrypt_r}${s.api_key_scrypt_p}"
-        with self.db.transaction() as conn:
-            row = conn.execute(
-                f"INSERT INTO api_keys (key_id, project, role, name, secret_hash, salt,"
-                f" hash_params) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING {_COLUMNS}",
-                (key_id, project, role, name, digest, salt, params),
-            ).fetchone()
-        assert row is not None  # INSERT … RETURNING gives the row
+        row = table.insert_key(self.db, key_id=key_id, project=project, role=role, name=name,
+                               secret_hash=digest, salt=salt, hash_params=params)
         return NewKey(_key(row), f"{KEY_PREFIX}{key_id}_{secret}")
 
     def list(self, *, project: str | None = None, include_revoked: bool = False
              ) -> list[ApiKey]:
         """Keys, oldest first, of one project or all; revoked ones only when asked."""
-        with self.db.connection() as conn:
-            rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM api_keys"
-                " WHERE (%s::text IS NULL OR project = %s) AND (%s OR revoked_at IS NULL)"
-                " ORDER BY created_at, key_id",
-                (project, project, include_revoked),
-            ).fetchall()
+        rows = table.list_keys(self.db, project=project, include_revoked=include_revoked)
         return [_key(r) for r in rows]
 
     def revoke(self, key_id: str) -> ApiKey:
         """Revoke a key (revoking twice keeps the first time) and tell every listening API
         process. Raises ``NotFoundError`` for an unknown key id."""
-        with self.db.transaction() as conn:
-            row = conn.execute(
-                f"UPDATE api_keys SET revoked_at = coalesce(revoked_at, now())"
-                f" WHERE key_id = %s RETURNING {_COLUMNS}",
-                (key_id,),
-            ).fetchone()
-            if row is not None:
-                # Delivered when this transaction commits, never before.
-                conn.execute("SELECT pg_notify(%s, %s)", (REVOKED_CHANNEL, key_id))
+        row = table.revoke_key(self.db, key_id, channel=REVOKED_CHANNEL)
         if row is None:
             raise errors.NotFoundError(f"no API key {key_id!r}")
         self._forget(key_id)
@@ -217,12 +195,7 @@ class KeyStore:
         with self._lock:
             generation = self._generation
             known = self._verified.get(key_id)
-        with self.db.connection() as conn:
-            row = conn.execute(
-                f"SELECT {_COLUMNS}, secret_hash, salt, hash_params FROM api_keys"
-                " WHERE key_id = %s",
-                (key_id,),
-            ).fetchone()
+        row = table.key_secret_row(self.db, key_id)
         if row is None or row[5] is not None:
             self._forget(key_id)
             return None
@@ -267,18 +240,17 @@ class KeyStore:
         """Drop revoked keys as their notifications arrive; while not listening, trust
         nothing cached (``verify`` reads the row every time)."""
         while not self._stop.is_set():
-            conn: Any = None
+            listener: table.RevocationListener | None = None
             try:
-                conn = connect(self.db.url, autocommit=True)
-                conn.execute(f"LISTEN {REVOKED_CHANNEL}")
+                listener = table.RevocationListener(self.db.url, REVOKED_CHANNEL)
                 with self._lock:
                     # Anything revoked while nobody listened is unknown: start afresh.
                     self._verified.clear()
                     self._generation += 1
                     self._listening = True
                 while not self._stop.is_set():
-                    for note in conn.notifies(timeout=1.0):
-                        self._forget(note.payload)
+                    for key_id in listener.payloads(timeout_s=1.0):
+                        self._forget(key_id)
             except Exception as exc:  # connection lost: fall back to reading rows
                 log.warning("not hearing API key revocations (%s); checking every request",
                             exc)
@@ -286,11 +258,8 @@ class KeyStore:
                 with self._lock:
                     self._listening = False
                     self._verified.clear()
-                if conn is not None:
-                    try:
-                        conn.close()
-                    except Exception:  # already broken
-                        pass
+                if listener is not None:
+                    listener.close()
             self._stop.wait(1.0)
 
     def close(self) -> None:

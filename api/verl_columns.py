@@ -64,7 +64,7 @@ class VerlSample:
 
 
 def from_row(row: dict[str, Any]) -> VerlSample:
-    """A sample from a ``samples`` row read with ``api.queries`` (token columns as bytes)."""
+    """A sample from a ``samples`` row read with ``store.queries`` (token columns as bytes)."""
     ids = np.frombuffer(row["token_ids"], dtype="<i4") if "token_ids" in row else None
     return VerlSample(
         sample_id=row["sample_id"], uid=row["group_id"], episode_id=row["episode_id"],

@@ -36,9 +36,6 @@ DRIVER = ("psycopg", "psycopg_pool")
 # (importing module, imported module or package)
 KNOWN: set[tuple[str, str]] = {
     ("api.routers.rollout", "workers.rollout.remote"),
-    ("api.errors", "psycopg"),
-    ("api.queries", "psycopg"),
-    ("workers.replay.project", "psycopg"),
 }
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from store import queries
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import PolicyUpdated, RolloutConfig, RunConfig, RunCreated
 from store.settings import Settings
@@ -80,21 +81,11 @@ def version_rows(store: EventStore, run_id: str) -> list[VersionRow]:
     """Per policy version of the run: episodes, mean reward, tool errors, rollbacks,
     negatives, failures by error type, and the metrics of the training step that consumed
     that version's samples."""
-    with store.db.connection() as conn:
-        episodes = conn.execute(
-            "SELECT policy_version, count(*), avg(reward), sum(tool_calls), sum(tool_errors),"
-            " sum(rollbacks), sum(negatives) FROM episodes WHERE run_id = %s"
-            " AND status NOT IN ('aborted', 'invalid') GROUP BY policy_version"
-            " ORDER BY policy_version", (run_id,)).fetchall()
-        failures = conn.execute(
-            "SELECT policy_version, coalesce(error_type, 'unknown'), count(*) FROM failures"
-            " WHERE run_id = %s GROUP BY 1, 2", (run_id,)).fetchall()
-    rows = {v: VersionRow(v, int(n), float(r or 0.0), int(tc or 0), int(te or 0), int(rb or 0),
-                          int(ng or 0))
-            for v, n, r, tc, te, rb, ng in episodes if v is not None}
-    for v, kind, n in failures:
-        if v in rows:
-            rows[v].failures_by_type[kind] = int(n)
+    failures = queries.failures_by_version(store, run_id)
+    rows = {v.version: VersionRow(v.version, v.episodes, v.reward_mean, v.tool_calls,
+                                  v.tool_errors, v.rollbacks, v.negatives,
+                                  failures_by_type=failures.get(v.version, {}))
+            for v in queries.version_summaries(store, run_id)}
     for recorded in store.read_stream(run_stream_id(run_id)):
         event = recorded.event
         if isinstance(event, PolicyUpdated) and event.version - 1 in rows:
@@ -218,7 +209,7 @@ def run_demo(
                                                              options.group_size, g],
                               queue="rollout")
             want = options.groups_per_step * options.group_size
-            _wait(lambda v=version: _episodes_done(store, run_id, v), want, procs, logs,
+            _wait(lambda v=version: queries.episodes_done(store, run_id, v), want, procs, logs,
                   options.timeout_s, on_progress, f"rollouts v{version}")
             app.send_task("trajstore.train_step", args=[run_id, train_config], queue="train")
             _wait(lambda: _policy_version(store, run_id), version + 1, procs, logs,
@@ -233,14 +224,6 @@ def _policy_version(store: EventStore, run_id: str) -> int:
     from store.leasing import Leasing
 
     return Leasing(store).current_policy_version(run_id)
-
-
-def _episodes_done(store: EventStore, run_id: str, version: int) -> int:
-    with store.db.connection() as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM episodes WHERE run_id = %s AND policy_version = %s"
-            " AND status NOT IN ('aborted', 'invalid')", (run_id, version)).fetchone()
-    return int(row[0]) if row else 0
 
 
 def _wait(value: Callable[[], int], target: int, procs: list[Any], logs: Path,

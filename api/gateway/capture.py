@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from api import queries
 from api.access import Access
 from api.errors import ApiError
 from api.gateway.openai_format import Captured
 from api.keys import ApiKey
+from store import queries
 from store.eventlog import ANY, AppendResult, EventStore, ExpectedVersion, run_stream_id
 from store.events import EpisodeStarted, LLMCalled, RunConfig, RunCreated
 

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
 
-from api import queries
 from api.cursor import decode_cursor, encode_cursor
 from api.deps import Ctx, IngestKey, ReadKey
 from api.errors import ERROR_RESPONSES, ApiError
@@ -28,6 +27,7 @@ from api.schemas.episodes import (
 from api.timelines import episode_timelines
 from api.tokens import Encoding, encode_array
 from store import errors as store_errors
+from store import queries
 from store.eventlog import NO_STREAM, RecordedEvent
 from store.events import EVENT_TYPES, EpisodeStarted
 

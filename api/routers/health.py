@@ -10,7 +10,7 @@ from api.deps import AnyKey, Ctx
 from api.errors import ERROR_RESPONSES
 from api.schemas.health import Health, Readiness, WhoAmI
 from store import errors as store_errors
-from store import migrate
+from store import migrate, queries
 
 __all__ = ["router"]
 
@@ -30,8 +30,7 @@ def ready(ctx: Ctx) -> JSONResponse:
     knows; 503 otherwise."""
     head = migrate.head_revision()
     try:
-        with ctx.store.db.connection() as conn:
-            conn.execute("SELECT 1").fetchone()
+        queries.ping(ctx.store)
         current = migrate.current_revision(ctx.store.db.url)
     except (store_errors.StoreError, Exception) as exc:  # any failure means not ready
         body = Readiness(status="unavailable", database="unreachable", head=head,

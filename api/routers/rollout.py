@@ -18,12 +18,12 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from api import queries
 from api.deps import Ctx, IngestKey
 from api.errors import ERROR_RESPONSES, ApiError
 from api.schemas.common import ErrorBody
 from api.schemas.remote import RolloutCompleted, RolloutCompletedAck, RolloutRequest
 from store import errors as store_errors
+from store import queries
 from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
 

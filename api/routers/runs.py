@@ -7,7 +7,6 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from api import queries
 from api.context import ApiContext
 from api.deps import Ctx, IngestKey, ReadKey
 from api.errors import ERROR_RESPONSES, ApiError
@@ -15,6 +14,7 @@ from api.ingest import append_batch
 from api.schemas.episodes import AppendRequest, AppendResult
 from api.schemas.runs import RunCreate, RunCreated, RunList, RunOut
 from store import errors as store_errors
+from store import queries
 from store.eventlog import NO_STREAM, run_stream_id
 from store.events import RunCreated as RunCreatedEvent
 

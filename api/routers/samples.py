@@ -10,13 +10,14 @@ import pyarrow as pa
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from api import queries, verl_columns
+from api import verl_columns
 from api.cursor import decode_cursor, encode_cursor
 from api.deps import Ctx, ReadKey
 from api.errors import ERROR_RESPONSES
 from api.parquet import PARQUET_MEDIA_TYPE, stream_parquet
 from api.schemas.samples import SamplePage
 from api.tokens import Encoding
+from store import queries
 
 __all__ = ["router"]
 

@@ -12,9 +12,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from api import queries
 from api.timelines import replay_stored
-from store import analytics
+from store import analytics, queries
 from store.analytics import Filters
 from store.eventlog import EventStore
 from store.events import AttemptFailed, RolledBack, ToolReturned

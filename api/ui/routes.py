@@ -25,13 +25,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
-from api import queries
 from api.deps import Ctx
 from api.errors import ApiError
 from api.keys import ApiKey
 from api.routers.runs import run_out
 from api.schemas.runs import RunOut
 from api.ui import data
+from store import queries
 
 __all__ = ["COOKIE", "STATIC_DIR", "LoginRequired", "PageError", "install", "router"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api import queries
+from store import queries
 from api.app import create_app
 from api.cursor import decode_cursor, encode_cursor
 from api.errors import ApiError, field_path

@@ -151,10 +151,11 @@ def test_write_many_refuses_an_episode_twice(store: EventStore, qwen3) -> None:
     project_episode(store, episode)
     projections = Projections(store)
     assert projections.write_many([]) == []
-    from workers.replay.project import _build, _read_runs, _read_streams
+    from store.streams import read_run_events, read_streams
+    from workers.replay.project import _build
 
-    events = _read_streams(store, [episode])[episode]
-    projection = _build(events, _read_runs(store, {run_id})[run_id], lambda name: qwen3, {})
+    events = read_streams(store, [episode])[episode]
+    projection = _build(events, read_run_events(store, {run_id})[run_id], lambda name: qwen3, {})
     with pytest.raises(ValueError, match="twice"):
         projections.write_many([projection, projection])
     assert projections.write_many([projection]) == [False]

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import psycopg
-from psycopg.rows import dict_row
 
 from store import errors
-from store.eventlog import EventStore, RecordedEvent, run_stream_id
+from store.eventlog import EventStore, RecordedEvent
 from store.events import (
     MAX_INT,
     AttemptFailed,
@@ -45,7 +43,7 @@ from store.projections import (
     SampleRow,
     ToolCallRow,
 )
-from store.rows import ROW_COLUMNS, Decoder
+from store.streams import read_run_events, read_streams
 from workers.replay.episode import ReplayResult, replay_episode
 from workers.replay.errors import ReplayError
 from workers.tokenizers import TokenizerNotFound, load_tokenizer
@@ -353,7 +351,7 @@ def _project_episodes(store: EventStore, episode_ids: Sequence[str],
     projections = Projections(store)
     # One pooled connection for the three reads (each checkout costs a round trip).
     with store.db.connection() as conn:
-        streams = _read_streams(store, ids, conn=conn)
+        streams = read_streams(store, ids, conn=conn)
         done = projections.projected_versions(ids, conn=conn)
         finished: list[list[RecordedEvent]] = []
         for episode_id in ids:
@@ -372,7 +370,7 @@ def _project_episodes(store: EventStore, episode_ids: Sequence[str],
             else:
                 todo.append(events)
         run_ids = [_started(events).run_id for events in todo]
-        runs = _read_runs(store, set(run_ids), conn=conn)
+        runs = read_run_events(store, set(run_ids), conn=conn)
     tokenizers: dict[str | None, Any] = {}
     run_rows: dict[str, RunRow] = {}
     built = [_build(events, runs.get(run_id), tokenizer_loader, tokenizers, run_rows)
@@ -430,45 +428,6 @@ def _started(events: list[RecordedEvent]) -> EpisodeStarted:
     started = events[0].event
     assert isinstance(started, EpisodeStarted)
     return started
-
-
-def _read_events(store: EventStore, stream_ids: Sequence[str], where: str, *,
-                 conn: psycopg.Connection | None = None) -> list[RecordedEvent]:
-    """The events of ``stream_ids`` that ``where`` (SQL after the stream filter) keeps,
-    decoded as ``EventStore.read_stream`` gives them (token payloads and delta encodings
-    expanded; ``llm_called`` rows checked as a trusted ``Decoder`` checks them), read with
-    one query (on ``conn`` when given)."""
-    if not stream_ids:
-        return []
-    if conn is None:
-        with store.db.connection() as own:
-            return _read_events(store, stream_ids, where, conn=own)
-    rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-        f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = ANY(%b::text[]) {where}",
-        (list(stream_ids),),
-    ).fetchall()
-    # The log's own rows, checked on append: not validated again (see ``Decoder``).
-    decoder = Decoder(trusted=True)
-    return [decoder.decode(row) for row in rows]
-
-
-def _read_streams(store: EventStore, stream_ids: Sequence[str], *,
-                  conn: psycopg.Connection | None = None) -> dict[str, list[RecordedEvent]]:
-    """Every event of each stream, in version order."""
-    out: dict[str, list[RecordedEvent]] = {}
-    for event in _read_events(store, stream_ids, "ORDER BY stream_id, stream_version",
-                              conn=conn):
-        out.setdefault(event.stream_id, []).append(event)
-    return out
-
-
-def _read_runs(store: EventStore, run_ids: set[str], *,
-               conn: psycopg.Connection | None = None) -> dict[str, RecordedEvent]:
-    """The first event of each run's stream (its ``run_created``), by run id."""
-    wanted = {run_stream_id(run_id): run_id for run_id in run_ids}
-    return {wanted[event.stream_id]: event
-            for event in _read_events(store, list(wanted), "AND stream_version = 1",
-                                      conn=conn)}
 
 
 def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,

@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from store import errors
+from store import errors, queries
 from store.eventlog import EventStore
 from store.events import EpisodeFinished
 from store.projections import Projections
@@ -45,24 +45,7 @@ def abort_stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 20
     ``timeout_s`` seconds. The append expects the version it saw, so an episode that got an
     event meanwhile is left alone (its worker is alive after all). Returns how many it
     closed. Raises ``ValueError`` for a non-positive timeout."""
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    with store.db.connection() as conn:
-        stale = conn.execute(
-            """
-            SELECT s.stream_id, max(e.stream_version)
-            FROM events s
-            JOIN events e ON e.stream_id = s.stream_id
-            WHERE s.type = 'episode_started'
-              AND NOT EXISTS (SELECT 1 FROM events f WHERE f.stream_id = s.stream_id
-                                                        AND f.type = 'episode_finished')
-            GROUP BY s.stream_id
-            HAVING max(e.recorded_at) < now() - make_interval(secs => %s)
-            ORDER BY min(s.position)
-            LIMIT %s
-            """,
-            (timeout_s, limit),
-        ).fetchall()
+    stale = queries.stale_episodes(store, timeout_s=timeout_s, limit=limit)
     closed = 0
     for stream_id, version in stale:
         try:

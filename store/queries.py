@@ -1,5 +1,6 @@
-"""Read queries the API needs beyond the store's own: every SQL statement of the API that is
-not about keys lives here, as functions taking the store.
+"""Read queries beyond the event log's own, as functions taking the store: the listings of
+the API (episodes, runs, groups, samples), the sweep's stale episodes, the demo's per-version
+table and the readiness probe. The code outside ``store/`` calls these and writes no SQL.
 
 Episodes are listed from the log (``episode_started`` rows, in start order) joined with the
 replay projection where it exists, so an episode shows up as soon as it starts; status and
@@ -23,6 +24,12 @@ from store.eventlog import EventStore, run_stream_id
 __all__ = [
     "EpisodeFilters",
     "SampleFilters",
+    "VersionSummary",
+    "episodes_done",
+    "failures_by_version",
+    "ping",
+    "stale_episodes",
+    "version_summaries",
     "episode_finished",
     "episode_row",
     "episode_run",
@@ -325,3 +332,90 @@ def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]
             " ORDER BY stream_version",
             (stream_id,),
         ).fetchall()
+
+
+def ping(store: EventStore) -> None:
+    """One round trip to the database. Raises ``store.errors.StoreError`` (a
+    ``TransientError`` when it is unreachable)."""
+    with store.db.connection() as conn:
+        conn.execute("SELECT 1").fetchone()
+
+
+def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200
+                   ) -> list[tuple[str, int]]:
+    """Episodes with no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest
+    start first, at most ``limit``: ``(episode_id, last stream_version)``. Raises
+    ValueError for a non-positive timeout or a ``limit`` below 1."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            """
+            SELECT s.stream_id, max(e.stream_version)
+            FROM events s
+            JOIN events e ON e.stream_id = s.stream_id
+            WHERE s.type = 'episode_started'
+              AND NOT EXISTS (SELECT 1 FROM events f WHERE f.stream_id = s.stream_id
+                                                        AND f.type = 'episode_finished')
+            GROUP BY s.stream_id
+            HAVING max(e.recorded_at) < now() - make_interval(secs => %s)
+            ORDER BY min(s.position)
+            LIMIT %s
+            """,
+            (timeout_s, limit),
+        ).fetchall()
+    return [(stream_id, int(version)) for stream_id, version in rows]
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    """The replayed episodes of one policy version of a run (aborted and invalid ones left
+    out): how many, their mean reward, and the sums of their tool calls, tool errors,
+    rollbacks and negative samples."""
+
+    version: int
+    episodes: int
+    reward_mean: float
+    tool_calls: int
+    tool_errors: int
+    rollbacks: int
+    negatives: int
+
+
+def version_summaries(store: EventStore, run_id: str) -> list[VersionSummary]:
+    """One summary per policy version of ``run_id`` that has replayed episodes, in version
+    order (an unknown run has none)."""
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            "SELECT policy_version, count(*), avg(reward), sum(tool_calls), sum(tool_errors),"
+            " sum(rollbacks), sum(negatives) FROM episodes WHERE run_id = %s"
+            " AND status NOT IN ('aborted', 'invalid') AND policy_version IS NOT NULL"
+            " GROUP BY policy_version ORDER BY policy_version", (run_id,)).fetchall()
+    return [VersionSummary(int(v), int(n), float(r or 0.0), int(tc or 0), int(te or 0),
+                           int(rb or 0), int(ng or 0)) for v, n, r, tc, te, rb, ng in rows]
+
+
+def failures_by_version(store: EventStore, run_id: str) -> dict[int, dict[str, int]]:
+    """Failures of ``run_id`` counted by policy version and error type (``unknown`` when the
+    failure has none)."""
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            "SELECT policy_version, coalesce(error_type, 'unknown'), count(*) FROM failures"
+            " WHERE run_id = %s AND policy_version IS NOT NULL GROUP BY 1, 2",
+            (run_id,)).fetchall()
+    out: dict[int, dict[str, int]] = {}
+    for version, kind, n in rows:
+        out.setdefault(int(version), {})[kind] = int(n)
+    return out
+
+
+def episodes_done(store: EventStore, run_id: str, version: int) -> int:
+    """Replayed episodes of ``run_id`` at policy ``version`` (aborted and invalid ones left
+    out)."""
+    with store.db.connection() as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM episodes WHERE run_id = %s AND policy_version = %s"
+            " AND status NOT IN ('aborted', 'invalid')", (run_id, version)).fetchone()
+    return int(row[0]) if row else 0
