@@ -66,6 +66,24 @@ def test_layer_rule(found: list[depgraph.Import], importer: str, forbidden: tupl
     assert not broken, f"{why}:\n" + "\n".join(broken)
 
 
+# What the pure core of replay may not touch: the database, processes, the network.
+IMPURE = ("psycopg", "psycopg_pool", "celery", "redis", "multiprocessing", "subprocess",
+          "concurrent", "socket", "httpx", "workers.replay.jobs", "workers.tasks",
+          "workers.app")
+
+
+def test_replay_core_is_pure(found: list[depgraph.Import]) -> None:
+    """``workers.replay`` outside ``workers.replay.jobs`` is plain functions over plain data:
+    of the store it reads only the event schemas."""
+    core = [i for i in found if _matches(i.importer, ("workers.replay",))
+            and not _matches(i.importer, ("workers.replay.jobs",))]
+    broken = sorted({_where(i) for i in core
+                     if _matches(i.imported, IMPURE)
+                     or (_matches(i.imported, ("store",))
+                         and not _matches(i.imported, ("store.events",)))})
+    assert not broken, "the replay core does no I/O:\n" + "\n".join(broken)
+
+
 def test_nothing_imports_trajstore(found: list[depgraph.Import]) -> None:
     outside = depgraph.imports(packages=("bench",))
     broken = sorted({_where(i) for i in [*found, *outside]

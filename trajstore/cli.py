@@ -327,9 +327,9 @@ def replay(
     """Replay in the foreground: one episode, every unprojected one, or (``--rebuild``)
     every projection from the log alone, on ``--jobs`` processes."""
     from store.projections import Projections
-    from workers.replay.parallel import ProjectionPool
-    from workers.replay.project import project_episode
-    from workers.replay.sweep import sweep_unprojected
+    from workers.replay.jobs.parallel import ProjectionPool
+    from workers.replay.jobs.project import project_episode
+    from workers.replay.jobs.sweep import sweep_unprojected
 
     store = _open_store(get_settings())
     pool = (ProjectionPool(store.db.url, jobs=jobs,
@@ -370,7 +370,7 @@ def sweep(
     import signal as signals
     import threading
 
-    from workers.replay.sweep import abort_stale_episodes, sweep_forever, sweep_unprojected
+    from workers.replay.jobs.sweep import abort_stale_episodes, sweep_forever, sweep_unprojected
 
     settings = get_settings()
     logging.basicConfig(level=settings.log_level)

@@ -35,7 +35,7 @@ def _fault_delay() -> Any:
           retry_backoff=True, retry_backoff_max=60, max_retries=20)
 def replay_episode(episode_id: str) -> str:
     """Project one finished episode (idempotent: a redelivery does nothing)."""
-    from workers.replay.project import project_episode
+    from workers.replay.jobs.project import project_episode
 
     return project_episode(worker_store(), episode_id, before_commit=_fault_delay()).outcome
 
@@ -45,7 +45,7 @@ def replay_episode(episode_id: str) -> str:
 def sweep(limit: int = 200) -> int:
     """Project finished episodes that have no projection (a lost message, a broker outage).
     Returns how many it wrote."""
-    from workers.replay.sweep import abort_stale_episodes, sweep_unprojected
+    from workers.replay.jobs.sweep import abort_stale_episodes, sweep_unprojected
 
     store = worker_store()
     abort_stale_episodes(store, timeout_s=get_settings().episode_timeout_s, limit=limit)

@@ -39,7 +39,7 @@ from store.settings import Settings
 from tests.analytics.seed import Attempt, Episode, record_events
 from tests.conftest import PostgresServer
 from tests.replay.replay_tokenizers import qwen3_tokenizer
-from workers.replay.project import project_episode
+from workers.replay.jobs.project import project_episode
 
 RUN = "run-analytics"
 OTHER = "run-other"

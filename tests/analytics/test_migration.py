@@ -18,7 +18,7 @@ from store.settings import Settings
 from tests.analytics.conftest import EPISODES, RUN
 from tests.analytics.seed import record_events
 from tests.conftest import PostgresServer
-from workers.replay.project import project_episode
+from workers.replay.jobs.project import project_episode
 
 ANALYTICS_RELATIONS = ("tool_calls", "failure_patterns", "rollback_outcomes",
                        "tool_error_rates", "episode_outcomes", "timeline_stats",

@@ -115,7 +115,7 @@ def record_group(store: EventStore, tokenizer: Any, *, run_id: str, group_id: st
                  size: int = 2, failed_attempt: bool = False, project_now: bool = True,
                  policy_version: int = 0) -> list[str]:
     """``size`` finished episodes of one group (rewards 1, 0, 1, …), projected."""
-    from workers.replay.project import project_episode
+    from workers.replay.jobs.project import project_episode
 
     ids = []
     for i in range(size):

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from store import queries
 from api.app import create_app
 from api.cursor import decode_cursor, encode_cursor
 from api.errors import ApiError, field_path
@@ -21,7 +20,7 @@ from api.limits import BodyLimit
 from api.routers.rollout import completion_events
 from api.schemas.openai import ChatMessage
 from api.schemas.remote import RolloutCompleted
-from store import migrate
+from store import migrate, queries
 from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings

@@ -23,7 +23,7 @@ from store.events import EpisodeStarted, LLMCalled, RewardAssigned
 from store.settings import Settings
 from tests.api.conftest import Project, make_project
 from tests.api.episodes import create_run, episode_events
-from workers.replay.project import project_episode
+from workers.replay.jobs.project import project_episode
 
 
 @dataclass

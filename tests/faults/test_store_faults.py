@@ -27,7 +27,7 @@ from store.settings import Settings
 from tests.factories import episode_started
 from tests.workers.conftest import wait_for
 from workers.dispatch import install_replay_dispatch
-from workers.replay.sweep import sweep_unprojected
+from workers.replay.jobs.sweep import sweep_unprojected
 
 
 def _batches(n: int) -> list[tuple[str, list[Any]]]:

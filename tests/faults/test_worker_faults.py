@@ -22,7 +22,7 @@ from tests.workers.conftest import (  # noqa: F401  (fixtures)
     worker_settings,
     worker_store,
 )
-from workers.replay.sweep import abort_stale_episodes, sweep_unprojected
+from workers.replay.jobs.sweep import abort_stale_episodes, sweep_unprojected
 
 
 def _open_episodes(store: EventStore, run_id: str) -> list[str]:

@@ -15,8 +15,8 @@ from test_replay_project_batch import new_run, record, renamed, rows
 from test_replay_reuse import tool_episode
 
 from store.eventlog import NO_STREAM, EventStore
-from workers.replay.parallel import ProjectionPool
-from workers.replay.project import project_episodes
+from workers.replay.jobs.parallel import ProjectionPool
+from workers.replay.jobs.project import project_episodes
 
 
 @pytest.mark.timeout(240)

@@ -13,8 +13,8 @@ from test_replay_reuse import tool_episode
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import EpisodeStarted, LLMCalled, RunConfig, RunCreated
 from store.projections import Projections
-from workers.replay.project import collector_paused, project_episode, project_episodes
-from workers.replay.sweep import sweep_unprojected
+from workers.replay.jobs.project import collector_paused, project_episode, project_episodes
+from workers.replay.jobs.sweep import sweep_unprojected
 
 TABLES = {
     "episodes": "SELECT episode_id, run_id, group_id, status, invalid_reason, reward,"
@@ -152,7 +152,7 @@ def test_write_many_refuses_an_episode_twice(store: EventStore, qwen3) -> None:
     projections = Projections(store)
     assert projections.write_many([]) == []
     from store.streams import read_run_events, read_streams
-    from workers.replay.project import _build
+    from workers.replay.jobs.project import _build
 
     events = read_streams(store, [episode])[episode]
     projection = _build(events, read_run_events(store, {run_id})[run_id], lambda name: qwen3, {})
@@ -162,7 +162,7 @@ def test_write_many_refuses_an_episode_twice(store: EventStore, qwen3) -> None:
 
 
 def test_sweep_projects_in_batches(store: EventStore, qwen3, monkeypatch) -> None:
-    import workers.replay.sweep as sweep
+    import workers.replay.jobs.sweep as sweep
 
     run_id = new_run(store)
     ids = record(store, qwen3, run_id, 5, prefix="sweep")

@@ -13,7 +13,7 @@ from store.eventlog import NO_STREAM, EventStore
 from tests.factories import episode_started
 from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.workers.test_replay_pipeline import new_run, rollback_episode
-from workers.replay.project import project_episode
+from workers.replay.jobs.project import project_episode
 
 
 def test_version_summaries_and_failures_of_a_replayed_episode(store: EventStore) -> None:

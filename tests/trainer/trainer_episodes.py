@@ -22,7 +22,7 @@ from store.db import Database
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import EgpoConfig, RunConfig, RunCreated
 from store.settings import Settings
-from workers.replay.project import project_episode
+from workers.replay.jobs.project import project_episode
 from workers.rollout import SamplingParams, ToolRegistry, run_episode
 from workers.rollout.agent_tasks import Task
 from workers.rollout.rewards import REWARDS, Reward, Transcript, register_reward

@@ -18,7 +18,7 @@ from tests.replay.replay_episodes import SEARCH_TOOL, Script, tool_call
 from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.workers.conftest import _env, wait_for
 from workers.dispatch import install_replay_dispatch
-from workers.replay.project import project_episode
+from workers.replay.jobs.project import project_episode
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from store.eventlog import EventStore
 from store.events import RewardAssigned
 from tests.factories import episode_started
-from workers.replay.sweep import abort_stale_episodes
+from workers.replay.jobs.sweep import abort_stale_episodes
 
 
 def test_stale_episode_is_aborted_live_one_is_not(worker_store: EventStore) -> None:

@@ -3,7 +3,11 @@
 Pure functions over plain data (no database, no I/O): initial timelines from LLM calls
 (``initial``, with prompt segmentation in ``segment``), timeline merging (``timeline``), fork
 detection (``forks``), training samples (``samples``), negative samples (``negatives``), and
-the entry point ``replay_episode`` (``episode``).
+the entry point ``replay_episode`` (``episode``), and chat-template rendering (``render``).
+
+The jobs that read episodes from the database, write projections and run process pools
+live apart, in :mod:`workers.replay.jobs`; a test checks that this core imports neither them
+nor anything that does I/O.
 """
 
 from workers.replay.episode import ReplayResult, merge_policy_of, replay_episode

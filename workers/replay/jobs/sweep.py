@@ -11,10 +11,10 @@ from store import errors, queries
 from store.eventlog import EventStore
 from store.events import EpisodeFinished
 from store.projections import Projections
-from workers.replay.project import project_episodes
+from workers.replay.jobs.project import project_episodes
 
 if TYPE_CHECKING:
-    from workers.replay.parallel import ProjectionPool
+    from workers.replay.jobs.parallel import ProjectionPool
 
 __all__ = ["abort_stale_episodes", "sweep_unprojected", "sweep_forever"]
 

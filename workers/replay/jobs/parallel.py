@@ -20,7 +20,7 @@ from types import TracebackType
 
 from store.db import Database
 from store.eventlog import EventStore
-from workers.replay.project import ProjectOutcome, project_episodes
+from workers.replay.jobs.project import ProjectOutcome, project_episodes
 
 __all__ = ["ProjectionPool"]
 
@@ -47,7 +47,7 @@ class ProjectionPool:
 
     def __init__(self, database_url: str, *, jobs: int, batch: int | None = None,
                  statement_timeout_ms: int = 60_000) -> None:
-        from workers.replay.sweep import BATCH
+        from workers.replay.jobs.sweep import BATCH
 
         batch = BATCH if batch is None else batch
         for name, value in (("jobs", jobs), ("batch", batch)):
