@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -52,6 +53,7 @@ from api.gateway.upstream import Upstream
 from api.keys import ApiKey
 from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from store import errors as store_errors
+from workers.replay.render import prompt_ids
 from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
 
 if TYPE_CHECKING:
@@ -355,8 +357,9 @@ class Gateway:
         except TokenizerNotFound as exc:
             raise ApiError(409, "tokenizer_not_found", str(exc)) from None
         try:
-            prompt = await run_in_threadpool(_render, tokenizer, messages, tools,
-                                             config.chat_template)
+            prompt = await run_in_threadpool(partial(prompt_ids, tokenizer, messages,
+                                                     tools=tools,
+                                                     chat_template=config.chat_template))
         except Exception as exc:  # the template refused these messages
             raise ApiError(422, "template_error", f"the run's chat template cannot render "
                            f"these messages: {exc}", field="body.messages") from None
@@ -425,14 +428,3 @@ class Gateway:
                            "prompt ids than the ones sent")
         return (captured.response_ids, captured.logprobs, captured.message["content"],
                 captured.finish_reason or "stop", str(data.get("model") or ""))
-
-
-def _render(tokenizer: Any, messages: list[dict[str, Any]],
-            tools: list[dict[str, Any]] | None, chat_template: str | None) -> list[int]:
-    """The prompt ids the run's tokenizer renders for ``messages`` (generation prompt
-    appended), as replay will render them."""
-    kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": True,
-                              "tokenize": True, "return_dict": False}
-    if chat_template:
-        kwargs["chat_template"] = chat_template
-    return [int(i) for i in tokenizer.apply_chat_template(messages, **kwargs)]

@@ -1,4 +1,9 @@
-"""Rendering chat templates as ``apply_chat_template(..., tokenize=False)`` does, faster.
+"""The one prompt renderer: chat messages to prompt token ids (:func:`prompt_ids`, what
+rollout and the capture gateway send to the engine) and to text (:class:`ChatRenderer`, what
+replay segments), both from the tokenizer's chat template or the run's own.
+
+``ChatRenderer`` renders chat templates as ``apply_chat_template(..., tokenize=False)`` does,
+faster.
 
 transformers renders a chat template in Jinja's ``ImmutableSandboxedEnvironment``, which asks
 on every attribute access (``message.role``, ``loop.last``, ``content.startswith``) whether the
@@ -45,7 +50,7 @@ from typing import Any
 from jinja2 import compiler, idtracking, nodes, runtime, utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatRenderer"]
+__all__ = ["ChatRenderer", "prompt_ids"]
 
 #: Exact types whose instances have no attributes of their own: an attribute the type lacks
 #: is looked up as an item straight away (what the sandbox does after its getattr fails);
@@ -527,3 +532,24 @@ class ChatRenderer:
                     _verified[key] = _verified.get(key, 0) + 1 if expected == out else -1
             return expected
         return out
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               chat_template: str | None = None) -> list[int]:
+    """The prompt token ids of ``messages`` (and ``tools``): the chat template
+    (``chat_template`` when given, else the tokenizer's) rendered with the generation prompt
+    appended and tokenized, as ``apply_chat_template(..., add_generation_prompt=True,
+    tokenize=True)`` gives them; rendering the same messages as text with
+    :class:`ChatRenderer` and encoding it without special tokens gives the same ids.
+    ``messages`` and ``tools`` are copied, never changed. Raises ValueError when neither
+    the tokenizer nor the caller has a chat template; the template's own errors propagate."""
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat_template; pass prompt_ids instead of messages")
+    kwargs: dict[str, Any] = {"tools": [dict(t) for t in tools] if tools else None,
+                              "add_generation_prompt": True, "tokenize": True,
+                              "return_dict": False}
+    if chat_template:
+        kwargs["chat_template"] = chat_template
+    return [int(i) for i in tokenizer.apply_chat_template([dict(m) for m in messages],
+                                                          **kwargs)]

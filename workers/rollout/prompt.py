@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from workers.replay.render import prompt_ids
 from workers.rollout.backend import GenerationRequest
 
 __all__ = ["decode_response", "end_of_turn_ids", "render_prompt_ids"]
@@ -19,7 +20,8 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     """The prompt ids of ``request``: its ``prompt_ids`` as given, or its messages (and tools)
-    rendered with ``tokenizer``'s chat template and the generation prompt appended.
+    rendered with ``tokenizer``'s chat template and the generation prompt appended
+    (:func:`workers.replay.render.prompt_ids`, the renderer replay's text matches).
     Raises ValueError when the tokenizer has no chat template, or when an id is outside the
     tokenizer's vocabulary."""
     if request.prompt_ids is not None:
@@ -29,16 +31,7 @@ def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
             raise ValueError(f"prompt_ids contains id {bad[0]} outside the vocabulary of size "
                              f"{len(tokenizer)}")
         return ids
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("tokenizer has no chat_template; pass prompt_ids instead of messages")
-    rendered = tokenizer.apply_chat_template(
-        [dict(m) for m in request.messages or ()],
-        tools=[dict(t) for t in request.tools] if request.tools else None,
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
-    return [int(i) for i in rendered]
+    return prompt_ids(tokenizer, request.messages or (), tools=request.tools)
 
 
 def end_of_turn_ids(tokenizer: Any, extra: Sequence[int] | int | None = None) -> list[int]:
