@@ -24,7 +24,7 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("migrations", ("workers", "api", "trajstore"), "migrations stand alone"),
     ("workers", ("api", "trajstore"), "workers are driven through the store and Celery"),
     ("api", ("trajstore",), "nothing imports the command line"),
-    ("api", ("workers.replay.jobs", "workers.tasks", "workers.dispatch"),
+    ("api", ("workers.replay.jobs", "workers.celery_tasks", "workers.dispatch"),
      "the API reads projections; replay jobs run in workers"),
     ("api", ("workers.rollout.loop", "workers.rollout.remote", "workers.rollout.group",
              "workers.rollout.agent_tasks"),
@@ -68,7 +68,7 @@ def test_layer_rule(found: list[depgraph.Import], importer: str, forbidden: tupl
 
 # What the pure core of replay may not touch: the database, processes, the network.
 IMPURE = ("psycopg", "psycopg_pool", "celery", "redis", "multiprocessing", "subprocess",
-          "concurrent", "socket", "httpx", "workers.replay.jobs", "workers.tasks",
+          "concurrent", "socket", "httpx", "workers.replay.jobs", "workers.celery_tasks",
           "workers.app")
 
 

@@ -171,19 +171,19 @@ def events(
         store.close()
 
 
-@app.command()
-def sample(
-    seed: Annotated[int, typer.Option(help="Random seed of the sample episode.")] = 0,
+@app.command("example")
+def example(
+    seed: Annotated[int, typer.Option(help="Random seed of the example episode.")] = 0,
 ) -> None:
-    """Record one sample tool-using episode through the store API and print it back (a few
+    """Record one example tool-using episode through the store API and print it back (a few
     seconds; no model needed)."""
-    from store.sample import record_sample_episode
+    from store.example_episode import record_example_episode
 
     settings = get_settings()
     store = _open_store(settings)
     try:
-        run_id, episode_id = record_sample_episode(
-            store, seed=seed, run_id=f"sample-{uuid.uuid4().hex[:8]}"
+        run_id, episode_id = record_example_episode(
+            store, seed=seed, run_id=f"example-{uuid.uuid4().hex[:8]}"
         )
         console.print(f"[bold]run[/bold] {run_id}  [bold]episode[/bold] {episode_id}")
         for r in store.read_stream(episode_id):
@@ -284,6 +284,10 @@ def _demo_key(store: Any, settings: Any, run_id: str) -> str:
     finally:
         keys.close()
     return f"{made.token} (revoke it with: trajstore keys revoke {made.key.key_id})"
+
+
+# The command's first name; a training "sample" is something else.
+app.command("sample", hidden=True)(example)
 
 
 @app.command()

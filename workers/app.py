@@ -19,7 +19,7 @@ __all__ = ["app", "QUEUES", "configure", "ensure_configured"]
 
 QUEUES = ("replay", "rollout", "train")
 
-app = Celery("trajstore", include=["workers.tasks", "workers.rollout.tasks"])
+app = Celery("trajstore", include=["workers.celery_tasks", "workers.rollout.celery_tasks"])
 _configured = False
 
 

@@ -33,7 +33,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, error_body, error_response
 from api.gateway.capture import Capture, EpisodeTarget
-from api.gateway.engine import LocalEngine, engine_model_dir
+from api.gateway.local_engine import LocalEngine, engine_model_dir
 from api.gateway.messages import normalize_messages, sampling_params
 from api.gateway.openai_format import (
     Captured,

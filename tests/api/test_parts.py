@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.cursor import decode_cursor, encode_cursor
 from api.errors import ApiError, field_path
-from api.gateway.engine import engine_model_dir
+from api.gateway.local_engine import engine_model_dir
 from api.gateway.messages import normalize_messages, sampling_params
 from api.gateway.upstream import Upstream
 from api.limits import BodyLimit

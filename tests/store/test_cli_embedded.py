@@ -28,7 +28,7 @@ def _env(**extra: str) -> dict[str, str]:
 @pytest.mark.timeout(400)
 def test_embedded_default_starts_migrates_and_stops(tmp_path: Path) -> None:
     env = _env(TRAJSTORE_DATA_DIR=str(tmp_path))
-    sample = _run(["sample", "--seed", "3"], env)
+    sample = _run(["example", "--seed", "3"], env)
     assert sample.returncode == 0, sample.stderr
     episode = sample.stdout.split("episode", 1)[1].split()[0]
     status = _run(["status"], env)

@@ -5,7 +5,8 @@ from their own modules: :mod:`workers.rollout.backend_transformers`,
 :mod:`workers.rollout.backend_replay`, :mod:`workers.rollout.backend_vllm`,
 :mod:`workers.rollout.backend_openai`, :mod:`workers.rollout.backend_remote`; the tiny test model
 from :mod:`workers.rollout.tinymodel`. Groups of the rollout queue: :mod:`workers.rollout.group`
-(Celery task in :mod:`workers.rollout.tasks`); remote rollouts: :mod:`workers.rollout.remote`.
+(Celery task in :mod:`workers.rollout.celery_tasks`); remote rollouts:
+:mod:`workers.rollout.remote`.
 """
 
 from workers.rollout.agent_tasks import (

@@ -36,8 +36,8 @@ def worker_log(settings: Settings) -> GroupLog:
             if settings.api_url is not None:
                 log = ApiGroupLog(settings.api_url, api_key=settings.api_key or "")
             else:
+                from workers.celery_tasks import worker_store
                 from workers.dispatch import install_replay_dispatch
-                from workers.tasks import worker_store
 
                 store = worker_store()
                 install_replay_dispatch(store)

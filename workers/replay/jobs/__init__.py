@@ -3,7 +3,7 @@
 ``project`` reads finished episodes from the store, replays them with the pure core
 (:mod:`workers.replay`) and writes their projection rows; ``parallel`` spreads that over a
 process pool; ``sweep`` closes episodes whose worker died and projects what was never
-projected. The Celery tasks (:mod:`workers.tasks`) and ``trajstore replay``/``sweep`` call
+projected. The Celery tasks (:mod:`workers.celery_tasks`) and ``trajstore replay``/``sweep`` call
 these. Nothing is imported here, so that importing the package costs nothing.
 """
 

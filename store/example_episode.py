@@ -1,6 +1,6 @@
-"""A sample tool-using episode recorded through the store API: ``trajstore sample``.
+"""An example tool-using episode recorded through the store API: ``trajstore example``.
 
-Tokens are the UTF-8 bytes of a ChatML rendering, so the sample needs no tokenizer files or
+Tokens are the UTF-8 bytes of a ChatML rendering, so the example needs no tokenizer files or
 model; it shows what an episode's events look like in a few seconds (the real loop is
 ``trajstore demo``).
 """
@@ -26,7 +26,7 @@ from store.events import (
     ToolReturned,
 )
 
-__all__ = ["record_sample_episode"]
+__all__ = ["record_example_episode"]
 
 TOOLS = [
     {
@@ -53,7 +53,7 @@ def _ids(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
 
 
-def record_sample_episode(store: EventStore, *, seed: int = 0, run_id: str) -> tuple[str, str]:
+def record_example_episode(store: EventStore, *, seed: int = 0, run_id: str) -> tuple[str, str]:
     """Record a run and one two-turn calculator episode in it; returns (run id, episode id)."""
     rng = random.Random(seed)
     a, b = rng.randint(10, 99), rng.randint(10, 99)
