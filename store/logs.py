@@ -9,7 +9,11 @@ import os
 
 from store.settings import Settings
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["NOISY_LIBRARIES", "JsonFormatter", "configure_logging"]
+
+# Libraries whose INFO lines say nothing a user of a command needs (every migration step,
+# every pg_ctl call); the command line shows them only with ``-v``.
+NOISY_LIBRARIES = ("alembic", "pgserver", "httpx", "urllib3", "multipart")
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -35,9 +39,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(settings: Settings) -> None:
+def configure_logging(settings: Settings, *, verbose: bool = True) -> None:
     """Set the root logger's level and format from the settings (``log_level``,
-    ``log_format``)."""
+    ``log_format``). With ``verbose`` false the libraries in ``NOISY_LIBRARIES`` log
+    warnings and errors only."""
     handler = logging.StreamHandler()
     if settings.log_format == "json":
         handler.setFormatter(JsonFormatter())
@@ -49,3 +54,5 @@ def configure_logging(settings: Settings) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
+    for name in NOISY_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)

@@ -147,6 +147,9 @@ def _show(spec: AnalyticsView, options: dict[str, Any]) -> None:
         raise typer.BadParameter(str(exc)) from None
     store = _open_store()
     try:
+        if filters.run_id is not None:
+            # An unknown run is a typo, not an empty answer.
+            store.get_run(filters.run_id)
         rows = query(store.db, spec, filters, limit=options["limit"])
     except errors.StoreError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -29,8 +29,39 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console(soft_wrap=True)
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("trajstore")
+    except metadata.PackageNotFoundError:  # running from a checkout that was not installed
+        return "unknown"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"trajstore {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Also show the INFO lines of libraries (migrations, the "
+        "embedded servers).")] = False,
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_show_version, is_eager=True,
+        help="Print the version and exit.")] = False,
+) -> None:
+    """An event-sourced trajectory store for agentic reinforcement learning."""
+    from store.logs import configure_logging
+
+    configure_logging(get_settings(), verbose=verbose)
 
 
 def _redact(url: str) -> str:
@@ -412,6 +443,20 @@ def up(
     raise typer.Exit(supervise(get_settings(), children))
 
 
+@app.command()
+def stop() -> None:
+    """Stop the embedded PostgreSQL and Redis of the data directory (a server named by the
+    settings is never touched). Use it after a command was killed and left them running."""
+    from store.embedded import stop_embedded
+
+    settings = get_settings()
+    stopped = stop_embedded(settings)
+    if not stopped:
+        console.print(f"no embedded server of {settings.data_dir} is running")
+    for what in stopped:
+        console.print(f"stopped {what}")
+
+
 def _register_extensions() -> None:
     """The commands of the other modules of this package (each has ``register(app)``)."""
     for extension in (api_cli, train_cli, analytics_cli):
@@ -422,9 +467,6 @@ _register_extensions()
 
 
 def main() -> None:  # pragma: no cover - console entry (`python -m trajstore`)
-    from store.logs import configure_logging
-
-    configure_logging(get_settings())
     try:
         app()
     except errors.StoreError as exc:

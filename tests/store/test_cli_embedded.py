@@ -77,3 +77,74 @@ def test_bad_arguments_are_named(tmp_path: Path, pg_url: str) -> None:
     assert bad.returncode == 2 and "--after" in bad.stderr
     missing = _run(["events", "no-such-stream"], env)
     assert missing.returncode == 1 and "no stream" in missing.stdout
+
+
+def test_version_help_and_quiet_by_default(tmp_path: Path) -> None:
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path))
+    version = _run(["--version"], env)
+    assert version.returncode == 0 and version.stdout.startswith("trajstore "), version
+    short_help = _run(["-h"], env)
+    assert short_help.returncode == 0 and "Commands" in short_help.stdout, short_help
+    quiet = _run(["status"], env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "alembic" not in quiet.stderr and "pgserver" not in quiet.stderr, quiet.stderr
+    assert "schema revision" in quiet.stdout
+    loud = _run(["-v", "status"], env)
+    assert loud.returncode == 0, loud.stderr
+    assert "alembic" in loud.stderr or "pgserver" in loud.stderr, loud.stderr
+
+
+def _postgres_running(directory: Path) -> bool:
+    try:
+        pid = int((directory / "postmaster.pid").read_text().splitlines()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
+def test_stop_after_a_killed_process_and_no_server_kept_by_a_dead_pid(tmp_path: Path) -> None:
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path))
+    # A process that starts both embedded servers and dies without cleaning up.
+    killed = subprocess.run(
+        [sys.executable, "-c",
+         "import os\n"
+         "from store import embedded\n"
+         "from store.settings import get_settings\n"
+         "s = get_settings()\n"
+         "embedded.database_url(s); embedded.redis_url(s)\n"
+         "os._exit(0)\n"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 0, killed.stderr
+    assert _postgres_running(tmp_path / "postgres")
+    stopped = _run(["stop"], env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopped postgresql" in stopped.stdout and "stopped redis" in stopped.stdout
+    assert not _postgres_running(tmp_path / "postgres")
+    again = _run(["stop"], env)
+    assert again.returncode == 0 and "no embedded server" in again.stdout, again
+    # The dead process's handle no longer keeps the server up: the next command's exit
+    # stops it.
+    killed = subprocess.run(
+        [sys.executable, "-c",
+         "import os\n"
+         "from store import embedded\n"
+         "from store.settings import get_settings\n"
+         "embedded.database_url(get_settings())\n"
+         "os._exit(0)\n"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 0, killed.stderr
+    status = _run(["status"], env)
+    assert status.returncode == 0, status.stderr
+    for _ in range(100):
+        if not _postgres_running(tmp_path / "postgres"):
+            break
+        time.sleep(0.1)
+    assert not _postgres_running(tmp_path / "postgres")
+
+
+def test_unknown_run_is_an_error_not_an_empty_table(tmp_path: Path, pg_url: str) -> None:
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path), TRAJSTORE_DATABASE_URL=pg_url)
+    shown = _run(["analytics", "failures", "--run", "no-such-run"], env)
+    assert shown.returncode == 1
+    assert "no run 'no-such-run'" in shown.stderr
