@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from api.tokens import decode_array
+from store.codec import ID_DTYPE
 from store.errors import ValidationError
 
 __all__ = ["resolve_prompt_refs"]
@@ -72,7 +73,7 @@ def resolve_prompt_refs(events: Sequence[Any]) -> list[Any]:
                                   f"tokens of event {k}), got {keep!r}", event_index=i,
                                   field="prompt_ids.keep")
         try:
-            suffix = decode_array(ref.get("suffix", []), dtype="<i4",
+            suffix = decode_array(ref.get("suffix", []), dtype=ID_DTYPE,
                                   field="prompt_ids.suffix")
         except (TypeError, ValueError) as exc:
             raise ValidationError(str(exc), event_index=i,

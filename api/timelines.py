@@ -14,6 +14,7 @@ from typing import Any
 
 from api.errors import ApiError
 from api.tokens import Encoding, encode_array
+from store.codec import ID_DTYPE, LOGPROB_DTYPE
 from store.eventlog import EventStore, RecordedEvent
 from store.events import RunCreated
 from workers.replay import ReplayError, ReplayResult, Timeline, replay_episode
@@ -103,9 +104,9 @@ def episode_timelines(store: EventStore, episode_id: str, *, encoding: Encoding,
             "num_tokens": sample.num_tokens,
             "num_trainable": sample.num_trainable_tokens,
             "drifted_messages": sample.num_drifted_messages,
-            "token_ids": encode_array(sample.token_ids, dtype="<i4", encoding=encoding),
+            "token_ids": encode_array(sample.token_ids, dtype=ID_DTYPE, encoding=encoding),
             "loss_mask": encode_array(sample.loss_mask, dtype="u1", encoding=encoding),
-            "logprobs": encode_array(sample.logprobs, dtype="<f4", encoding=encoding),
+            "logprobs": encode_array(sample.logprobs, dtype=LOGPROB_DTYPE, encoding=encoding),
             "messages": timeline_messages(merged),
         })
     kept = {id(n) for n in result.negatives}
@@ -119,9 +120,9 @@ def episode_timelines(store: EventStore, episode_id: str, *, encoding: Encoding,
         "error_messages": list(n.error_messages),
         "reward": float(n.sample.reward) if n.sample.reward is not None else 0.0,
         "prompt_length": n.sample.prompt_length,
-        "token_ids": encode_array(n.sample.token_ids, dtype="<i4", encoding=encoding),
+        "token_ids": encode_array(n.sample.token_ids, dtype=ID_DTYPE, encoding=encoding),
         "loss_mask": encode_array(n.sample.loss_mask, dtype="u1", encoding=encoding),
-        "logprobs": encode_array(n.sample.logprobs, dtype="<f4", encoding=encoding),
+        "logprobs": encode_array(n.sample.logprobs, dtype=LOGPROB_DTYPE, encoding=encoding),
         "kept": id(n) in kept,
     } for n in result.failures]
     forks = [{"agent": f.agent, "timeline": f.timeline_index, "other": f.parent_index,

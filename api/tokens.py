@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from store.codec import ID_DTYPE, LOGPROB_DTYPE
 from store.errors import ValidationError
 from store.events import TOKEN_FIELDS
 
@@ -34,12 +35,12 @@ Encoding = Literal["json", "base64"]
 
 #: The little-endian dtype of each token field.
 TOKEN_DTYPES: dict[str, str] = {
-    "prompt_ids": "<i4",
-    "response_ids": "<i4",
-    "token_ids": "<i4",
-    "prompt_token_ids": "<i4",
-    "logprobs": "<f4",
-    "rollout_log_probs": "<f4",
+    "prompt_ids": ID_DTYPE,
+    "response_ids": ID_DTYPE,
+    "token_ids": ID_DTYPE,
+    "prompt_token_ids": ID_DTYPE,
+    "logprobs": LOGPROB_DTYPE,
+    "rollout_log_probs": LOGPROB_DTYPE,
     "loss_mask": "u1",
     "response_mask": "u1",
 }

@@ -11,13 +11,15 @@ and ``rollout_log_probs`` (float32, 0 where not sampled). Shapes: ``prompt_ids``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from api.tokens import Encoding, encode_array
+from store import stored_sample
+from store.codec import ID_DTYPE, LOGPROB_DTYPE
+from store.stored_sample import StoredSample
 
 __all__ = ["ARROW_SCHEMA", "VerlSample", "from_leased", "from_row", "record_batch", "to_json"]
 
@@ -37,58 +39,18 @@ ARROW_SCHEMA = pa.schema([
 ])
 
 
-@dataclass(frozen=True)
-class VerlSample:
-    """One sample in verl's terms. Arrays: ``token_ids``/``loss_mask``/``logprobs`` shape
-    ``(num_tokens,)``; the prompt is the first ``prompt_length`` tokens."""
-
-    sample_id: int
-    uid: str
-    episode_id: str
-    agent: str
-    kind: str
-    reward: float | None
-    policy_version: int | None
-    prompt_length: int
-    token_ids: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    status: str | None = None
-    num_trainable: int | None = None
-    error_types: Sequence[str] | None = None
-    error_messages: Sequence[str] | None = None
-
-    @property
-    def is_negative(self) -> bool:
-        return self.kind == "negative"
+# The API reads the store's one sample type; the name says which columns it is shown in.
+VerlSample = StoredSample
 
 
 def from_row(row: dict[str, Any]) -> VerlSample:
     """A sample from a ``samples`` row read with ``store.queries`` (token columns as bytes)."""
-    ids = np.frombuffer(row["token_ids"], dtype="<i4") if "token_ids" in row else None
-    return VerlSample(
-        sample_id=row["sample_id"], uid=row["group_id"], episode_id=row["episode_id"],
-        agent=row["agent"], kind=row["kind"], reward=row["reward"],
-        policy_version=row["policy_version"], prompt_length=row["prompt_length"],
-        token_ids=ids if ids is not None else np.zeros(row["num_tokens"], dtype=np.int32),
-        loss_mask=np.frombuffer(row["loss_mask"], dtype=np.uint8) if ids is not None
-        else np.zeros(0, dtype=np.uint8),
-        logprobs=np.frombuffer(row["logprobs"], dtype="<f4") if ids is not None
-        else np.zeros(0, dtype=np.float32),
-        status=row.get("status"), num_trainable=row.get("num_trainable"),
-        error_types=row.get("error_types"), error_messages=row.get("error_messages"),
-    )
+    return stored_sample.from_row(row)
 
 
-def from_leased(sample: Any) -> VerlSample:
-    """A sample from a ``store.leasing.LeasedSample``."""
-    return VerlSample(
-        sample_id=sample.sample_id, uid=sample.group_id, episode_id=sample.episode_id,
-        agent=sample.agent, kind=sample.kind, reward=sample.reward,
-        policy_version=sample.policy_version, prompt_length=sample.prompt_length,
-        token_ids=sample.token_ids, loss_mask=sample.loss_mask, logprobs=sample.logprobs,
-        status="leased", num_trainable=int(np.count_nonzero(sample.loss_mask)),
-    )
+def from_leased(sample: StoredSample) -> VerlSample:
+    """A sample of a ``store.leasing.Lease`` (already a ``StoredSample``)."""
+    return sample
 
 
 def to_json(sample: VerlSample, *, encoding: Encoding, tokens: bool = True) -> dict[str, Any]:
@@ -105,10 +67,10 @@ def to_json(sample: VerlSample, *, encoding: Encoding, tokens: bool = True) -> d
     }
     if tokens:
         p = sample.prompt_length
-        out["prompt_ids"] = encode_array(sample.token_ids[:p], dtype="<i4", encoding=encoding)
-        out["response_ids"] = encode_array(sample.token_ids[p:], dtype="<i4", encoding=encoding)
+        out["prompt_ids"] = encode_array(sample.token_ids[:p], dtype=ID_DTYPE, encoding=encoding)
+        out["response_ids"] = encode_array(sample.token_ids[p:], dtype=ID_DTYPE, encoding=encoding)
         out["response_mask"] = encode_array(sample.loss_mask[p:], dtype="u1", encoding=encoding)
-        out["rollout_log_probs"] = encode_array(sample.logprobs[p:], dtype="<f4",
+        out["rollout_log_probs"] = encode_array(sample.logprobs[p:], dtype=LOGPROB_DTYPE,
                                                 encoding=encoding)
     return out
 

@@ -19,18 +19,25 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "ID_DTYPE",
+    "LOGPROB_DTYPE",
     "pack_ids",
     "pack_logprobs",
+    "pack_mask",
     "unpack_ids",
     "unpack_logprobs",
+    "unpack_mask",
     "common_prefix_len",
     "Delta",
     "choose_delta",
     "expand_prompt",
 ]
 
-_I32 = np.dtype("<i4")
-_F32 = np.dtype("<f4")
+# The byte layout of every token payload, in the store and on the wire (base64 in JSON).
+ID_DTYPE = "<i4"
+LOGPROB_DTYPE = "<f4"
+_I32 = np.dtype(ID_DTYPE)
+_F32 = np.dtype(LOGPROB_DTYPE)
 
 
 def pack_ids(ids: np.ndarray) -> bytes:
@@ -41,6 +48,18 @@ def pack_ids(ids: np.ndarray) -> bytes:
 def pack_logprobs(values: np.ndarray) -> bytes:
     """float32 little-endian bytes of ``values``."""
     return np.ascontiguousarray(values, dtype=_F32).tobytes()
+
+
+def pack_mask(mask: np.ndarray) -> bytes:
+    """One byte per token: 1 where the token is trained, 0 where it is not."""
+    return np.ascontiguousarray(mask, dtype=np.uint8).tobytes()
+
+
+def unpack_mask(buf: bytes | memoryview | None) -> np.ndarray:
+    """The loss mask packed by ``pack_mask`` (a writable copy)."""
+    if buf is None:
+        return np.zeros(0, dtype=np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8).copy()
 
 
 def unpack_ids(buf: bytes | memoryview | None) -> np.ndarray:

@@ -21,8 +21,10 @@ import numpy as np
 from psycopg.rows import dict_row
 
 from store import errors
+from store.codec import unpack_mask
 from store.db import scalar
 from store.eventlog import EventStore, run_stream_id
+from store.stored_sample import StoredSample, from_row
 
 __all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing"]
 
@@ -31,47 +33,8 @@ class LeaseExpired(errors.StoreError):
     """The lease ended (expired or released) before this call; its samples went back."""
 
 
-@dataclass(frozen=True)
-class LeasedSample:
-    """One sample of a lease. Arrays have one entry per token, shape ``(num_tokens,)``."""
-
-    sample_id: int
-    run_id: str
-    group_id: str
-    episode_id: str
-    agent: str
-    kind: str
-    reward: float
-    policy_version: int | None
-    prompt_length: int
-    token_ids: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-
-    @property
-    def is_negative(self) -> bool:
-        return self.kind == "negative"
-
-    @property
-    def prompt_ids(self) -> np.ndarray:
-        """Tokens before the first trainable one, shape ``(prompt_length,)``."""
-        return self.token_ids[: self.prompt_length]
-
-    @property
-    def response_ids(self) -> np.ndarray:
-        """Tokens from the first trainable one on, shape ``(response_length,)``."""
-        return self.token_ids[self.prompt_length :]
-
-    @property
-    def response_mask(self) -> np.ndarray:
-        """1 where a response token is trained (sampled by the model), shape
-        ``(response_length,)``."""
-        return self.loss_mask[self.prompt_length :]
-
-    @property
-    def rollout_logprobs(self) -> np.ndarray:
-        """The engine's logprobs of the response tokens (0 where not sampled)."""
-        return self.logprobs[self.prompt_length :]
+# A leased sample is a stored sample; the name stays for the trainer's readers.
+LeasedSample = StoredSample
 
 
 @dataclass(frozen=True)
@@ -84,16 +47,11 @@ class Lease:
     skipped_stale: int = 0
 
 
-def _sample(row: dict[str, Any]) -> LeasedSample:
-    return LeasedSample(
-        sample_id=row["sample_id"], run_id=row["run_id"], group_id=row["group_id"],
-        episode_id=row["episode_id"], agent=row["agent"], kind=row["kind"],
-        reward=float(row["reward"]) if row["reward"] is not None else 0.0,
-        policy_version=row["policy_version"], prompt_length=row["prompt_length"],
-        token_ids=np.frombuffer(row["token_ids"], dtype="<i4").astype(np.int32),
-        loss_mask=np.frombuffer(row["loss_mask"], dtype=np.uint8).copy(),
-        logprobs=np.frombuffer(row["logprobs"], dtype="<f4").astype(np.float32),
-    )
+def _sample(row: dict[str, Any]) -> StoredSample:
+    reward = float(row["reward"]) if row["reward"] is not None else 0.0
+    mask = unpack_mask(row["loss_mask"])
+    return from_row(row, reward=reward, status="leased", loss_mask=mask,
+                    num_trainable=int(np.count_nonzero(mask)))
 
 
 class Leasing:

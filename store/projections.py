@@ -21,6 +21,7 @@ import numpy as np
 import psycopg
 from psycopg.types.json import Jsonb
 
+from store.codec import pack_ids, pack_logprobs, pack_mask
 from store.db import scalar
 from store.eventlog import EventStore, LogPosition
 
@@ -159,18 +160,17 @@ class EpisodeProjection:
 
 
 def _sample_values(s: SampleRow) -> tuple[Any, ...]:
-    ids = np.ascontiguousarray(s.token_ids, dtype="<i4")
-    mask = np.ascontiguousarray(s.loss_mask, dtype=np.uint8)
-    logp = np.ascontiguousarray(s.logprobs, dtype="<f4")
-    if not (len(ids) == len(mask) == len(logp)):
+    n_ids, n_mask, n_logp = len(s.token_ids), len(s.loss_mask), len(s.logprobs)
+    if not (n_ids == n_mask == n_logp):
         raise ValueError(
-            f"sample of {s.episode_id} has {len(ids)} ids, {len(mask)} mask entries and "
-            f"{len(logp)} logprobs; they must be equal"
+            f"sample of {s.episode_id} has {n_ids} ids, {n_mask} mask entries and "
+            f"{n_logp} logprobs; they must be equal"
         )
     return (
         s.run_id, s.group_id, s.episode_id, s.agent, s.kind, s.timeline_index, s.reward,
-        s.policy_version, s.prompt_length, len(ids), int(mask.sum()), s.num_drifted,
-        ids.tobytes(), mask.tobytes(), logp.tobytes(), s.failed_at, s.failure_version,
+        s.policy_version, s.prompt_length, n_ids, int(np.count_nonzero(s.loss_mask)),
+        s.num_drifted, pack_ids(s.token_ids), pack_mask(s.loss_mask),
+        pack_logprobs(s.logprobs), s.failed_at, s.failure_version,
         s.position_key, s.retry_index,
         Jsonb(list(s.error_types)) if s.error_types is not None else None,
         Jsonb(list(s.error_messages)) if s.error_messages is not None else None,

@@ -28,6 +28,7 @@ from api.timelines import episode_timelines
 from api.tokens import Encoding, encode_array
 from store import errors as store_errors
 from store import queries
+from store.codec import ID_DTYPE, LOGPROB_DTYPE
 from store.eventlog import NO_STREAM, RecordedEvent
 from store.events import EVENT_TYPES, EpisodeStarted
 
@@ -156,7 +157,7 @@ def _event_out(r: RecordedEvent, *, tokens: bool, encoding: Encoding) -> dict[st
     payloads = event.token_payloads()
     if tokens and payloads:
         out["tokens"] = {
-            name: encode_array(arr, dtype="<f4" if name == "logprobs" else "<i4",
+            name: encode_array(arr, dtype=LOGPROB_DTYPE if name == "logprobs" else ID_DTYPE,
                                encoding=encoding)
             for name, arr in payloads.items()
         }

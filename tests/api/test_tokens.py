@@ -67,7 +67,7 @@ def _samples(rng: np.random.Generator, n: int) -> list[VerlSample]:
         mask = np.zeros(length, np.uint8)
         mask[prompt:] = rng.integers(0, 2, length - prompt)
         out.append(VerlSample(
-            sample_id=i, uid=f"g{i % 3}", episode_id=f"e{i}", agent="main",
+            sample_id=i, run_id="r", group_id=f"g{i % 3}", episode_id=f"e{i}", agent="main",
             kind="negative" if i % 4 == 0 else "positive",
             reward=None if i == 1 else float(rng.normal()),
             policy_version=None if i == 2 else i, prompt_length=prompt,
