@@ -22,6 +22,7 @@ from pydantic import (
     PlainSerializer,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 __all__ = [
@@ -166,9 +167,23 @@ DEFAULT_ROLLBACK_ERRORS = (
 
 
 class EgpoConfig(_Frozen):
+    """EGPO's entropy bonus (seed ``004``): ``lam`` its weight (0 turns EGPO into GRPO),
+    ``alpha`` the bound on it relative to the advantage, ``variant`` the bonus's form. The
+    ``clip`` form keeps an advantage's sign only when ``lam < alpha``; a run that asks for
+    more is refused when it is created, not at its first training step."""
+
     lam: float = Field(default=0.4, ge=0)
     alpha: float = Field(default=2.0, gt=0)
     variant: Literal["clip", "paper"] = "clip"
+
+    @model_validator(mode="after")
+    def _clip_keeps_the_sign(self) -> EgpoConfig:
+        if self.variant == "clip" and self.lam > 0 and not self.lam < self.alpha:
+            raise ValueError(
+                f"egpo.lam ({self.lam}) must be below egpo.alpha ({self.alpha}) for the 'clip' "
+                "variant, or the bonus can flip a negative advantage"
+            )
+        return self
 
 
 class MergeConfig(_Frozen):

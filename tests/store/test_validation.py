@@ -126,3 +126,17 @@ def test_a_value_postgres_cannot_hold_is_a_validation_error(store: EventStore) -
     store.append(stream, [episode_started(),
                           {"type": "tool_returned", "name": "x", "output": "a\x00b"}])
     assert store.read_stream(stream)[-1].event.output == "a\x00b"
+
+
+def test_egpo_config_that_would_fail_at_training_is_refused_at_creation(
+        store: EventStore) -> None:
+    from store.events import RunCreated
+
+    with pytest.raises(errors.ValidationError, match="egpo.lam") as info:
+        store.append("run-egpo-bad", [{"type": "run_created", "run_id": "egpo-bad",
+                                       "config": {"egpo": {"lam": 2.5, "alpha": 2.0}}}])
+    assert info.value.field.startswith("config.egpo")
+    assert store.stream_version("run-egpo-bad") == 0
+    # The paper's form has no such bound, and lam 0 (plain GRPO) needs none.
+    RunCreated(run_id="ok", config={"egpo": {"lam": 2.5, "alpha": 2.0, "variant": "paper"}})
+    RunCreated(run_id="ok", config={"egpo": {"lam": 0, "alpha": 0.5}})
