@@ -70,20 +70,24 @@ class Leasing:
                 (run_stream_id(run_id),),
             ))
 
-    def expire(self) -> int:
+    def expire(self, *, now: dt.datetime | None = None) -> int:
         """Give the samples of every lease past its expiry back to ``ready``; returns how
-        many samples went back."""
+        many samples went back. Expiry is judged by the database's clock, or as of ``now``
+        when given (a timezone-aware time: tests and tools look ahead without waiting)."""
+        if now is not None and now.tzinfo is None:
+            raise ValueError("now must be timezone-aware")
         with self.db.transaction() as conn:
             return conn.execute(
                 """
                 WITH gone AS (
                     UPDATE leases SET ended = 'expired', ended_at = now()
-                    WHERE ended IS NULL AND expires_at < now()
+                    WHERE ended IS NULL AND expires_at < coalesce(%(now)s, now())
                     RETURNING lease_id
                 )
                 UPDATE samples SET status = 'ready', lease_id = NULL, leased_until = NULL
                 WHERE status = 'leased' AND lease_id IN (SELECT lease_id FROM gone)
-                """
+                """,
+                {"now": now},
             ).rowcount
 
     def lease_batch(

@@ -341,13 +341,16 @@ def ping(store: EventStore) -> None:
         conn.execute("SELECT 1").fetchone()
 
 
-def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200
-                   ) -> list[tuple[str, int]]:
+def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
+                   now: dt.datetime | None = None) -> list[tuple[str, int]]:
     """Episodes with no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest
-    start first, at most ``limit``: ``(episode_id, last stream_version)``. Raises
-    ValueError for a non-positive timeout or a ``limit`` below 1."""
+    start first, at most ``limit``: ``(episode_id, last stream_version)``. Time is the
+    database's clock, or ``now`` when given (timezone-aware). Raises ValueError for a
+    non-positive timeout, a ``limit`` below 1 or a naive ``now``."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if now is not None and now.tzinfo is None:
+        raise ValueError("now must be timezone-aware")
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     with store.db.connection() as conn:
@@ -360,11 +363,11 @@ def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200
               AND NOT EXISTS (SELECT 1 FROM events f WHERE f.stream_id = s.stream_id
                                                         AND f.type = 'episode_finished')
             GROUP BY s.stream_id
-            HAVING max(e.recorded_at) < now() - make_interval(secs => %s)
+            HAVING max(e.recorded_at) < coalesce(%s, now()) - make_interval(secs => %s)
             ORDER BY min(s.position)
             LIMIT %s
             """,
-            (timeout_s, limit),
+            (now, timeout_s, limit),
         ).fetchall()
     return [(stream_id, int(version)) for stream_id, version in rows]
 

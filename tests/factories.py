@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
@@ -62,3 +63,11 @@ def closing(value: float = 1.0) -> list[Any]:
         RewardAssigned(value=value, components={"correct": value}),
         EpisodeFinished(status="completed"),
     ]
+
+
+def database_now(store: Any) -> dt.datetime:
+    """The database's clock (what leases and the sweep measure time by). Tests pass a time
+    ahead of it to ``Leasing.expire(now=...)`` or ``abort_stale_episodes(now=...)`` instead
+    of sleeping until a lease or an episode times out."""
+    with store.db.connection() as conn:
+        return conn.execute("SELECT now()").fetchone()[0]

@@ -4,8 +4,8 @@ expiry."""
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import io
-import time
 import uuid
 from typing import Any
 
@@ -15,8 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from store.eventlog import EventStore
+from store.leasing import Leasing
 from tests.api.conftest import Project
 from tests.api.episodes import create_run, record_group
+from tests.factories import database_now
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +91,13 @@ def test_lease_ack_release_over_http(client: TestClient, project: Project, run: 
 
 
 def test_expired_lease_cannot_be_acknowledged(client: TestClient, project: Project,
-                                              run: str) -> None:
+                                              run: str, api_store: EventStore) -> None:
     headers = project.headers("read")
-    lease = client.post(f"/v1/runs/{run}/leases", json={"groups": 2, "lease_seconds": 0.2},
+    lease = client.post(f"/v1/runs/{run}/leases", json={"groups": 2, "lease_seconds": 60},
                         headers=headers).json()
-    time.sleep(1.0)
-    # The next lease call expires it and takes the groups again.
+    # Expire it as of two minutes from now instead of waiting.
+    Leasing(api_store).expire(now=database_now(api_store) + dt.timedelta(minutes=2))
+    # The next lease call takes the groups again.
     retaken = client.post(f"/v1/runs/{run}/leases", json={"groups": 2}, headers=headers)
     assert sorted(retaken.json()["groups"]) == sorted(lease["groups"])
     r = client.post(f"/v1/leases/{lease['lease_id']}/ack", json={"policy_version": 2},

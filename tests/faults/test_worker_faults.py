@@ -4,7 +4,7 @@ and the aborted episode gives no sample (so nothing is trained from it, let alon
 
 from __future__ import annotations
 
-import time
+import datetime as dt
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +13,7 @@ import pytest
 
 from store.eventlog import EventStore
 from store.settings import Settings
+from tests.factories import database_now
 from tests.rollout.test_group_worker import new_run, send
 from tests.workers.conftest import (  # noqa: F401  (fixtures)
     broker_url,
@@ -45,8 +46,8 @@ def test_killed_rollout_worker_leaves_an_episode_the_sweep_aborts(
     with worker_store.db.connection() as conn:
         before = conn.execute("SELECT event_id FROM events WHERE run_id = %s",
                               (run_id,)).fetchall()
-    time.sleep(2.5)
-    assert abort_stale_episodes(worker_store, timeout_s=2.0) >= len(open_now)
+    later = database_now(worker_store) + dt.timedelta(seconds=3)
+    assert abort_stale_episodes(worker_store, timeout_s=2.0, now=later) >= len(open_now)
     sweep_unprojected(worker_store)
     for episode_id in open_now:
         last = worker_store.read_stream(episode_id)[-1].event

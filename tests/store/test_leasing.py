@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
 import uuid
 
 import numpy as np
@@ -16,6 +15,7 @@ from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated
 from store.leasing import LeaseExpired, Leasing
 from store.projections import EpisodeProjection, EpisodeRow, Projections, RunRow, SampleRow
+from tests.factories import database_now
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -128,12 +128,15 @@ def test_ack_release_and_expiry(store: EventStore) -> None:
     second = leasing.lease_batch(run, groups=1, lease_seconds=60)
     assert second is not None and second.groups == ["b"]
     assert leasing.release(second.lease_id) == 2
-    third = leasing.lease_batch(run, groups=1, lease_seconds=0.5)
+    third = leasing.lease_batch(run, groups=1, lease_seconds=60)
     assert third is not None and third.groups == ["b"]
-    time.sleep(1.0)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        leasing.expire(now=dt.datetime.now())
+    leasing.expire()  # by the database's clock it has not expired yet
+    assert leasing.stats(run)["leased"] == 2
     # expire() gives back every expired lease of the database, so leases other tests left
     # to expire may go back with this run's: count this run's samples, not the total.
-    assert leasing.expire() >= 2
+    assert leasing.expire(now=database_now(store) + dt.timedelta(minutes=2)) >= 2
     assert {k: v for k, v in leasing.stats(run).items() if v} == {"consumed": 2, "ready": 2}
     with pytest.raises(LeaseExpired):
         leasing.ack(third.lease_id, policy_version=2)

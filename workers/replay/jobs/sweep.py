@@ -3,6 +3,7 @@ stays open forever when the worker that rolled it out dies."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -40,12 +41,14 @@ def sweep_unprojected(store: EventStore, *, limit: int = 200,
     return written
 
 
-def abort_stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200) -> int:
+def abort_stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
+                         now: dt.datetime | None = None) -> int:
     """Close as ``aborted`` every episode that has no ``episode_finished`` and no event for
-    ``timeout_s`` seconds. The append expects the version it saw, so an episode that got an
-    event meanwhile is left alone (its worker is alive after all). Returns how many it
-    closed. Raises ``ValueError`` for a non-positive timeout."""
-    stale = queries.stale_episodes(store, timeout_s=timeout_s, limit=limit)
+    ``timeout_s`` seconds (by the database's clock, or as of ``now``). The append expects
+    the version it saw, so an episode that got an event meanwhile is left alone (its worker
+    is alive after all). Returns how many it closed. Raises ``ValueError`` for a
+    non-positive timeout."""
+    stale = queries.stale_episodes(store, timeout_s=timeout_s, limit=limit, now=now)
     closed = 0
     for stream_id, version in stale:
         try:
