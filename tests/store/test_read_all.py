@@ -7,6 +7,7 @@ import random
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 
@@ -165,11 +166,32 @@ def test_subscribe_wakes_on_append(store: EventStore) -> None:
             if "reward_assigned" in got:
                 stop.set()
 
+    # Append only once the reader has read the (empty) tail and waits on its listener:
+    # appended earlier, the events would be read without any notification at all.
+    waiting = threading.Event()
+    woken: list[bool] = []
+    make_listener = store._listener
+
+    def watched_listener() -> Any:
+        listener = make_listener()
+        wait = listener.wait
+
+        def watched_wait(timeout: float) -> bool:
+            waiting.set()
+            woke = wait(timeout)
+            woken.append(woke)
+            return woke
+
+        listener.wait = watched_wait  # type: ignore[method-assign]
+        return listener
+
+    store._listener = watched_listener  # type: ignore[method-assign]
     t = threading.Thread(target=consume)
     t.start()
-    time.sleep(0.5)
+    assert waiting.wait(timeout=20), "the subscription never waited"
     store.append(f"ep-{uuid.uuid4().hex}", [episode_started(), RewardAssigned(value=1.0)])
     # The polling fallback is 30 s: finishing before then means NOTIFY woke the reader.
     t.join(timeout=20)
     assert not t.is_alive(), "the subscription did not wake"
     assert got == ["episode_started", "reward_assigned"]
+    assert True in woken, "the events were read without a notification"
