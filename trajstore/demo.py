@@ -12,6 +12,7 @@ negative samples).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -54,8 +55,19 @@ class DemoOptions:
                                  f"got {getattr(self, name)}")
         if self.backend not in ("transformers", "vllm"):
             raise ValueError(f"--backend must be transformers or vllm, got {self.backend!r}")
+        if self.backend == "vllm" and not _installed("vllm"):
+            # Found here, not minutes later in a rollout worker's log.
+            raise ValueError("--backend vllm needs vLLM: pip install -e '.[vllm]' "
+                             "(docs/rollout.md)")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 @dataclass

@@ -74,3 +74,24 @@ def test_bad_options_are_named(tmp_path: Path) -> None:
     missing = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--resume", "nope"],
                              env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and "no run 'nope'" in missing.stdout
+
+
+def test_vllm_backend_without_vllm_fails_at_once(tmp_path: Path) -> None:
+    # A Python whose path hides the installed vLLM: the option check says so before any
+    # worker starts (it used to wait for rollouts that a worker's log said could not run).
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class _NoVllm(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, _NoVllm())\n")
+    env = _env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hide), env.get("PYTHONPATH")) if p)
+    bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--backend", "vllm"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "needs vLLM" in bad.stdout + bad.stderr
