@@ -226,7 +226,8 @@ def example(
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(min=1, help="Policy versions to train.")] = 12,
+    steps: Annotated[int, typer.Option(min=1, help="Policy versions to train (more, with "
+                                       "--resume).")] = 12,
     group_size: Annotated[int, typer.Option(min=1, help="Episodes per GRPO group.")] = 8,
     groups: Annotated[int, typer.Option(min=1, help="Groups per training step.")] = 4,
     backend: Annotated[str, typer.Option(help="Rollout engine: transformers or vllm.")]
@@ -297,7 +298,7 @@ def demo(
             f"[/bold] (also GET /v1/runs/{run_id}/analytics/failures), or in SQL:\n"
             f"  SELECT policy_version, avg(reward) FROM episodes WHERE run_id = '{run_id}'"
             " GROUP BY 1 ORDER BY 1;\n"
-            f"continue training with: trajstore demo --resume {run_id} --steps {steps + 4}")
+            f"train 4 more versions with: trajstore demo --resume {run_id} --steps 4")
     except (RuntimeError, ValueError, errors.NotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None

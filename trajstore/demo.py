@@ -196,7 +196,8 @@ def run_demo(
     on_version: Callable[[list[VersionRow]], None] | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[str, list[VersionRow]]:
-    """Run the loop (module docstring) until the run's policy reaches ``options.steps``.
+    """Run the loop (module docstring) for ``options.steps`` more policy versions (a resumed
+    run continues from its newest version, as ``trajstore train --steps`` counts steps).
     Returns the run id and the per-version rows. Raises ValueError for bad options or an
     unknown ``resume`` run, and RuntimeError naming the worker log when a worker dies or
     nothing happens for ``timeout_s``."""
@@ -215,7 +216,8 @@ def run_demo(
     logs = settings.data_dir / "demo" / run_id / "logs"
     with _workers(settings, options, logs) as procs:
         version = leasing_version
-        while version < options.steps:
+        target = leasing_version + options.steps
+        while version < target:
             for g in range(options.groups_per_step):
                 app.send_task("trajstore.rollout_group", args=[run_id, TASK_ID,
                                                              options.group_size, g],
