@@ -11,6 +11,7 @@ import json
 import re
 import sys
 import uuid
+from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
@@ -62,6 +63,21 @@ def _options(
     from store.logs import configure_logging
 
     configure_logging(get_settings(), verbose=verbose)
+
+
+class Backend(StrEnum):
+    """The rollout engines the demo can run."""
+
+    transformers = "transformers"
+    vllm = "vllm"
+
+
+class Pool(StrEnum):
+    """Celery's worker pools that trajstore's tasks run in."""
+
+    prefork = "prefork"
+    solo = "solo"
+    threads = "threads"
 
 
 def _redact(url: str) -> str:
@@ -230,8 +246,7 @@ def demo(
                                        "--resume).")] = 12,
     group_size: Annotated[int, typer.Option(min=1, help="Episodes per GRPO group.")] = 8,
     groups: Annotated[int, typer.Option(min=1, help="Groups per training step.")] = 4,
-    backend: Annotated[str, typer.Option(help="Rollout engine: transformers or vllm.")]
-    = "transformers",
+    backend: Annotated[Backend, typer.Option(help="Rollout engine.")] = Backend.transformers,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the tiny model and trainer.")] = 0,
     resume: Annotated[str | None, typer.Option(help="Continue this run from its last "
                                                "policy_updated.")] = None,
@@ -245,7 +260,7 @@ def demo(
 
     settings = get_settings()
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
-                          backend=backend, seed=seed, resume=resume)
+                          backend=backend.value, seed=seed, resume=resume)
     try:
         options.check()
     except ValueError as exc:
@@ -328,8 +343,7 @@ def worker(
     = "replay",
     concurrency: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 1,
     beat: Annotated[bool, typer.Option("--beat", help="Also run the periodic sweep.")] = False,
-    pool: Annotated[str, typer.Option(help="Celery pool: prefork, solo or threads.")]
-    = "prefork",
+    pool: Annotated[Pool, typer.Option(help="Celery pool.")] = Pool.prefork,
 ) -> None:
     """Run a Celery worker on the given queues (the broker is the configured Redis, or the
     embedded one)."""
@@ -342,7 +356,7 @@ def worker(
         raise typer.BadParameter(f"unknown queue(s) {unknown}; known: {', '.join(QUEUES)}",
                                  param_hint="--queues")
     ensure_configured()
-    argv = ["worker", "-Q", ",".join(names), "-c", str(concurrency), "--pool", pool,
+    argv = ["worker", "-Q", ",".join(names), "-c", str(concurrency), "--pool", pool.value,
             "--loglevel", get_settings().log_level, "-n", f"trajstore-{'-'.join(names)}@%h",
             # Worker-to-worker chatter is not used, and its reconnect after a broker outage
             # is what fails; consumers reconnect without it.
