@@ -30,6 +30,8 @@ __all__ = [
     "Event",
     "EVENT_TYPES",
     "TOKEN_FIELDS",
+    "EGPO_ALPHA",
+    "EGPO_LAM",
     "EgpoConfig",
     "MergeConfig",
     "RollbackConfig",
@@ -166,14 +168,20 @@ DEFAULT_ROLLBACK_ERRORS = (
 )
 
 
+# EGPO's defaults (seed ``004``), written once: the run configuration and the trainer's
+# functions read them from here.
+EGPO_LAM = 0.4
+EGPO_ALPHA = 2.0
+
+
 class EgpoConfig(_Frozen):
     """EGPO's entropy bonus (seed ``004``): ``lam`` its weight (0 turns EGPO into GRPO),
     ``alpha`` the bound on it relative to the advantage, ``variant`` the bonus's form. The
     ``clip`` form keeps an advantage's sign only when ``lam < alpha``; a run that asks for
     more is refused when it is created, not at its first training step."""
 
-    lam: float = Field(default=0.4, ge=0)
-    alpha: float = Field(default=2.0, gt=0)
+    lam: float = Field(default=EGPO_LAM, ge=0)
+    alpha: float = Field(default=EGPO_ALPHA, gt=0)
     variant: Literal["clip", "paper"] = "clip"
 
     @model_validator(mode="after")

@@ -356,3 +356,19 @@ def test_out_receives_the_egpo_advantages() -> None:
     with pytest.raises(ValueError, match="out has shape"):
         egpo_advantages(**batch, cot_start_id=S, cot_end_id=E,  # type: ignore[arg-type]
                         out=torch.zeros(2, 5, dtype=torch.float64))
+
+
+def test_the_math_module_defaults_are_the_run_configs() -> None:
+    """``egpo_advantages`` imports with torch alone, so it cannot read ``store.events``; its
+    keyword defaults must still be the run configuration's."""
+    import inspect
+
+    from store.events import EGPO_ALPHA, EGPO_LAM, EgpoConfig
+    from workers.trainer.advantages import AdvantageSettings
+
+    params = inspect.signature(egpo_advantages).parameters
+    assert (params["lam"].default, params["alpha"].default) == (EGPO_LAM, EGPO_ALPHA)
+    assert (EgpoConfig().lam, EgpoConfig().alpha) == (EGPO_LAM, EGPO_ALPHA)
+    settings = AdvantageSettings()
+    assert (settings.lam, settings.alpha, settings.variant) == (
+        EGPO_LAM, EGPO_ALPHA, EgpoConfig().variant)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from store.events import EGPO_ALPHA, EGPO_LAM
 from workers.trainer.egpo import egpo_advantages, grpo_advantages
 from workers.trainer.registry import Registry
 
@@ -34,8 +35,8 @@ class AdvantageSettings:
     λ, α, variant and CoT marker ids (unused by GRPO; None only when GRPO is used)."""
 
     norm_adv_by_std: bool = True
-    lam: float = 0.4
-    alpha: float = 2.0
+    lam: float = EGPO_LAM
+    alpha: float = EGPO_ALPHA
     variant: str = "clip"
     cot_start_id: int | None = None
     cot_end_id: int | None = None
