@@ -33,6 +33,7 @@ __all__ = [
     "EGPO_ALPHA",
     "EGPO_LAM",
     "EgpoConfig",
+    "failure_order_key",
     "MergeConfig",
     "RollbackConfig",
     "NegativeConfig",
@@ -166,6 +167,20 @@ DEFAULT_ROLLBACK_ERRORS = (
     "NameError",
     "tool call format is wrong",
 )
+
+
+def failure_order_key(occurred_at: dt.datetime | None, episode_id: str | None,
+                      index: int | None) -> tuple[Any, ...]:
+    """The one order of failed attempts, by which a group's negative samples are chosen
+    (replay) and leased (the cap): by time (naive times count as UTC, unknown times last),
+    then episode id, then position in the episode stream."""
+    if occurred_at is None:
+        stamp: tuple[int, float] = (1, 0.0)
+    else:
+        if occurred_at.tzinfo is None:
+            occurred_at = occurred_at.replace(tzinfo=dt.UTC)
+        stamp = (0, occurred_at.timestamp())
+    return (*stamp, episode_id or "", index or 0)
 
 
 # EGPO's defaults (seed ``004``), written once: the run configuration and the trainer's

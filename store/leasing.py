@@ -24,6 +24,7 @@ from store import errors
 from store.codec import unpack_mask
 from store.db import scalar
 from store.eventlog import EventStore, run_stream_id
+from store.events import failure_order_key
 from store.stored_sample import StoredSample, from_row
 
 __all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing"]
@@ -195,11 +196,8 @@ class Leasing:
                 if not rows or len(rows) != ready_counts.get(group_id, -1):
                     continue
                 positives = [r[0] for r in rows if r[2] == "positive"]
-                negatives = sorted(
-                    (r for r in rows if r[2] == "negative"),
-                    key=lambda r: (r[3] or dt.datetime.min.replace(tzinfo=dt.UTC), r[4],
-                                   r[5] or 0),
-                )
+                negatives = sorted((r for r in rows if r[2] == "negative"),
+                                   key=lambda r: failure_order_key(r[3], r[4], r[5]))
                 leased_ids += positives + [r[0] for r in negatives[:max_negatives]]
                 skipped_ids += [r[0] for r in negatives[max_negatives:]]
                 taken.append(group_id)

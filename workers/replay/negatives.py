@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from store.events import failure_order_key
 from workers.replay.samples import Sample, build_sample
 from workers.replay.timeline import Timeline
 
@@ -139,14 +140,7 @@ def build_negative(
 def failure_order(negative: NegativeSample) -> tuple[Any, ...]:
     """The default order of failures: by time (when known; naive times count as UTC, unknown
     times last), then episode id, then position in the episode stream."""
-    when = negative.occurred_at
-    if when is None:
-        stamp = (1, 0.0)
-    else:
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=dt.UTC)
-        stamp = (0, when.timestamp())
-    return (*stamp, negative.episode_id or "", negative.failure_index)
+    return failure_order_key(negative.occurred_at, negative.episode_id, negative.failure_index)
 
 
 def select_negatives(
