@@ -114,8 +114,9 @@ def test_filters_reach_the_query(cli: Any, seeded: Seeded) -> None:
         ("g1", "completed")]
     result = cli("timelines", "--run", RUN, "--since", "1d", "--format", "json")
     assert [r["policy_version"] for r in json.loads(result.output)] == [0, 1]
+    # An unknown run is a typo to report, not an empty table.
     result = cli("negatives", "--run", "no-such-run")
-    assert result.exit_code == 0 and "negative_sample_stats (0 rows)" in result.output
+    assert result.exit_code == 1 and "no run 'no-such-run'" in result.output
 
 
 @pytest.mark.parametrize(("args", "message"), [
