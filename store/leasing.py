@@ -23,6 +23,7 @@ from psycopg.rows import dict_row
 from store import errors
 from store.db import scalar
 from store.eventlog import EventStore, run_stream_id
+from store.rows import safe_data
 
 __all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing"]
 
@@ -107,7 +108,7 @@ class Leasing:
         with self.db.connection() as conn:
             return int(scalar(
                 conn,
-                "SELECT coalesce(max((data->>'version')::int), 0) FROM events"
+                f"SELECT coalesce(max(({safe_data('data')}->>'version')::int), 0) FROM events"
                 " WHERE stream_id = %s AND type = 'policy_updated'",
                 (run_stream_id(run_id),),
             ))

@@ -359,3 +359,15 @@ class Decoder:
             recorded_at=row["recorded_at"],
         )
 
+
+
+def safe_data(column: str) -> str:
+    """SQL for the JSON in ``column`` that field extraction (``->``, ``->>``) can always read.
+
+    PostgreSQL cannot turn the JSON escape ``\\u0000`` into text, so any field extraction
+    from a row holding one fails, and with it every listing that reaches the row. Appends
+    refuse NUL since (``store.validation``), but events are immutable and a log written
+    before may hold such rows: here they read with U+FFFD in place of each NUL (a literal
+    backslash before the escape stays valid JSON too). Rows without one are read as is."""
+    return (f"(CASE WHEN strpos({column}::text, '\\u0000') > 0"
+            f" THEN replace({column}::text, '\\u0000', '\\ufffd')::json ELSE {column} END)")
