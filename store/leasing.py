@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,8 +139,13 @@ class Leasing:
         max_staleness: int | None = None,
         current_version: int | None = None,
         trainer: str | None = None,
+        prepare: Callable[[Lease], None] | None = None,
     ) -> Lease | None:
         """Lease up to ``groups`` complete groups of ``run_id`` for ``lease_seconds``.
+
+        ``prepare`` (for example building the response that reports the lease) is called
+        with the lease before its transaction commits: whatever it raises rolls the lease
+        back, so no sample stays leased for an answer that was never given.
 
         Returns None when no complete group is ready. With ``max_staleness`` set, groups whose
         oldest sample was generated more than that many policy versions before
@@ -268,8 +274,11 @@ class Leasing:
                 " WHERE lease_id = %s ORDER BY group_id, kind DESC, episode_id, timeline_index",
                 (lease_id,),
             ).fetchall()
-        return Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in leased],
-                     skipped_stale=skipped_stale)
+            lease = Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in leased],
+                          skipped_stale=skipped_stale)
+            if prepare is not None:
+                prepare(lease)
+        return lease
 
     def _end(self, conn: Any, lease_id: uuid.UUID, how: str) -> tuple[Any, ...]:
         row = conn.execute(

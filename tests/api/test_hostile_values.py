@@ -89,7 +89,7 @@ def test_a_lone_surrogate_is_refused_with_422_not_500(client: TestClient,
     text = ('{"expected_version": 1, "events": [{"type": "tool_returned", "name": "t",'
             ' "output": "ok \\ud800 then"}]}')
     assert_422(post_raw(client, events_url(episode), text, project), "output", "surrogate")
-    run_text = '{"run_id": "r-%s", "config": {"model": "\\udfff"}}' % uuid.uuid4().hex[:8]
+    run_text = '{"run_id": "r-' + uuid.uuid4().hex[:8] + '", "config": {"model": "\\udfff"}}'
     assert_422(post_raw(client, "/v1/runs", run_text, project), "config.model", "surrogate")
 
 
@@ -172,8 +172,8 @@ def test_non_finite_numbers_elsewhere_are_refused(client: TestClient, project: P
     episode = start_episode(client, project, create_run(client, project))
     name = field.split(".")[0]
     payload = '"V"' if name == "duration_ms" else '{"x": "V"}'
-    text = ('{"expected_version": 1, "events": [{"type": "tool_returned", "name": "t", "%s": %s}]}'
-            % (name, payload)).replace('"V"', value)
+    text = ('{"expected_version": 1, "events": [{"type": "tool_returned", "name": "t", "'
+            + name + '": ' + payload + "}]}").replace('"V"', value)
     assert_422(post_raw(client, events_url(episode), text, project), field)
 
 
@@ -263,3 +263,40 @@ def test_a_stored_nul_row_does_not_break_listings(client: TestClient, api_store:
     assert page.status_code == 200 and bad_run in page.text
     # Another project's listing is untouched by the row too.
     assert client.get(f"/v1/runs/{good_run}", headers=read).status_code == 200
+
+
+def test_a_lease_whose_answer_cannot_be_built_leaves_nothing_leased(
+        api_settings: Any, api_store: EventStore, project: Project) -> None:
+    """A JSON lease answer that cannot be written (a non-finite logprob that an older store
+    let into a sample) must not leave the samples leased until expiry."""
+    from api.app import create_app
+    from tests.api.episodes import create_run as store_run
+    from tests.api.episodes import record_group
+    from workers.tokenizers import load_tokenizer
+
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    store_run(api_store, run_id, project=project.name, group_size=2)
+    record_group(api_store, load_tokenizer("qwen3"), run_id=run_id, group_id="g0")
+    with api_store.db.transaction() as conn:
+        sample_id, logprobs = conn.execute(
+            "SELECT sample_id, logprobs FROM samples WHERE run_id = %s ORDER BY sample_id"
+            " LIMIT 1", (run_id,)).fetchone()
+        bad = np.frombuffer(bytes(logprobs), dtype="<f4").copy()
+        bad[-1] = -np.inf
+        conn.execute("UPDATE samples SET logprobs = %s WHERE sample_id = %s",
+                     (bad.astype("<f4").tobytes(), sample_id))
+    headers = project.headers("read")
+    with TestClient(create_app(api_settings, store=api_store),
+                    raise_server_exceptions=False) as c:
+        failed = c.post(f"/v1/runs/{run_id}/leases", json={"groups": 1}, headers=headers)
+        assert failed.status_code >= 400
+        with api_store.db.connection() as conn:
+            statuses = {s for (s,) in conn.execute(
+                "SELECT status FROM samples WHERE run_id = %s", (run_id,)).fetchall()}
+            leases = conn.execute("SELECT count(*) FROM leases WHERE run_id = %s",
+                                  (run_id,)).fetchone()[0]
+        assert statuses == {"ready"} and leases == 0
+        # Parquet holds the value: the same group leases at once, no expiry to wait for.
+        ok = c.post(f"/v1/runs/{run_id}/leases", json={"groups": 1, "format": "parquet"},
+                    headers=headers)
+        assert ok.status_code == 200, ok.text
