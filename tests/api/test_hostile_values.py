@@ -300,3 +300,35 @@ def test_a_lease_whose_answer_cannot_be_built_leaves_nothing_leased(
         ok = c.post(f"/v1/runs/{run_id}/leases", json={"groups": 1, "format": "parquet"},
                     headers=headers)
         assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ({"min_version": 2**31}, "min_version"), ({"max_version": 2**40}, "max_version"),
+    ({"since": "9999999d"}, "since"), ({"until": "99999999999999999999d"}, "until"),
+    ({"tool": "a\u0000"}, "tool"),
+])
+@pytest.mark.parametrize("view", ["failures", "outcomes", "signatures"])
+def test_analytics_filters_out_of_range_are_4xx(client: TestClient, project: Project,
+                                                view: str, params: dict[str, Any],
+                                                field: str) -> None:
+    if field == "tool" and view == "outcomes":
+        pytest.skip("outcomes takes no tool filter")
+    run_id = create_run(client, project)
+    r = client.get(f"/v1/runs/{run_id}/analytics/{view}", params=params,
+                   headers=project.headers("read"))
+    assert_422(r, field)
+
+
+@pytest.mark.parametrize("path", [
+    "/v1/runs/{run}/samples/export.parquet?group_id=g%00",
+    "/v1/runs/{run}/samples?group_id=%00",
+    "/v1/episodes?run_id={run}&tool_name=x%00",
+    "/v1/runs/{run}%00",
+])
+def test_nul_in_a_url_is_422_before_any_stream_starts(client: TestClient, project: Project,
+                                                      path: str) -> None:
+    run_id = create_run(client, project)
+    r = client.get(path.format(run=run_id), headers=project.headers("read"))
+    assert r.status_code == 422, (r.status_code, r.text[:300])
+    assert r.json()["error"]["field"] in ("group_id", "tool_name", "path")
+    assert r.headers["content-type"].startswith("application/json")
