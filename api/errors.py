@@ -15,11 +15,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from store import errors as store_errors
+from store.validation import check_json
 
 __all__ = [
+    "refuse_unstorable",
     "ApiError",
     "error_body",
     "error_response",
@@ -160,3 +163,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     413: _error_schema("The request body is over the size limit."),
     422: _error_schema("The request is invalid; `field` (and `event_index`) say where."),
 }
+
+
+def refuse_unstorable(body: BaseModel) -> None:
+    """Raise ``ApiError`` 422 naming the field when a request body holds a value the event
+    log refuses (``store.validation.check_json``: NUL, a lone surrogate, nesting past 64
+    levels, a non-finite number, an integer past 64 bits). For routes that look the body up
+    or generate from it before it becomes events."""
+    bad = check_json(body.model_dump(exclude_unset=True))
+    if bad is not None:
+        raise ApiError(422, "invalid_request", f"{bad[0]}: {bad[1]}", field=bad[0])

@@ -22,6 +22,7 @@ from store.settings import Settings
 __all__ = [
     "MAX_DEPTH",
     "MAX_JSON_INT",
+    "check_json",
     "check_text",
     "check_value",
     "coerce_event",
@@ -172,6 +173,20 @@ def check_value(model: BaseModel) -> tuple[str, str] | None:
         if found is not None:
             return found
     return None
+
+
+def check_json(value: Any) -> tuple[str, str] | None:
+    """What ``check_value`` says of a plain JSON value (a request body before it becomes
+    events): the first refused value as ``(field path, reason)``, or None."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and check_text(key) is not None:
+                return repr(key), f"object key {check_text(key)}"
+            found = _check(item, str(key), 1)
+            if found is not None:
+                return found
+        return None
+    return _check(value, "(body)", 1)
 
 
 def _check(value: Any, path: str, depth: int) -> tuple[str, str] | None:

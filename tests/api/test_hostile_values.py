@@ -332,3 +332,27 @@ def test_nul_in_a_url_is_422_before_any_stream_starts(client: TestClient, projec
     assert r.status_code == 422, (r.status_code, r.text[:300])
     assert r.json()["error"]["field"] in ("group_id", "tool_name", "path")
     assert r.headers["content-type"].startswith("application/json")
+
+
+def test_the_gateway_and_remote_rollout_refuse_before_generating(
+        client: TestClient, project: Project) -> None:
+    run_id = create_run(client, project)
+    episode = start_episode(client, project, run_id)
+    headers = {**project.headers("ingest"), "X-Trajstore-Episode": episode}
+    r = client.post("/v1/chat/completions", headers=headers, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi\u0000"}]})
+    assert_422(r, "messages[0].content", "NUL")
+    text = ('{"model": "m", "messages": [{"role": "user", "content": "\\udc00"}]}')
+    r = client.post("/v1/chat/completions", content=text.encode(),
+                    headers={**headers, "Content-Type": "application/json"})
+    assert_422(r, "messages[0].content", "surrogate")
+    r = client.post("/v1/completions", headers=headers, json={"model": "m", "prompt": "\u0000"})
+    assert_422(r, "prompt")
+    r = client.post("/v1/rollout/completed", headers=project.headers("ingest"), json={
+        "rollout_id": episode, "status": "ERROR", "error_message": "boom\u0000"})
+    assert_422(r, "error_message")
+    r = client.post("/v1/rollout/completed", headers=project.headers("ingest"), json={
+        "rollout_id": "x\u0000", "status": "COMPLETED"})
+    assert_422(r, "rollout_id")
+    detail = client.get(f"/v1/episodes/{episode}", headers=project.headers("read"))
+    assert [e["type"] for e in detail.json()["events"]] == ["episode_started"]
