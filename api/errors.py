@@ -9,6 +9,7 @@ with a generic message (the traceback goes to the log, not to the client).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -71,8 +72,15 @@ def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
 
 def error_response(status: int, code: str, message: str, *,
                    headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    """A JSON error response."""
-    return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
+    """A JSON error response. Written as ASCII JSON: a message or field name quoting a
+    lone surrogate from the request still makes a valid body (not a 500)."""
+    return _AsciiJSON(error_body(code, message, **extra), status_code=status, headers=headers)
+
+
+class _AsciiJSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
