@@ -1,8 +1,7 @@
 """Values the store refuses on every way in (REST events, runs, episodes, the Python API),
 each with a 422 naming the field: NUL and lone surrogates in any string, nesting deeper than
 64 levels, non-finite numbers (logprobs included, as JSON and as float32 base64), integers
-past 64 bits, booleans where numbers go. And the way out for a log written before these
-rules: a stored row holding a NUL escape does not break the listings."""
+past 64 bits, booleans where numbers go (rows stored with NUL before: test_nul_rows.py)."""
 
 from __future__ import annotations
 
@@ -216,53 +215,6 @@ def test_booleans_are_not_numbers(client: TestClient, project: Project, field: s
                     json={"group_id": "g", "policy_version": True},
                     headers=project.headers("ingest"))
     assert_422(r, "policy_version")
-
-
-def store_row_with_nul(store: EventStore, stream_id: str, type_name: str, run_id: str,
-                       data: str, group_id: str | None = None) -> None:
-    """Write a row as an older version of the store could (its JSON holding a \\u0000
-    escape), straight into the log: appends refuse it now."""
-    with store.db.transaction() as conn:
-        conn.execute(
-            "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version,"
-            " run_id, group_id, data, occurred_at)"
-            " VALUES (%s, %s, (SELECT coalesce(max(stream_version), 0) + 1 FROM events"
-            "  WHERE stream_id = %s), %s, 1, %s, %s, %s::json, now())",
-            (uuid.uuid4(), stream_id, stream_id, type_name, run_id, group_id, data))
-
-
-def test_a_stored_nul_row_does_not_break_listings(client: TestClient, api_store: EventStore,
-                                                  project: Project) -> None:
-    good_run = create_run(client, project)
-    good_episode = start_episode(client, project, good_run)
-    bad_run = f"bad-{uuid.uuid4().hex[:8]}"
-    store_row_with_nul(api_store, f"run-{bad_run}", "run_created", bad_run,
-                       json.dumps({"run_id": bad_run, "project": project.name,
-                                   "config": {"chat_template": "x\u0000"}}))
-    bad_episode = f"ep-{uuid.uuid4().hex[:8]}"
-    store_row_with_nul(api_store, bad_episode, "episode_started", good_run,
-                       json.dumps({"run_id": good_run, "group_id": "g0", "task_id": "t\u0000"}),
-                       group_id="g0")
-    store_row_with_nul(api_store, bad_episode, "tool_returned", good_run,
-                       json.dumps({"name": "t\u0000", "error_type": "E\u0000"}), group_id="g0")
-
-    read = project.headers("read")
-    runs = client.get("/v1/runs", headers=read)
-    assert runs.status_code == 200, runs.text
-    assert {good_run, bad_run} <= {r["run_id"] for r in runs.json()["runs"]}
-    listing = client.get("/v1/episodes", params={"run_id": good_run}, headers=read)
-    assert listing.status_code == 200, listing.text
-    by_id = {e["episode_id"]: e for e in listing.json()["episodes"]}
-    assert {good_episode, bad_episode} <= set(by_id)
-    assert by_id[bad_episode]["task_id"] == "t\ufffd"
-    for params in ({"tool_name": "t"}, {"error_type": "E"}):
-        r = client.get("/v1/episodes", params={"run_id": good_run, **params}, headers=read)
-        assert r.status_code == 200, r.text
-    client.cookies.set("trajstore_key", project.read, path="/ui")
-    page = client.get("/ui")
-    assert page.status_code == 200 and bad_run in page.text
-    # Another project's listing is untouched by the row too.
-    assert client.get(f"/v1/runs/{good_run}", headers=read).status_code == 200
 
 
 def test_a_lease_whose_answer_cannot_be_built_leaves_nothing_leased(
