@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.context import ApiContext
 from api.errors import install_error_handlers
-from api.limits import BodyLimit
+from api.limits import BodyLimit, NoNulInUrl
 from api.openapi import install_openapi
 from api.routers import (
     analytics,
@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     app = FastAPI(title="trajstore", version="0.1.0", description=DESCRIPTION,
                   lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_request_bytes)
+    app.add_middleware(NoNulInUrl)
     install_error_handlers(app)
     for module in (health, metrics, runs, episodes, samples, leases, completions, rollout,
                    analytics):

@@ -9,17 +9,21 @@ with a generic message (the traceback goes to the log, not to the client).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from store import errors as store_errors
+from store.validation import check_json
 
 __all__ = [
+    "refuse_unstorable",
     "ApiError",
     "error_body",
     "error_response",
@@ -68,8 +72,15 @@ def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
 
 def error_response(status: int, code: str, message: str, *,
                    headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    """A JSON error response."""
-    return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
+    """A JSON error response. Written as ASCII JSON: a message or field name quoting a
+    lone surrogate from the request still makes a valid body (not a 500)."""
+    return _AsciiJSON(error_body(code, message, **extra), status_code=status, headers=headers)
+
+
+class _AsciiJSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -160,3 +171,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     413: _error_schema("The request body is over the size limit."),
     422: _error_schema("The request is invalid; `field` (and `event_index`) say where."),
 }
+
+
+def refuse_unstorable(body: BaseModel) -> None:
+    """Raise ``ApiError`` 422 naming the field when a request body holds a value the event
+    log refuses (``store.validation.check_json``: NUL, a lone surrogate, nesting past 64
+    levels, a non-finite number, an integer past 64 bits). For routes that look the body up
+    or generate from it before it becomes events."""
+    bad = check_json(body.model_dump(exclude_unset=True))
+    if bad is not None:
+        raise ApiError(422, "invalid_request", f"{bad[0]}: {bad[1]}", field=bad[0])

@@ -1,13 +1,16 @@
 """The request size limit: a body over ``api_max_request_bytes`` is answered 413 before
 any route sees it (a declared ``Content-Length`` over the limit is refused unread; a chunked
-body is counted as it arrives and refused as soon as it passes the limit)."""
+body is counted as it arrives and refused as soon as it passes the limit). And the URL check:
+a NUL character in the path or in a query parameter is answered 422 naming it, before any
+route passes it to the database (whose text cannot hold NUL)."""
 
 from __future__ import annotations
 
 import json
+import urllib.parse
 from typing import Any
 
-__all__ = ["BodyLimit"]
+__all__ = ["BodyLimit", "NoNulInUrl"]
 
 _METHODS = {"POST", "PUT", "PATCH"}
 
@@ -73,3 +76,39 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class NoNulInUrl:
+    """ASGI middleware answering 422 to a request whose path or query string decodes to
+    text holding NUL (``%00``), naming the query parameter (or ``path``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            where = _nul_in_url(scope)
+            if where is not None:
+                body = json.dumps({"error": {
+                    "code": "invalid_request",
+                    "message": f"{where}: must not contain a NUL character (%00)",
+                    "field": where}}).encode()
+                await send({"type": "http.response.start", "status": 422,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _nul_in_url(scope: Any) -> str | None:
+    if "\x00" in scope.get("path", ""):
+        return "path"
+    query = scope.get("query_string", b"")
+    if b"%00" not in query and b"\x00" not in query:
+        return None
+    for name, value in urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True,
+                                              encoding="utf-8", errors="replace"):
+        if "\x00" in value or "\x00" in name:
+            return name.replace("\x00", "\\x00")[:100] or "query"
+    return None

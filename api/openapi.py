@@ -13,6 +13,19 @@ from store.events import EVENT_TYPES
 
 __all__ = ["event_schemas", "install_openapi"]
 
+#: OpenAPI links: what a created run or episode leads to (for clients and stateful tests).
+_LINKS: dict[tuple[str, str, str], dict[str, tuple[str, str, str]]] = {
+    ("post", "/v1/runs", "201"): {
+        "GetRun": ("get", "/v1/runs/{run_id}", "run_id"),
+        "StartEpisode": ("post", "/v1/runs/{run_id}/episodes", "run_id"),
+    },
+    ("post", "/v1/runs/{run_id}/episodes", "201"): {
+        "GetEpisode": ("get", "/v1/episodes/{episode_id}", "episode_id"),
+        "AppendEvents": ("post", "/v1/episodes/{episode_id}/events", "episode_id"),
+        "GetTimelines": ("get", "/v1/episodes/{episode_id}/timelines", "episode_id"),
+    },
+}
+
 _TOKENS = {"anyOf": [{"type": "array", "items": {"type": "number"}},
                      {"type": "string", "description": "base64 of little-endian int32 ids "
                                                        "or float32 logprobs"}]}
@@ -77,7 +90,25 @@ def install_openapi(app: FastAPI) -> None:
                     s["properties"]["type"]["const"]: f"#/components/schemas/{name}"
                     for name, s in schemas.items()}},
             }
+        _add_links(document)
         app.openapi_schema = document
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_links(document: dict[str, Any]) -> None:
+    """Add ``_LINKS`` to the responses that create runs and episodes (a link whose source or
+    target operation is missing is left out)."""
+    paths = document.get("paths", {})
+    for (method, path, status), links in _LINKS.items():
+        response = paths.get(path, {}).get(method, {}).get("responses", {}).get(status)
+        if response is None:
+            continue
+        out = response.setdefault("links", {})
+        for name, (target_method, target_path, parameter) in links.items():
+            target = paths.get(target_path, {}).get(target_method)
+            if target is None or "operationId" not in target:
+                continue
+            out[name] = {"operationId": target["operationId"],
+                         "parameters": {parameter: f"$response.body#/{parameter}"}}

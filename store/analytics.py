@@ -85,11 +85,15 @@ _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 def parse_time(text: str, *, now: dt.datetime | None = None) -> dt.datetime:
     """``text`` as a timezone-aware time for ``since``/``until``: an ISO 8601 time (UTC when
     it has no offset) or a duration back from ``now`` (``90s``, ``30m``, ``24h``, ``7d``).
-    Raises ValueError quoting the text otherwise."""
+    Raises ValueError quoting the text otherwise, and for a duration reaching back before
+    the year 1."""
     now = now or dt.datetime.now(dt.UTC)
     match = _DURATION.fullmatch(text.strip())
     if match:
-        return now - dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+        try:
+            return now - dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+        except (OverflowError, ValueError):
+            raise ValueError(f"{text!r} reaches back before the year 1") from None
     try:
         value = dt.datetime.fromisoformat(text.strip())
     except ValueError:
@@ -105,6 +109,8 @@ def _check_name(field: str, value: object) -> None:
         raise TypeError(f"{field} must be a str, got {type(value).__name__}")
     if not value.strip():
         raise ValueError(f"{field} must not be empty, got {value!r}")
+    if "\x00" in value:
+        raise ValueError(f"{field} must not contain a NUL character")
 
 
 def _check_version(field: str, value: object) -> None:
@@ -114,6 +120,8 @@ def _check_version(field: str, value: object) -> None:
         raise TypeError(f"{field} must be an int, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{field} must be >= 0, got {value}")
+    if value > 2**31 - 1:
+        raise ValueError(f"{field} must be at most {2**31 - 1} (policy versions are 32-bit)")
 
 
 def _check_time(field: str, value: object) -> None:

@@ -23,7 +23,7 @@ from psycopg.rows import dict_row
 
 from store import errors
 from store.db import Database, scalar
-from store.events import EpisodeStarted, Event, LLMCalled, RunCreated
+from store.events import MAX_INT, EpisodeStarted, Event, LLMCalled, RunCreated
 from store.metrics import observe_append
 from store.rows import (
     ROW_COLUMNS,
@@ -35,11 +35,12 @@ from store.rows import (
     RecordedEvent,
     data_json,
     encode_llm_call,
+    safe_data,
     same_content,
     stored_size,
 )
 from store.settings import Settings
-from store.validation import validate_batch
+from store.validation import check_text, validate_batch
 
 __all__ = [
     "EventStore",
@@ -58,6 +59,9 @@ NO_STREAM: Literal["no_stream"] = "no_stream"
 ExpectedVersion = int | Literal["any", "no_stream"]
 
 NOTIFY_CHANNEL = "trajstore_events"
+
+# Field extraction that a row stored with a NUL escape cannot break (see safe_data).
+_F_DATA, _R_DATA = safe_data("f.data"), safe_data("r.data")
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +184,10 @@ class EventStore:
         Invalid events raise ``ValidationError`` naming the event index and field.
         """
         if (not isinstance(stream_id, str) or not stream_id or len(stream_id) > 200
-                or "\x00" in stream_id):
+                or check_text(stream_id) is not None):
             raise errors.ValidationError(
-                f"stream id must be a non-empty string of at most 200 characters without NUL, "
+                f"stream id must be a non-empty string of at most 200 characters without NUL "
+                f"or lone surrogates, "
                 f"got {stream_id!r}",
                 field="stream_id",
             )
@@ -583,12 +588,12 @@ class EventStore:
         log says so far (``running`` until ``episode_finished``)."""
         with self.db.connection() as conn:
             rows = conn.execute(
-                """
+                f"""
                 SELECT s.stream_id, s.group_id, s.recorded_at,
-                       (SELECT f.data->>'status' FROM events f
+                       (SELECT {_F_DATA}->>'status' FROM events f
                          WHERE f.stream_id = s.stream_id AND f.type = 'episode_finished'
                          ORDER BY f.stream_version DESC LIMIT 1),
-                       (SELECT (r.data->>'value')::float8 FROM events r
+                       (SELECT ({_R_DATA}->>'value')::float8 FROM events r
                          WHERE r.stream_id = s.stream_id AND r.type = 'reward_assigned'
                          ORDER BY r.stream_version DESC LIMIT 1),
                        (SELECT max(v.stream_version) FROM events v
@@ -668,9 +673,11 @@ def _check_expected(expected: object) -> int | None:
         return None
     if expected == NO_STREAM:
         return 0
-    if isinstance(expected, bool) or not isinstance(expected, int) or expected < 0:
+    if (isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+            or expected > MAX_INT):
         raise errors.ValidationError(
-            f"expected_version must be an integer >= 0, 'any' or 'no_stream', got {expected!r}",
+            f"expected_version must be an integer from 0 to {MAX_INT}, 'any' or 'no_stream', "
+            f"got {expected!r:.60}",
             field="expected_version",
         )
     return expected

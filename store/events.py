@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import numpy as np
 from pydantic import (
@@ -91,7 +91,8 @@ def _as_token_ids(value: Any) -> np.ndarray:
 
 
 def _as_logprobs(value: Any) -> np.ndarray:
-    """Log-probabilities as a read-only float32 array; refuses NaN and positive values."""
+    """Log-probabilities as a read-only float32 array; refuses NaN, infinities (also a value
+    such as -1e400 that only float32 cannot hold) and positive values."""
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -103,7 +104,12 @@ def _as_logprobs(value: Any) -> np.ndarray:
             raise ValueError("logprobs must not contain NaN")
         if (arr > 1e-4).any():
             raise ValueError(f"logprobs must be <= 0, got {float(arr.max())}")
-    out = np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        out = np.ascontiguousarray(arr, dtype=np.float32)
+    if out.size and not np.isfinite(out).all():
+        bad = int(np.flatnonzero(~np.isfinite(out))[0])
+        raise ValueError(f"logprobs must be finite float32 values, entry {bad} is "
+                         f"{float(arr[bad])}")
     out.flags.writeable = False
     return out
 
@@ -120,8 +126,32 @@ Logprobs = Annotated[
 ]
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this type annotation may hold a boolean (bool or Any in it)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_takes_bool(a) for a in get_args(annotation))
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1: a boolean sent for a count, version or number
+        # (or as a value of a dict of numbers) is a client bug, not a 1.
+        if info.field_name is None:
+            return value
+        annotation = cls.model_fields[info.field_name].annotation
+        if _takes_bool(annotation):
+            return value
+        if isinstance(value, bool):
+            raise ValueError("must be a number, not a boolean")
+        if (get_origin(annotation) is dict and isinstance(value, dict)
+                and any(isinstance(v, bool) for v in value.values())):
+            raise ValueError("values must be numbers, not booleans")
+        return value
 
 
 class Event(_Frozen):

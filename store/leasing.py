@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from store.codec import unpack_mask
 from store.db import scalar
 from store.eventlog import EventStore, run_stream_id
 from store.events import failure_order_key
+from store.rows import safe_data
 from store.stored_sample import StoredSample, from_row
 
 __all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing"]
@@ -66,7 +68,7 @@ class Leasing:
         with self.db.connection() as conn:
             return int(scalar(
                 conn,
-                "SELECT coalesce(max((data->>'version')::int), 0) FROM events"
+                f"SELECT coalesce(max(({safe_data('data')}->>'version')::int), 0) FROM events"
                 " WHERE stream_id = %s AND type = 'policy_updated'",
                 (run_stream_id(run_id),),
             ))
@@ -100,8 +102,13 @@ class Leasing:
         max_staleness: int | None = None,
         current_version: int | None = None,
         trainer: str | None = None,
+        prepare: Callable[[Lease], None] | None = None,
     ) -> Lease | None:
         """Lease up to ``groups`` complete groups of ``run_id`` for ``lease_seconds``.
+
+        ``prepare`` (for example building the response that reports the lease) is called
+        with the lease before its transaction commits: whatever it raises rolls the lease
+        back, so no sample stays leased for an answer that was never given.
 
         Returns None when no complete group is ready. With ``max_staleness`` set, groups whose
         oldest sample was generated more than that many policy versions before
@@ -227,8 +234,11 @@ class Leasing:
                 " WHERE lease_id = %s ORDER BY group_id, kind DESC, episode_id, timeline_index",
                 (lease_id,),
             ).fetchall()
-        return Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in leased],
-                     skipped_stale=skipped_stale)
+            lease = Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in leased],
+                          skipped_stale=skipped_stale)
+            if prepare is not None:
+                prepare(lease)
+        return lease
 
     def _end(self, conn: Any, lease_id: uuid.UUID, how: str) -> tuple[Any, ...]:
         row = conn.execute(

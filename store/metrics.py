@@ -70,6 +70,9 @@ def render(store: EventStore) -> str:
         for labels, value in samples:
             lines.append(f"{name}{labels} {value:g}")
 
+    from store.rows import safe_data
+
+    data = safe_data("data")  # a row stored with a NUL escape must not break the page
     with store.db.connection() as conn:
         by_type = conn.execute("SELECT type, count(*) FROM events GROUP BY type").fetchall()
         lag = conn.execute(
@@ -82,9 +85,9 @@ def render(store: EventStore) -> str:
         samples = conn.execute("SELECT status, count(*) FROM samples GROUP BY status").fetchall()
         expiries = conn.execute("SELECT count(*) FROM leases WHERE ended = 'expired'").fetchone()
         step = conn.execute(
-            """
-            SELECT (data->'metrics'->>'step_seconds')::float8,
-                   (data->'metrics'->>'trainable_tokens')::float8
+            f"""
+            SELECT ({data}->'metrics'->>'step_seconds')::float8,
+                   ({data}->'metrics'->>'trainable_tokens')::float8
             FROM events WHERE type = 'policy_updated' ORDER BY position DESC LIMIT 1
             """).fetchone()
     metric("trajstore_events_total", "counter", "Events stored, by type.",

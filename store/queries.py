@@ -20,6 +20,7 @@ from typing import Any
 from psycopg.rows import dict_row
 
 from store.eventlog import EventStore, run_stream_id
+from store.rows import safe_data
 
 __all__ = [
     "EpisodeFilters",
@@ -64,19 +65,24 @@ class EpisodeFilters:
     started_before: dt.datetime | None = None
 
 
-_STATUS = """coalesce(p.status,
-                (SELECT f.data->>'status' FROM events f
+# Field extraction through safe_data: a row stored with a NUL escape must not break listings.
+_F_DATA, _R_DATA, _S_DATA, _T_DATA, _DATA = (
+    safe_data(c) for c in ("f.data", "r.data", "s.data", "t.data", "data"))
+
+_STATUS = f"""coalesce(p.status,
+                (SELECT {_F_DATA}->>'status' FROM events f
                   WHERE f.stream_id = s.stream_id AND f.type = 'episode_finished' LIMIT 1),
                 'running')"""
-_REWARD = """coalesce(p.reward,
-                (SELECT (r.data->>'value')::float8 FROM events r
+_REWARD = f"""coalesce(p.reward,
+                (SELECT ({_R_DATA}->>'value')::float8 FROM events r
                   WHERE r.stream_id = s.stream_id AND r.type = 'reward_assigned'
                   ORDER BY r.stream_version DESC LIMIT 1))"""
-_POLICY = "coalesce(p.policy_version, (s.data->>'policy_version')::int)"
+_POLICY = f"coalesce(p.policy_version, ({_S_DATA}->>'policy_version')::int)"
 
 _EPISODE_SELECT = f"""
 SELECT s.position, s.stream_id AS episode_id, s.run_id, s.group_id, s.recorded_at AS started_at,
-       s.data->>'task_id' AS task_id, {_POLICY} AS policy_version, {_STATUS} AS status,
+       {_S_DATA}->>'task_id' AS task_id, {_POLICY} AS policy_version,
+       {_STATUS} AS status,
        {_REWARD} AS reward,
        (SELECT max(v.stream_version) FROM events v WHERE v.stream_id = s.stream_id) AS events,
        p.finished_at, p.invalid_reason, p.projected_version, p.llm_calls, p.tool_calls,
@@ -86,17 +92,17 @@ FROM events s
 LEFT JOIN episodes p ON p.episode_id = s.stream_id
 """
 
-_ERROR_TYPE = """
+_ERROR_TYPE = f"""
 EXISTS (SELECT 1 FROM events t WHERE t.stream_id = s.stream_id
-        AND ((t.type = 'tool_returned' AND t.data->>'error_type' = %(error_type)s)
+        AND ((t.type = 'tool_returned' AND {_T_DATA}->>'error_type' = %(error_type)s)
           OR (t.type = 'attempt_failed' AND EXISTS (
-                SELECT 1 FROM json_array_elements_text(t.data->'error_types') x(v)
+                SELECT 1 FROM json_array_elements_text({_T_DATA}->'error_types') x(v)
                 WHERE x.v = %(error_type)s))))
 """
 
-_TOOL_NAME = """
+_TOOL_NAME = f"""
 EXISTS (SELECT 1 FROM events t WHERE t.stream_id = s.stream_id
-        AND t.type = 'tool_returned' AND t.data->>'name' = %(tool_name)s)
+        AND t.type = 'tool_returned' AND {_T_DATA}->>'name' = %(tool_name)s)
 """
 
 
@@ -187,7 +193,7 @@ def list_runs(store: EventStore, project: str) -> list[dict[str, Any]]:
     with store.db.connection() as conn:
         return conn.cursor(row_factory=dict_row).execute(
             "SELECT run_id, data, recorded_at AS created_at FROM events"
-            " WHERE type = 'run_created' AND data->>'project' = %s ORDER BY position",
+            f" WHERE type = 'run_created' AND {_DATA}->>'project' = %s ORDER BY position",
             (project,),
         ).fetchall()
 
@@ -196,7 +202,8 @@ def run_ids_of(store: EventStore, project: str) -> list[str]:
     """The ids of every run of ``project``."""
     with store.db.connection() as conn:
         rows = conn.execute(
-            "SELECT run_id FROM events WHERE type = 'run_created' AND data->>'project' = %s",
+            f"SELECT run_id FROM events WHERE type = 'run_created' AND {_DATA}->>'project'"
+            " = %s",
             (project,),
         ).fetchall()
     return [r[0] for r in rows]

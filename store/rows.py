@@ -28,13 +28,29 @@ __all__ = [
     "encode_llm_call",
     "Decoder",
     "ROW_COLUMNS",
+    "safe_data",
 ]
 
-#: Columns selected by every reader, in this order (see ``Decoder.decode``).
+def safe_data(column: str) -> str:
+    """SQL for the JSON in ``column`` that field extraction (``->``, ``->>``) can always read.
+
+    PostgreSQL cannot turn the JSON escape ``\\u0000`` into text, so any field extraction
+    from a row holding one fails, and with it every listing that reaches the row. Appends
+    refuse NUL since (``store.validation``), but events are immutable and a log written
+    before may hold such rows: here they read with U+FFFD in place of each NUL (a literal
+    backslash before the escape stays valid JSON too). Rows without one are read as is."""
+    return (f"(CASE WHEN strpos({column}::text, '\\u0000') > 0"
+            f" THEN replace({column}::text, '\\u0000', '\\ufffd')::json ELSE {column} END)")
+
+
+#: Columns selected by every reader, in this order (see ``Decoder.decode``). ``data`` goes
+#: through ``safe_data``: a row stored with a NUL escape before appends refused it reads with
+#: U+FFFD in its place, so that replay and projections can write it (every other row reads
+#: exactly as stored).
 ROW_COLUMNS = (
     "position, tx_id::text::bigint AS tx_id, event_id, stream_id, stream_version, type,"
-    " schema_version, run_id, group_id, agent, data, prompt_ids, prompt_base_version,"
-    " prompt_prefix_len, response_ids, logprobs, occurred_at, recorded_at"
+    f" schema_version, run_id, group_id, agent, {safe_data('data')} AS data, prompt_ids,"
+    " prompt_base_version, prompt_prefix_len, response_ids, logprobs, occurred_at, recorded_at"
 )
 
 # Key in a stored llm_called's JSON data that says its messages are a delta.
@@ -358,4 +374,5 @@ class Decoder:
             agent=row["agent"],
             recorded_at=row["recorded_at"],
         )
+
 

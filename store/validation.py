@@ -6,9 +6,12 @@ Errors name the event's index in the batch and the field path, e.g.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pydantic
 from pydantic import BaseModel
 
@@ -16,7 +19,26 @@ from store.errors import ValidationError
 from store.events import EVENT_TYPES, MAX_INT, Event, parse_event
 from store.settings import Settings
 
-__all__ = ["validate_batch", "coerce_event"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_JSON_INT",
+    "check_json",
+    "check_text",
+    "check_value",
+    "coerce_event",
+    "validate_batch",
+]
+
+#: The deepest nesting of lists and objects a free-form field may hold (an event's own
+#: fields are level 1).
+MAX_DEPTH = 64
+#: The largest magnitude of an integer anywhere in an event: what a signed 64-bit integer
+#: holds, so that every reader (PostgreSQL's jsonb, numpy, Parquet, other languages) keeps it.
+MAX_JSON_INT = 2**63 - 1
+
+# NUL cannot be stored in PostgreSQL text nor jsonb; a lone surrogate is not a character at
+# all and cannot be encoded as UTF-8.
+_BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -65,7 +87,9 @@ def validate_batch(
     """Check a batch against the schemas and the size limits of ``settings``.
 
     Returns the events as models. Raises ``ValidationError`` for an empty or oversized batch,
-    an unknown type, a schema violation, a count or version above ``MAX_INT``, a token array
+    an unknown type, a schema violation, a value ``check_value`` refuses (a NUL or lone
+    surrogate in a string, nesting deeper than ``MAX_DEPTH``, a non-finite number, an
+    integer beyond 64 bits), a count or version above ``MAX_INT``, a token array
     longer than
     ``max_tokens_per_array``, or an event id used twice in the batch. (The stored size of an
     event, ``max_event_bytes``, is checked when it is encoded, see ``EventStore.append``.)
@@ -97,6 +121,9 @@ def validate_batch(
                     field="event_id",
                 )
             seen[event.event_id] = i
+        bad = check_value(event)
+        if bad is not None:
+            raise ValidationError(bad[1], event_index=i, field=bad[0])
         too_large = _int_over_range(event)
         if too_large is not None:
             raise ValidationError(
@@ -119,4 +146,86 @@ def _int_over_range(model: BaseModel, prefix: str = "") -> str | None:
             inner = _int_over_range(value, f"{prefix}{name}.")
             if inner is not None:
                 return inner
+    return None
+
+
+def check_text(text: str) -> str | None:
+    """Why ``text`` cannot be stored (a NUL character or a lone surrogate), or None."""
+    m = _BAD_CHAR.search(text)
+    if m is None:
+        return None
+    char = m.group()
+    what = "a NUL character (\\u0000)" if char == "\x00" else (
+        f"a lone surrogate (\\u{ord(char):04x})")
+    return f"must not contain {what}; found at character {m.start()}"
+
+
+def check_value(model: BaseModel) -> tuple[str, str] | None:
+    """The first value of ``model`` (its fields, the models inside it, every string, key,
+    number, list and object of its free-form fields) that the store refuses, as
+    ``(field path, reason)``, or None when every value can be stored and read back as given.
+
+    Refused: a string or object key holding NUL or a lone surrogate, lists and objects nested
+    deeper than ``MAX_DEPTH``, a NaN or infinite number, an integer beyond ``MAX_JSON_INT``.
+    Token payloads (numpy arrays) are checked by their own validators."""
+    for name in type(model).model_fields:
+        found = _check(getattr(model, name), name, 1)
+        if found is not None:
+            return found
+    return None
+
+
+def check_json(value: Any) -> tuple[str, str] | None:
+    """What ``check_value`` says of a plain JSON value (a request body before it becomes
+    events): the first refused value as ``(field path, reason)``, or None."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and check_text(key) is not None:
+                return repr(key), f"object key {check_text(key)}"
+            found = _check(item, str(key), 1)
+            if found is not None:
+                return found
+        return None
+    return _check(value, "(body)", 1)
+
+
+def _check(value: Any, path: str, depth: int) -> tuple[str, str] | None:
+    if isinstance(value, str):
+        why = check_text(value)
+        return None if why is None else (path, why)
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        if abs(value) > MAX_JSON_INT:
+            return path, f"integer out of range: must lie within +/-{MAX_JSON_INT} (64 bits)"
+        return None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return path, f"must be a finite number, got {value}"
+        return None
+    if isinstance(value, np.ndarray):
+        return None
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            found = _check(getattr(value, name), f"{path}.{name}", depth)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, Mapping | list | tuple):
+        if depth > MAX_DEPTH:
+            return path, f"nested deeper than {MAX_DEPTH} levels of lists and objects"
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    why = check_text(key)
+                    if why is not None:
+                        return f"{path}.{key!r}", f"object key {why}"
+                found = _check(item, f"{path}.{key}", depth + 1)
+                if found is not None:
+                    return found
+        else:
+            for i, item in enumerate(value):
+                found = _check(item, f"{path}[{i}]", depth + 1)
+                if found is not None:
+                    return found
     return None

@@ -31,7 +31,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.errors import ApiError, error_body, error_response
+from api.errors import ApiError, error_body, error_response, refuse_unstorable
 from api.gateway.capture import Capture, EpisodeTarget
 from api.gateway.local_engine import LocalEngine, engine_model_dir
 from api.gateway.messages import normalize_messages, sampling_params
@@ -163,7 +163,9 @@ class Gateway:
 
     async def chat(self, body: ChatCompletionRequest, *, key: ApiKey, episode: str | None,
                    agent: str, policy_version: int | None) -> Response:
-        """``POST /v1/chat/completions``."""
+        """``POST /v1/chat/completions``. A value the store would refuse (a NUL or lone
+        surrogate, nesting past 64 levels, …) is answered 422 before anything is generated."""
+        refuse_unstorable(body)
         if body.rollout_id is not None:
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
         target = await self._target(key, episode)
@@ -206,7 +208,8 @@ class Gateway:
 
     async def completion(self, body: CompletionRequest, *, key: ApiKey, episode: str | None,
                          agent: str, policy_version: int | None) -> Response:
-        """``POST /v1/completions``."""
+        """``POST /v1/completions``; refuses what ``chat`` refuses."""
+        refuse_unstorable(body)
         if body.rollout_id is not None:
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
         if body.messages is not None or body.prompt is None:

@@ -33,10 +33,10 @@ router = APIRouter(prefix="/v1/runs/{run_id}/analytics", tags=["analytics"],
                    responses=ERROR_RESPONSES)
 
 _FILTER_PARAMETERS: dict[str, tuple[Any, Any]] = {
-    "min_version": (Annotated[int | None, Query(ge=0, description="Lowest policy version "
-                                                "(inclusive).")], None),
-    "max_version": (Annotated[int | None, Query(ge=0, description="Highest policy version "
-                                                "(inclusive).")], None),
+    "min_version": (Annotated[int | None, Query(ge=0, le=2**31 - 1, description="Lowest "
+                                                "policy version (inclusive).")], None),
+    "max_version": (Annotated[int | None, Query(ge=0, le=2**31 - 1, description="Highest "
+                                                "policy version (inclusive).")], None),
     "since": (Annotated[str | None, Query(description="Episodes finished at or after: ISO 8601 "
                                           "time or a duration ago (30m, 24h, 7d).")], None),
     "until": (Annotated[str | None, Query(description="Episodes finished before: ISO 8601 "

@@ -22,6 +22,7 @@ from api.schemas.samples import (
     RenewOut,
     RenewRequest,
 )
+from store.leasing import Lease
 
 __all__ = ["router"]
 
@@ -41,13 +42,25 @@ def lease_batch(run_id: str, body: LeaseRequest, key: ReadKey, ctx: Ctx) -> Resp
     """Lease up to ``groups`` complete groups (every episode of the group replayed, with its
     negatives up to the run's cap) for ``lease_seconds``."""
     ctx.access.check_run(key, run_id)
+    built: list[Response] = []
+
+    def build(lease: Lease) -> None:
+        # Runs before the lease commits: a body that cannot be built rolls the lease back.
+        if lease.samples:
+            built.append(_lease_response(lease, body))
+
     lease = ctx.leasing.lease_batch(
         run_id, groups=body.groups, lease_seconds=body.lease_seconds,
         max_staleness=body.max_staleness, current_version=body.current_version,
-        trainer=body.trainer)
-    if lease is None or not lease.samples:
+        trainer=body.trainer, prepare=build)
+    if lease is None or not lease.samples or not built:
         headers = {"X-Trajstore-Skipped-Stale": str(lease.skipped_stale if lease else 0)}
         return Response(status_code=204, headers=headers)
+    return built[0]
+
+
+def _lease_response(lease: Lease, body: LeaseRequest) -> Response:
+    """The answer reporting ``lease``: Parquet with the lease in headers, or JSON."""
     samples = [verl_columns.from_leased(s) for s in lease.samples]
     if body.format == "parquet":
         data = parquet_bytes([verl_columns.record_batch(samples)], verl_columns.ARROW_SCHEMA)

@@ -19,7 +19,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.deps import Ctx, IngestKey
-from api.errors import ERROR_RESPONSES, ApiError
+from api.errors import ERROR_RESPONSES, ApiError, refuse_unstorable
 from api.schemas.common import ErrorBody
 from api.schemas.remote import RolloutCompleted, RolloutCompletedAck, RolloutRequest
 from store import errors as store_errors
@@ -71,7 +71,9 @@ def completion_events(body: RolloutCompleted) -> tuple[list[Event], str, float |
              responses={409: {"model": ErrorBody, "description": "The episode was finished "
                                                                  "otherwise."}})
 def rollout_completed(body: RolloutCompleted, key: IngestKey, ctx: Ctx) -> RolloutCompletedAck:
-    """Record the end of a remote rollout: reward (if given) and ``episode_finished``."""
+    """Record the end of a remote rollout: reward (if given) and ``episode_finished``.
+    A value the store refuses (NUL, a lone surrogate, …) is answered 422 naming it."""
+    refuse_unstorable(body)
     ctx.access.check_episode(key, body.rollout_id)
     events, status, reward = completion_events(body)
     finished = queries.episode_finished(ctx.store, body.rollout_id)
@@ -104,7 +106,9 @@ def _remote_rollout() -> Any:
     501: {"model": ErrorBody, "description": "This installation has no RolloutServer."}})
 def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
     """Drive one remote rollout as the RolloutServer (the seed's ``RolloutRequest``),
-    recording it as episode ``rollout-<rollout_id>`` of ``run_id``."""
+    recording it as episode ``rollout-<rollout_id>`` of ``run_id``. A value the store
+    refuses (NUL, a lone surrogate, …) is answered 422 naming it before anything runs."""
+    refuse_unstorable(body)
     run = _remote_rollout()
     if run is None:
         raise ApiError(501, "not_implemented", "this installation has no RolloutServer "

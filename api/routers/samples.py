@@ -3,6 +3,7 @@ export with the columns a verl trainer reads."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Annotated, Literal
 
@@ -78,8 +79,12 @@ def export_parquet(
     written and sent one row group at a time."""
     ctx.access.check_run(key, run_id)
     filters = queries.SampleFilters(run_id=run_id, group_id=group_id, kind=kind, status=status)
+    # Run the query and build the first row group before answering: once the 200 is sent a
+    # failure can only cut the body short, which a client may take for a complete file.
+    batches = _batches(ctx, filters)
+    first = list(itertools.islice(batches, 1))
     return StreamingResponse(
-        stream_parquet(_batches(ctx, filters), verl_columns.ARROW_SCHEMA),
+        stream_parquet(itertools.chain(first, batches), verl_columns.ARROW_SCHEMA),
         media_type=PARQUET_MEDIA_TYPE,
         headers={"Content-Disposition": f'attachment; filename="{run_id}.parquet"'},
     )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from api.schemas.common import FloatArray, IntArray
 
@@ -45,7 +45,7 @@ class EpisodeCreate(BaseModel):
     messages: list[dict[str, Any]] = Field(default_factory=list)
     tools: list[dict[str, Any]] = Field(default_factory=list)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
-    policy_version: int = Field(default=0, ge=0)
+    policy_version: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
     event_id: uuid.UUID | None = None
 
 
@@ -56,6 +56,10 @@ class EpisodeCreated(BaseModel):
     version: int
     position: int
     duplicate: bool
+
+
+#: A stream version: an integer (a boolean is refused), at most what the log's column holds.
+StrictVersion = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 
 
 class AppendRequest(BaseModel):
@@ -69,7 +73,7 @@ class AppendRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    expected_version: int | Literal["any", "no_stream"] = Field(
+    expected_version: StrictVersion | Literal["any", "no_stream"] = Field(
         description="Version the stream must be at before this batch.", examples=[3])
     events: list[dict[str, Any]] = Field(min_length=1,
                                          description="Events, validated by type.")
