@@ -5,7 +5,8 @@ One :meth:`Trainer.step`:
 1. lease complete groups of the run (``store.leasing``), stale ones skipped;
 2. pad the samples into ``(bs, seq)`` / ``(bs, response_length)`` tensors;
 3. recompute the old log-probs and entropies without gradients (and the reference model's
-   log-probs when a KL term is configured);
+   log-probs when a KL term is configured); from them and the rollout log-probs, the run's
+   off-policy correction (``workers.trainer.correction``: IS weights, rejection mask);
 4. place each sample's reward on its last response token;
 5. advantages: EGPO or GRPO, as the run's configuration says;
 6. PPO mini-batch epochs with gradient accumulation, one optimizer step per mini-batch;
@@ -55,10 +56,12 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
+from workers.trainer.correction import Correction, CorrectionSettings, compute_correction
 from workers.trainer.ppo import ppo_update, score_batch
 from workers.trainer.weights import push_weights
 
-__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device"]
+__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device",
+           "staleness_metrics"]
 
 
 class TrainerBroken(RuntimeError):
@@ -93,6 +96,19 @@ class StepResult:
     @property
     def trained(self) -> bool:
         return self.version is not None
+
+
+def staleness_metrics(policy_versions: tuple[int | None, ...], current: int
+                      ) -> dict[str, float]:
+    """Version gap of the trained samples: ``current - policy_version`` as
+    ``version_gap_min``/``_mean``/``_max`` over the samples that know their version (none of
+    these keys when no sample does), and ``version_unknown`` counting the others."""
+    gaps = [current - v for v in policy_versions if v is not None]
+    out = {"version_unknown": float(len(policy_versions) - len(gaps))}
+    if gaps:
+        out.update(version_gap_min=float(min(gaps)), version_gap_mean=sum(gaps) / len(gaps),
+                   version_gap_max=float(max(gaps)))
+    return out
 
 
 def default_device() -> str:
@@ -142,6 +158,7 @@ class Trainer:
             tokenizer.eos_token_id)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.correction = CorrectionSettings.from_config(run_config.correction)
         self.broken = False
 
     @classmethod
@@ -213,6 +230,9 @@ class Trainer:
             ref_log_probs = (score_batch(self.reference, batch, config=config)[0]
                              if self.reference is not None else None)
 
+            correction = compute_correction(old_log_probs, batch.rollout_log_probs,
+                                            batch.response_mask, self.correction)
+
             rewards = token_level_rewards(batch.rewards, batch.response_mask,
                                           response_lengths=batch.response_lengths)
             advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
@@ -228,11 +248,13 @@ class Trainer:
             stats = ppo_update(self.model, batch, optimizer=self.optimizer,
                                old_log_probs=old_log_probs,
                                advantages=advantages, config=config,
-                               ref_log_probs=ref_log_probs, between_steps=keep_lease)
+                               ref_log_probs=ref_log_probs, between_steps=keep_lease,
+                               is_weights=correction.weights,
+                               response_mask=correction.response_mask)
             self.steps_done += stats.optimizer_steps
 
             metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
-                                    stats.metrics(), started)
+                                    stats.metrics(), started, correction, current)
             version, path = self._record(metrics, lease)
             changed = False  # the weights are recorded: a reopened trainer resumes from here
             try:
@@ -314,7 +336,7 @@ class Trainer:
 
     def _metrics(self, batch: TrainingBatch, lease: Lease, old_log_probs: torch.Tensor,
                  entropies: torch.Tensor, advantages: torch.Tensor, ppo: dict[str, float],
-                 started: float) -> dict[str, float]:
+                 started: float, correction: Correction, current: int) -> dict[str, float]:
         mask = batch.response_mask
         tokens = mask.sum().clamp(min=1)
         positive = ~batch.is_negative
@@ -339,6 +361,8 @@ class Trainer:
                 / tokens.item()),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "step_seconds": time.monotonic() - started,
+            **correction.metrics,
+            **staleness_metrics(batch.policy_versions, current),
             **ppo,
         }
         return {name: value for name, value in metrics.items() if math.isfinite(value)}
