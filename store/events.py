@@ -225,6 +225,10 @@ class RunConfig(_Frozen):
     rollback: RollbackConfig = RollbackConfig()
     negatives: NegativeConfig = NegativeConfig()
     correction: CorrectionConfig = CorrectionConfig()
+    # Rollout-level advantages: GRPO/EGPO statistics over episodes (an episode that yielded
+    # several samples counts once; each negative sample is its own unit) and equal episode
+    # weight in the loss. Identical to sample level when every episode yields one sample.
+    rollout_level: bool = True
     model: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None

@@ -8,7 +8,8 @@ One :meth:`Trainer.step`:
    log-probs when a KL term is configured); from them and the rollout log-probs, the run's
    off-policy correction (``workers.trainer.correction``: IS weights, rejection mask);
 4. place each sample's reward on its last response token;
-5. advantages: EGPO or GRPO, as the run's configuration says;
+5. advantages: EGPO or GRPO, as the run's configuration says, over episodes when
+   ``RunConfig.rollout_level`` (each episode counted once and weighted equally in the loss);
 6. PPO mini-batch epochs with gradient accumulation, one optimizer step per mini-batch;
 7. save a checkpoint (safetensors) under the data directory;
 8. append ``policy_updated`` (version, step, metrics, checkpoint) to the run's stream;
@@ -27,7 +28,8 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,7 @@ from workers.trainer.ppo import ppo_update, score_batch
 from workers.trainer.weights import push_weights
 
 __all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device",
-           "staleness_metrics"]
+           "staleness_metrics", "unit_ids", "unit_loss_weights"]
 
 
 class TrainerBroken(RuntimeError):
@@ -109,6 +111,22 @@ def staleness_metrics(policy_versions: tuple[int | None, ...], current: int
         out.update(version_gap_min=float(min(gaps)), version_gap_mean=sum(gaps) / len(gaps),
                    version_gap_max=float(max(gaps)))
     return out
+
+
+def unit_ids(*, episode_ids: Sequence[str], sample_ids: Sequence[int],
+             is_negative: Sequence[bool]) -> tuple[str, ...]:
+    """The rollout-level unit of each sample: its episode, except that every negative sample
+    is a unit of its own (seed 000: a failed attempt keeps its own weight in its group)."""
+    return tuple(f"negative:{int(sid)}" if bool(neg) else str(episode)
+                 for episode, sid, neg in zip(episode_ids, sample_ids, is_negative,
+                                              strict=True))
+
+
+def unit_loss_weights(units: Sequence[str]) -> torch.Tensor:
+    """``(bs,)`` float32: ``1 / (samples of the unit)`` per sample, so every unit (episode)
+    weighs the same in the loss whatever number of samples it yielded."""
+    counts = Counter(units)
+    return torch.tensor([1.0 / counts[u] for u in units], dtype=torch.float32)
 
 
 def default_device() -> str:
@@ -235,9 +253,16 @@ class Trainer:
 
             rewards = token_level_rewards(batch.rewards, batch.response_mask,
                                           response_lengths=batch.response_lengths)
+            units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
+                              is_negative=batch.is_negative.tolist())
+                     if self.run_config.rollout_level else None)
             advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
                 rewards, batch.response_mask, batch.group_ids, entropies=entropies,
-                responses=batch.responses, settings=self.advantage_settings)
+                responses=batch.responses, settings=self.advantage_settings, units=units)
+            loss_weights = correction.weights
+            if units is not None:
+                loss_weights = loss_weights * unit_loss_weights(units).to(
+                    loss_weights.device).unsqueeze(1)
 
             changed = True
             renewed = [started]
@@ -249,7 +274,7 @@ class Trainer:
                                old_log_probs=old_log_probs,
                                advantages=advantages, config=config,
                                ref_log_probs=ref_log_probs, between_steps=keep_lease,
-                               is_weights=correction.weights,
+                               is_weights=loss_weights,
                                response_mask=correction.response_mask)
             self.steps_done += stats.optimizer_steps
 
@@ -346,6 +371,7 @@ class Trainer:
             "samples": float(len(batch)),
             "groups": float(len(lease.groups)),
             "negatives": float(batch.is_negative.sum().item()),
+            "episodes": float(len(set(batch.episode_ids))),
             "skipped_stale": float(lease.skipped_stale),
             "trainable_tokens": float(mask.sum().item()),
             "reward_mean": float(rewards.mean().item()),

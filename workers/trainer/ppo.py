@@ -62,6 +62,7 @@ def trim(batch: TrainingBatch) -> TrainingBatch:
         group_ids=batch.group_ids,
         sample_ids=batch.sample_ids,
         policy_versions=batch.policy_versions,
+        episode_ids=batch.episode_ids,
     )
 
 
