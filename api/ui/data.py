@@ -17,7 +17,7 @@ from store import analytics, queries
 from store.analytics import Filters
 from store.eventlog import EventStore
 from store.events import AttemptFailed, RolledBack, ToolReturned
-from store.training_steps import training_steps
+from store.training_steps import exclusions, training_steps
 from workers.replay import ReplayResult
 from workers.tokenizers import load_tokenizer
 
@@ -185,7 +185,8 @@ def episode_page(store: EventStore, episode_id: str, *,
                  ) -> dict[str, Any]:
     """Everything the episode page shows: the listing row, the merged timelines token by
     token (text, id, loss mask, logprob), the failed attempts as negative samples (kept or
-    over the cap), forks, and the event log with tool errors and rollbacks flagged. Raises
+    over the cap), forks, the event log with tool errors and rollbacks flagged, and why the
+episode or its samples did not reach training (``exclusions``). Raises
     ApiError 404/409 as ``replay_stored`` does."""
     replayed = replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader)
     result, records = replayed.result, replayed.records
@@ -226,4 +227,6 @@ def episode_page(store: EventStore, episode_id: str, *,
                    "message_index": f.message_index, "reason": str(f.reason)}
                   for f in result.forks],
         "events": _event_rows(records),
+        "exclusions": [analytics.row_as_dict(x)
+                       for x in exclusions(store.db, episode_id=episode_id)],
     }
