@@ -32,6 +32,7 @@ __all__ = [
     "TOKEN_FIELDS",
     "EGPO_ALPHA",
     "EGPO_LAM",
+    "CorrectionConfig",
     "EgpoConfig",
     "failure_order_key",
     "MergeConfig",
@@ -266,6 +267,24 @@ class RolloutConfig(_Frozen):
     max_total_tokens: int = Field(default=4096, ge=1)
 
 
+class CorrectionConfig(_Frozen):
+    """Off-policy correction from the rollout log-probs (``workers.trainer.correction``).
+
+    ``is_level``: "none", "token" (truncated IS per token, ``min(ratio, is_threshold)``) or
+    "sequence" (one truncated weight per sample); ``rejection``: "none", "token" or "sequence"
+    (drop tokens, or whole samples, whose ``pi_rollout / pi_train`` leaves
+    ``[rejection_lower, rejection_upper]``; lower defaults to ``1 / rejection_upper``).
+    Defaults: token-level TIS with cap 2, no rejection. Out-of-range values are refused at
+    run creation, naming the field.
+    """
+
+    is_level: Literal["none", "token", "sequence"] = "token"
+    is_threshold: float = Field(default=2.0, ge=1.0, le=1e6, allow_inf_nan=False)
+    rejection: Literal["none", "token", "sequence"] = "none"
+    rejection_upper: float = Field(default=2.0, ge=1.0, le=1e6, allow_inf_nan=False)
+    rejection_lower: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+
+
 class RunConfig(_Frozen):
     group_size: int = Field(default=8, ge=1)
     rollout: RolloutConfig = RolloutConfig()
@@ -273,6 +292,11 @@ class RunConfig(_Frozen):
     merge: MergeConfig = MergeConfig()
     rollback: RollbackConfig = RollbackConfig()
     negatives: NegativeConfig = NegativeConfig()
+    correction: CorrectionConfig = CorrectionConfig()
+    # Rollout-level advantages: GRPO/EGPO statistics over episodes (an episode that yielded
+    # several samples counts once; each negative sample is its own unit) and equal episode
+    # weight in the loss. Identical to sample level when every episode yields one sample.
+    rollout_level: bool = True
     model: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None

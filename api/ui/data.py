@@ -17,6 +17,7 @@ from store import analytics, queries
 from store.analytics import Filters
 from store.eventlog import EventStore
 from store.events import AttemptFailed, RolledBack, ToolReturned
+from store.training_steps import exclusions, training_steps
 from workers.replay import ReplayResult
 from workers.tokenizers import load_tokenizer
 
@@ -43,7 +44,8 @@ def _series(rows: Iterable[Any], versions: Sequence[int], key: Callable[[Any], s
 def dashboard(store: EventStore, run_id: str) -> dict[str, Any]:
     """The run's failure dashboard: chart data by policy version (failures by error type and
     by tool, mean reward, rollback recovery rate, tool error rate) and the tables beside it
-    (failure patterns, error signatures, tool error rates), from the analytics views."""
+    (failure patterns, error signatures, tool error rates), from the analytics views, and the
+    newest 50 training steps (staleness and off-policy correction, ``training_steps``)."""
     only = Filters(run_id=run_id)
     failures = analytics.failure_patterns(store.db, only)
     rollbacks = analytics.rollback_outcomes(store.db, only)
@@ -83,6 +85,8 @@ def dashboard(store: EventStore, run_id: str) -> dict[str, Any]:
         "tools": [analytics.row_as_dict(r) for r in tools],
         "signatures": [analytics.row_as_dict(r) for r in signatures],
         "total_failures": sum(r.failures for r in failures),
+        "training_steps": [analytics.row_as_dict(r)
+                           for r in training_steps(store.db, run_id, limit=50)],
     }
 
 
@@ -181,7 +185,8 @@ def episode_page(store: EventStore, episode_id: str, *,
                  ) -> dict[str, Any]:
     """Everything the episode page shows: the listing row, the merged timelines token by
     token (text, id, loss mask, logprob), the failed attempts as negative samples (kept or
-    over the cap), forks, and the event log with tool errors and rollbacks flagged. Raises
+    over the cap), forks, the event log with tool errors and rollbacks flagged, and why the
+episode or its samples did not reach training (``exclusions``). Raises
     ApiError 404/409 as ``replay_stored`` does."""
     replayed = replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader)
     result, records = replayed.result, replayed.records
@@ -222,4 +227,6 @@ def episode_page(store: EventStore, episode_id: str, *,
                    "message_index": f.message_index, "reason": str(f.reason)}
                   for f in result.forks],
         "events": _event_rows(records),
+        "exclusions": [analytics.row_as_dict(x)
+                       for x in exclusions(store.db, episode_id=episode_id)],
     }

@@ -18,6 +18,7 @@ __all__ = [
     "loop_cot_mask",
     "loop_egpo_advantages",
     "loop_grpo_scalars",
+    "loop_rollout_grpo_scalars",
     "loop_kl",
     "loop_ppo_token_losses",
     "naive_logprobs_entropy",
@@ -44,6 +45,25 @@ def loop_grpo_scalars(
         mean, std = stats[uid]
         out.append((score - mean) / (std + epsilon) if norm_adv_by_std else score - mean)
     return out
+
+
+def loop_rollout_grpo_scalars(
+    scores: Sequence[float], index: Sequence[object], units: Sequence[object], *,
+    norm_adv_by_std: bool, epsilon: float
+) -> list[float]:
+    """Rollout-level GRPO: average each unit's scores into one score, run GRPO over the units
+    of each group (each unit once), give every response its unit's advantage."""
+    members: dict[object, list[float]] = defaultdict(list)
+    unit_group: dict[object, object] = {}
+    for score, uid, unit in zip(scores, index, units, strict=True):
+        members[unit].append(score)
+        unit_group[unit] = uid
+    unit_ids = list(members)
+    unit_scores = [sum(members[u]) / len(members[u]) for u in unit_ids]
+    per_unit = loop_grpo_scalars(unit_scores, [unit_group[u] for u in unit_ids],
+                                 norm_adv_by_std=norm_adv_by_std, epsilon=epsilon)
+    by_unit = dict(zip(unit_ids, per_unit, strict=True))
+    return [by_unit[unit] for unit in units]
 
 
 def loop_cot_mask(

@@ -2,7 +2,9 @@
 
 Both estimators share one signature, so the training step resolves the configured name once
 and never branches on it: ``estimator(token_level_rewards, response_mask, index, *,
-entropies, responses, settings) -> advantages (bs, response_length)``.
+entropies, responses, settings, units=None) -> advantages (bs, response_length)``; ``units``
+(one id per response) switches to rollout-level group statistics
+(:func:`workers.trainer.egpo.grpo_scalar_advantages`).
 """
 
 from __future__ import annotations
@@ -49,16 +51,16 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def _grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
           index: Sequence[str], *, entropies: torch.Tensor, responses: torch.Tensor,
-          settings: AdvantageSettings) -> torch.Tensor:
+          settings: AdvantageSettings, units: Sequence[str] | None = None) -> torch.Tensor:
     advantages, _ = grpo_advantages(token_level_rewards, response_mask, index,
-                                    norm_adv_by_std=settings.norm_adv_by_std)
+                                    norm_adv_by_std=settings.norm_adv_by_std, units=units)
     return advantages
 
 
 @ADVANTAGE_ESTIMATORS.register("egpo")
 def _egpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
           index: Sequence[str], *, entropies: torch.Tensor, responses: torch.Tensor,
-          settings: AdvantageSettings) -> torch.Tensor:
+          settings: AdvantageSettings, units: Sequence[str] | None = None) -> torch.Tensor:
     if settings.cot_start_id is None or settings.cot_end_id is None:
         raise ValueError("EGPO needs cot_start_id and cot_end_id (the <think> and </think> "
                          "token ids); the tokenizer has none and none were configured")
@@ -66,7 +68,7 @@ def _egpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
         token_level_rewards, response_mask, index, entropies, responses,
         cot_start_id=settings.cot_start_id, cot_end_id=settings.cot_end_id,
         lam=settings.lam, alpha=settings.alpha, variant=settings.variant,
-        norm_adv_by_std=settings.norm_adv_by_std)
+        norm_adv_by_std=settings.norm_adv_by_std, units=units)
     return advantages
 
 

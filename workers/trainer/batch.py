@@ -58,7 +58,8 @@ class TrainingBatch:
     ``rollout_log_probs`` ``(bs, response_length)`` float32 (mask 1 on trainable tokens, log-probs
     0 elsewhere); ``response_lengths`` ``(bs,)`` int64 (real response tokens of each row);
     ``rewards`` ``(bs,)`` float32; ``is_negative`` ``(bs,)`` bool; ``group_ids``,
-    ``sample_ids`` and ``policy_versions`` one entry per row.
+    ``sample_ids``, ``policy_versions`` and ``episode_ids`` one entry per row (a sample that
+    names no episode gets ``"sample:<id>"``).
     """
 
     input_ids: torch.Tensor
@@ -73,6 +74,7 @@ class TrainingBatch:
     group_ids: tuple[str, ...]
     sample_ids: tuple[int, ...]
     policy_versions: tuple[int | None, ...]
+    episode_ids: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -213,6 +215,8 @@ def pad_samples(
         group_ids=tuple(str(s.group_id) for s in samples),
         sample_ids=tuple(int(s.sample_id) for s in samples),
         policy_versions=tuple(s.policy_version for s in samples),
+        episode_ids=tuple(str(getattr(s, "episode_id", None) or f"sample:{int(s.sample_id)}")
+                          for s in samples),
     )
 
 

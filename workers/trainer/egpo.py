@@ -106,11 +106,19 @@ def grpo_scalar_advantages(
     *,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
+    units: object = None,
 ) -> torch.Tensor:
     """One GRPO advantage per response, ``(bs,)``, before broadcasting over tokens.
 
     ``token_level_rewards`` is ``(bs, response_length)``; its row sums are the scores (all
     positions, as verl does). ``index`` holds one group id per response.
+
+    ``units`` (rollout-level statistics): one unit id per response, e.g. the episode id for an
+    episode's samples and a unit of its own for each negative sample. A unit's score is the
+    mean of its responses' scores; the group mean and std are taken over the units of the
+    group (each unit counted once, however many samples it yielded), and every response of a
+    unit gets the unit's advantage. With one response per unit this is exactly the
+    sample-level result. A unit whose responses lie in different groups raises ValueError.
 
     Raises TypeError/ValueError for a non-tensor or non-float reward tensor, an ``index`` of the
     wrong length or kind, a negative or non-finite ``epsilon``, and non-finite scores (the row
@@ -128,6 +136,10 @@ def grpo_scalar_advantages(
         raise ValueError(f"token_level_rewards has non-finite row sums at rows {rows}")
     if scores.numel() == 0:
         return scores
+    if units is not None:
+        return _unit_advantages(scores, codes, group_codes(units, size=scores.shape[0],
+                                                           device=scores.device),
+                                norm_adv_by_std=norm_adv_by_std, eps=eps)
     means, stds = group_mean_std(scores, codes)
     # In place on the fresh per-response tensors: the same float operations, in the same order,
     # as (scores - means) / (stds + eps).
@@ -135,6 +147,24 @@ def grpo_scalar_advantages(
     if norm_adv_by_std:
         return centred.div_(stds.add_(eps))
     return centred
+
+
+def _unit_advantages(scores: torch.Tensor, codes: torch.Tensor, unit_codes: torch.Tensor, *,
+                     norm_adv_by_std: bool, eps: float) -> torch.Tensor:
+    """GRPO over units (see :func:`grpo_scalar_advantages`), gathered back to the responses."""
+    num_units = int(unit_codes.max()) + 1
+    counts = torch.bincount(unit_codes, minlength=num_units).to(torch.float64)
+    unit_scores = torch.zeros(num_units, dtype=torch.float64, device=scores.device).index_add_(
+        0, unit_codes, scores.to(torch.float64)).div_(counts).to(scores.dtype)
+    unit_groups = torch.zeros(num_units, dtype=torch.long, device=scores.device)
+    unit_groups.index_copy_(0, unit_codes, codes)
+    if not bool(torch.equal(unit_groups.index_select(0, unit_codes), codes)):
+        raise ValueError("units: every response of a unit must share one group id")
+    means, stds = group_mean_std(unit_scores, unit_groups)
+    centred = means.neg_().add_(unit_scores)
+    if norm_adv_by_std:
+        centred = centred.div_(stds.add_(eps))
+    return centred.index_select(0, unit_codes)
 
 
 def _broadcast(
@@ -168,6 +198,7 @@ def grpo_advantages(
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
     out: torch.Tensor | None = None,
+    units: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantages ``(bs, response_length)``; returns equal the advantages.
 
@@ -179,6 +210,7 @@ def grpo_advantages(
     ``out``: a tensor of the mask's shape and device and the advantages' dtype to write them
     into (and return), instead of a new one. A training loop that passes the same buffer each
     step skips allocating, and page-faulting in, a fresh ``(bs, response_length)`` tensor.
+    ``units``: rollout-level statistics, as in :func:`grpo_scalar_advantages`.
 
     Raises TypeError/ValueError (naming the argument) for shape mismatches, tensors that are not
     2-D, non-float rewards, an ``index`` of the wrong length or with unhashable or NaN ids, a bad
@@ -188,7 +220,7 @@ def grpo_advantages(
     rewards, mask = _check_rewards(token_level_rewards, response_mask)
     with torch.no_grad():
         scalars = grpo_scalar_advantages(
-            rewards, index, norm_adv_by_std=norm_adv_by_std, epsilon=epsilon
+            rewards, index, norm_adv_by_std=norm_adv_by_std, epsilon=epsilon, units=units
         )
         advantages = _broadcast(scalars, mask, out)
     return advantages, advantages
@@ -245,6 +277,7 @@ def egpo_advantages(
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
     out: torch.Tensor | None = None,
+    units: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EGPO advantages ``(bs, response_length)``: GRPO plus a bounded CoT-entropy bonus.
 
@@ -252,7 +285,8 @@ def egpo_advantages(
     policy) and ``responses`` (token ids) are ``(bs, response_length)``; ``index`` holds ``bs``
     group ids. ``variant`` names an entry of :data:`EGPO_VARIANTS` (``clip`` or ``paper``). The
     scalar ``A_i + bonus_i`` is broadcast over the response and multiplied by the mask; returns
-    equal the advantages. No gradient flows through the result. ``out`` as in
+    equal the advantages. No gradient flows through the result. ``out`` and ``units``
+    (rollout-level GRPO statistics; the bonus stays each response's own) as in
     :func:`grpo_advantages`.
 
     Raises TypeError/ValueError (naming the argument) for everything :func:`grpo_advantages` and
@@ -269,7 +303,7 @@ def egpo_advantages(
     thought = cot_mask(responses, mask, cot_start_id=cot_start_id, cot_end_id=cot_end_id)
     with torch.no_grad():
         scalars = grpo_scalar_advantages(
-            rewards, index, norm_adv_by_std=norm_adv_by_std, epsilon=epsilon
+            rewards, index, norm_adv_by_std=norm_adv_by_std, epsilon=epsilon, units=units
         )
         entropy, has_cot = mean_cot_entropy(entropies, thought)
         entropy = entropy.to(scalars.dtype)

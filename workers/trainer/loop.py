@@ -5,9 +5,11 @@ One :meth:`Trainer.step`:
 1. lease complete groups of the run (``store.leasing``), stale ones skipped;
 2. pad the samples into ``(bs, seq)`` / ``(bs, response_length)`` tensors;
 3. recompute the old log-probs and entropies without gradients (and the reference model's
-   log-probs when a KL term is configured);
+   log-probs when a KL term is configured); from them and the rollout log-probs, the run's
+   off-policy correction (``workers.trainer.correction``: IS weights, rejection mask);
 4. place each sample's reward on its last response token;
-5. advantages: EGPO or GRPO, as the run's configuration says;
+5. advantages: EGPO or GRPO, as the run's configuration says, over episodes when
+   ``RunConfig.rollout_level`` (each episode counted once and weighted equally in the loss);
 6. PPO mini-batch epochs with gradient accumulation, one optimizer step per mini-batch;
 7. save a checkpoint (safetensors) under the data directory;
 8. append ``policy_updated`` (version, step, metrics, checkpoint) to the run's stream;
@@ -26,7 +28,8 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,10 +58,12 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
+from workers.trainer.correction import Correction, CorrectionSettings, compute_correction
 from workers.trainer.ppo import ppo_update, score_batch
 from workers.trainer.weights import push_weights
 
-__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device"]
+__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device",
+           "staleness_metrics", "unit_ids", "unit_loss_weights"]
 
 
 class TrainerBroken(RuntimeError):
@@ -93,6 +98,35 @@ class StepResult:
     @property
     def trained(self) -> bool:
         return self.version is not None
+
+
+def staleness_metrics(policy_versions: tuple[int | None, ...], current: int
+                      ) -> dict[str, float]:
+    """Version gap of the trained samples: ``current - policy_version`` as
+    ``version_gap_min``/``_mean``/``_max`` over the samples that know their version (none of
+    these keys when no sample does), and ``version_unknown`` counting the others."""
+    gaps = [current - v for v in policy_versions if v is not None]
+    out = {"version_unknown": float(len(policy_versions) - len(gaps))}
+    if gaps:
+        out.update(version_gap_min=float(min(gaps)), version_gap_mean=sum(gaps) / len(gaps),
+                   version_gap_max=float(max(gaps)))
+    return out
+
+
+def unit_ids(*, episode_ids: Sequence[str], sample_ids: Sequence[int],
+             is_negative: Sequence[bool]) -> tuple[str, ...]:
+    """The rollout-level unit of each sample: its episode, except that every negative sample
+    is a unit of its own (seed 000: a failed attempt keeps its own weight in its group)."""
+    return tuple(f"negative:{int(sid)}" if bool(neg) else str(episode)
+                 for episode, sid, neg in zip(episode_ids, sample_ids, is_negative,
+                                              strict=True))
+
+
+def unit_loss_weights(units: Sequence[str]) -> torch.Tensor:
+    """``(bs,)`` float32: ``1 / (samples of the unit)`` per sample, so every unit (episode)
+    weighs the same in the loss whatever number of samples it yielded."""
+    counts = Counter(units)
+    return torch.tensor([1.0 / counts[u] for u in units], dtype=torch.float32)
 
 
 def default_device() -> str:
@@ -142,6 +176,7 @@ class Trainer:
             tokenizer.eos_token_id)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.correction = CorrectionSettings.from_config(run_config.correction)
         self.broken = False
 
     @classmethod
@@ -213,11 +248,21 @@ class Trainer:
             ref_log_probs = (score_batch(self.reference, batch, config=config)[0]
                              if self.reference is not None else None)
 
+            correction = compute_correction(old_log_probs, batch.rollout_log_probs,
+                                            batch.response_mask, self.correction)
+
             rewards = token_level_rewards(batch.rewards, batch.response_mask,
                                           response_lengths=batch.response_lengths)
+            units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
+                              is_negative=batch.is_negative.tolist())
+                     if self.run_config.rollout_level else None)
             advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
                 rewards, batch.response_mask, batch.group_ids, entropies=entropies,
-                responses=batch.responses, settings=self.advantage_settings)
+                responses=batch.responses, settings=self.advantage_settings, units=units)
+            loss_weights = correction.weights
+            if units is not None:
+                loss_weights = loss_weights * unit_loss_weights(units).to(
+                    loss_weights.device).unsqueeze(1)
 
             changed = True
             renewed = [started]
@@ -228,11 +273,13 @@ class Trainer:
             stats = ppo_update(self.model, batch, optimizer=self.optimizer,
                                old_log_probs=old_log_probs,
                                advantages=advantages, config=config,
-                               ref_log_probs=ref_log_probs, between_steps=keep_lease)
+                               ref_log_probs=ref_log_probs, between_steps=keep_lease,
+                               is_weights=loss_weights,
+                               response_mask=correction.response_mask)
             self.steps_done += stats.optimizer_steps
 
             metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
-                                    stats.metrics(), started)
+                                    stats.metrics(), started, correction, current)
             version, path = self._record(metrics, lease)
             changed = False  # the weights are recorded: a reopened trainer resumes from here
             try:
@@ -314,7 +361,7 @@ class Trainer:
 
     def _metrics(self, batch: TrainingBatch, lease: Lease, old_log_probs: torch.Tensor,
                  entropies: torch.Tensor, advantages: torch.Tensor, ppo: dict[str, float],
-                 started: float) -> dict[str, float]:
+                 started: float, correction: Correction, current: int) -> dict[str, float]:
         mask = batch.response_mask
         tokens = mask.sum().clamp(min=1)
         positive = ~batch.is_negative
@@ -324,6 +371,7 @@ class Trainer:
             "samples": float(len(batch)),
             "groups": float(len(lease.groups)),
             "negatives": float(batch.is_negative.sum().item()),
+            "episodes": float(len(set(batch.episode_ids))),
             "skipped_stale": float(lease.skipped_stale),
             "trainable_tokens": float(mask.sum().item()),
             "reward_mean": float(rewards.mean().item()),
@@ -339,6 +387,8 @@ class Trainer:
                 / tokens.item()),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "step_seconds": time.monotonic() - started,
+            **correction.metrics,
+            **staleness_metrics(batch.policy_versions, current),
             **ppo,
         }
         return {name: value for name, value in metrics.items() if math.isfinite(value)}

@@ -46,13 +46,16 @@ def ppo_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     global_batch: GlobalBatchInfo | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate with dual clip; returns ``(loss, metrics)``.
 
     All four tensors are ``(bs, response_length)``; gradients flow through ``log_prob``. Per
     token, with ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``:
     ``l = max(-A*r, -A*clip(r, 1-clip_ratio_low, 1+clip_ratio_high))``, and for ``A < 0`` the
-    dual clip ``min(l, -A*clip_ratio_c)``. The token losses are aggregated by ``loss_agg_mode``.
+    dual clip ``min(l, -A*clip_ratio_c)``. The token losses, multiplied by ``is_weights`` when
+given (off-policy correction weights, ``(bs, response_length)``, no gradient; verl's
+``rollout_is_weights``), are aggregated by ``loss_agg_mode``.
 
     ``metrics`` (floats, masked means over the response): ``pg_clipfrac`` (fraction of tokens
     where the clipped term is the larger), ``ppo_kl`` (mean of ``old_log_prob - log_prob``),
@@ -92,6 +95,9 @@ def ppo_policy_loss(
     dual_bound = -advantages * dual
     negative = advantages < 0
     token_losses = torch.where(negative, torch.minimum(dual_bound, clipped_max), clipped_max)
+    if is_weights is not None:
+        require_same_shape("log_prob", log_prob, is_weights=is_weights)
+        token_losses = token_losses * is_weights.detach()
     loss = agg_loss(token_losses, response_mask, loss_agg_mode, global_batch=global_batch)
 
     with torch.no_grad():

@@ -10,6 +10,7 @@ gradient norm is not finite is skipped (and counted).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ def trim(batch: TrainingBatch) -> TrainingBatch:
         group_ids=batch.group_ids,
         sample_ids=batch.sample_ids,
         policy_versions=batch.policy_versions,
+        episode_ids=batch.episode_ids,
     )
 
 
@@ -133,12 +135,16 @@ def ppo_update(
     config: TrainerConfig,
     ref_log_probs: torch.Tensor | None = None,
     between_steps: Callable[[], None] | None = None,
+    is_weights: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
 ) -> PPOStats:
     """Run the PPO epochs over ``batch`` and return the statistics.
 
     ``old_log_probs``, ``advantages`` and ``ref_log_probs`` (needed when ``config.kl_coef >
     0``) are ``(bs, response_length)`` on the batch's device. ``between_steps`` runs after each
-    optimizer step (the training step renews its lease there). Raises ValueError when
+    optimizer step (the training step renews its lease there). ``is_weights`` (off-policy
+correction weights) multiply the token losses and ``response_mask`` replaces the batch's mask
+(tokens rejected by the correction), both ``(bs, response_length)``. Raises ValueError when
     ``kl_coef > 0`` and no reference log-probs are given, and the loss functions' errors.
     """
     if config.kl_coef > 0 and ref_log_probs is None:
@@ -147,6 +153,8 @@ def ppo_update(
     n = len(batch)
     mini = config.mini_batch_size or n
     stats = PPOStats()
+    if response_mask is not None:
+        batch = dataclasses.replace(batch, response_mask=response_mask.to(batch.response_mask))
     model.eval()  # no dropout: the recomputed old log-probs are those of this same function
     for _ in range(config.ppo_epochs):
         for start in range(0, n, mini):
@@ -162,6 +170,7 @@ def ppo_update(
                 width = part.responses.shape[1]
                 old = old_log_probs[part_rows, :width]
                 adv = advantages[part_rows, :width]
+                weights = is_weights[part_rows, :width] if is_weights is not None else None
                 log_prob, entropy = response_log_probs(
                     model, part, temperature=config.temperature,
                     chunk_size=config.logit_chunk_size)
@@ -169,7 +178,7 @@ def ppo_update(
                     old, log_prob, adv, part.response_mask,
                     clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                     clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
-                    global_batch=info)
+                    global_batch=info, is_weights=weights)
                 ent_term = None
                 if config.entropy_coeff > 0:
                     ent_term = entropy_loss(entropy, part.response_mask,
