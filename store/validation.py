@@ -25,6 +25,7 @@ __all__ = [
     "check_json",
     "check_text",
     "check_value",
+    "storable_text",
     "coerce_event",
     "validate_batch",
 ]
@@ -158,6 +159,15 @@ def check_text(text: str) -> str | None:
     what = "a NUL character (\\u0000)" if char == "\x00" else (
         f"a lone surrogate (\\u{ord(char):04x})")
     return f"must not contain {what}; found at character {m.start()}"
+
+
+def storable_text(text: str) -> str:
+    """``text`` with what ``check_text`` refuses replaced: NUL by U+FFFD, a lone surrogate
+    by "?". For text a process makes itself (a model's decoded output, a tool's output),
+    which must be recorded whatever it holds; input from clients is refused instead."""
+    if check_text(text) is None:
+        return text
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
 
 
 def check_value(model: BaseModel) -> tuple[str, str] | None:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from store.validation import storable_text
+
 if TYPE_CHECKING:
     import torch
 
@@ -172,6 +174,10 @@ class GenerationResult:
     (``<think>``, ``<tool_call>``…) kept, cut before a matched stop string; ``finish_reason``
     "stop" or "length"; ``policy_version`` the weights version that produced it.
     Mismatched lengths or an unknown finish reason raise ValueError.
+
+    A NUL character in ``text`` (a model can sample the token of byte 0) becomes U+FFFD and a
+    lone surrogate "?": the store refuses both in event payloads, and the token ids, which
+    stay exact, are what training reads.
     """
 
     prompt_ids: np.ndarray
@@ -191,6 +197,7 @@ class GenerationResult:
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(f"finish_reason must be 'stop' or 'length', "
                              f"got {self.finish_reason!r}")
+        object.__setattr__(self, "text", storable_text(self.text))
         object.__setattr__(self, "prompt_ids", prompt)
         object.__setattr__(self, "response_ids", response)
         object.__setattr__(self, "logprobs", logprobs)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from store.validation import storable_text
+
 __all__ = [
     "TOOL_ARGUMENT_ERROR",
     "TOOL_NOT_FOUND_ERROR",
@@ -46,6 +48,12 @@ class ToolOutcome:
     is_error: bool = False
     error_type: str | None = None
     error_message: str | None = None
+
+    def __post_init__(self) -> None:
+        # A tool may print anything; what the store refuses is replaced (storable_text).
+        object.__setattr__(self, "output", storable_text(self.output))
+        if self.error_message is not None:
+            object.__setattr__(self, "error_message", storable_text(self.error_message))
 
     @classmethod
     def error(cls, error_type: str, message: str, *, output: str | None = None) -> ToolOutcome:
