@@ -69,6 +69,8 @@ def _build_model(folder: Path, *, hidden: int, layers: int) -> Path:
     config.num_attention_heads = max(hidden // 32, 1)
     config.num_key_value_heads = max(hidden // 64, 1)
     config.head_dim = 32
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * layers
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     target = folder / f"model-h{hidden}-l{layers}"
