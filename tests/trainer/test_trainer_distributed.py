@@ -172,3 +172,33 @@ def test_setups_that_cannot_train_are_refused(trainer_store, tiny_model: Path,
                     run_id=run_id)
     # Nothing was leased.
     assert Leasing(trainer_store).stats(run_id)["leased"] == 0
+
+
+def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env.update({"TRAJSTORE_DATABASE_URL": settings.database_url or "",
+                "TRAJSTORE_DATA_DIR": str(settings.data_dir), "COLUMNS": "200",
+                "OMP_NUM_THREADS": "1"})
+    return subprocess.run([sys.executable, "-m", "trajstore", "train", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_train_command_starts_ranks_with_torchrun(trainer_store, trainer_settings: Settings,
+                                                  tiny_model: Path) -> None:
+    run_id = new_run(trainer_store, tiny_model, group_size=2, max_negatives=0)
+    engine = TransformersBackend(tiny_model)
+    for seed in (1, 2):
+        record_group(trainer_store, engine, run_id, size=2, seed=seed, max_tokens=4)
+    leasing = Leasing(trainer_store)
+
+    refused = run_cli(trainer_settings, "--run", run_id, "--groups", "1", "--nproc", "3")
+    assert refused.returncode == 1 and "world size 3 cannot be fed" in refused.stdout
+    assert leasing.stats(run_id)["ready"] == 4  # refused before any lease
+
+    done = run_cli(trainer_settings, "--run", run_id, "--steps", "3", "--groups", "1",
+                   "--lr", "1e-3", "--nproc", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [step["version"] for step in steps] == [1, 2]
+    assert leasing.current_policy_version(run_id) == 2
+    assert leasing.stats(run_id)["consumed"] == 4

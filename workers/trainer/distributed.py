@@ -22,7 +22,7 @@ lease when it can, and otherwise the lease expires, so the samples go back to re
 nothing is trained twice.
 
 Launch with ``trajstore train --run R --nproc N`` or
-``torchrun --standalone --nproc-per-node N -m workers.trainer.distributed --run R``.
+``torchrun --standalone --nproc-per-node N -m workers.trainer.distributed '{"run": "R"}'``.
 """
 
 from __future__ import annotations
@@ -508,16 +508,18 @@ class DistributedTrainer(Trainer):
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="torchrun ... -m workers.trainer.distributed",
-        description="One rank of a distributed trainer (run under torchrun).")
-    parser.add_argument("--run", required=True)
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--wait", type=float, default=0.0)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--config", default="{}",
-                        help="TrainerConfig fields as a JSON object")
-    return parser.parse_args(argv)
+        description="One rank of a distributed trainer (run under torchrun). SPEC is one JSON "
+                    "object (torchrun would take options such as --run as its own): run (the "
+                    "run id, required), steps (1), wait (seconds, 0), model, data_dir, bf16 "
+                    "(false) and config (TrainerConfig fields).")
+    parser.add_argument("spec")
+    spec = json.loads(parser.parse_args(argv).spec)
+    if not isinstance(spec, dict) or not isinstance(spec.get("run"), str):
+        parser.error("SPEC must be a JSON object with a string 'run'")
+    return argparse.Namespace(run=spec["run"], steps=int(spec.get("steps", 1)),
+                              wait=float(spec.get("wait", 0.0)), model=spec.get("model"),
+                              data_dir=spec.get("data_dir"), bf16=bool(spec.get("bf16", False)),
+                              config=dict(spec.get("config", {})))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -533,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
-    fields = json.loads(args.config)
+    fields = args.config
     if "betas" in fields:
         fields["betas"] = tuple(fields["betas"])
     config = TrainerConfig(**fields)
