@@ -36,10 +36,10 @@ WORKER = Path(__file__).with_name("trainer_distributed_worker.py")
 CONFIG = {"lr": 1e-3, "groups_per_step": 2, "micro_batch_size": 3}
 
 
-def torchrun(settings: Settings, run_id: str, *, nproc: int, **extra: Any
-             ) -> subprocess.Popen[str]:
+def torchrun(settings: Settings, run_id: str, *, nproc: int, config: dict[str, Any] = CONFIG,
+             **extra: Any) -> subprocess.Popen[str]:
     args = {"url": settings.database_url, "data_dir": str(settings.data_dir),
-            "run_id": run_id, "config": CONFIG, **extra}
+            "run_id": run_id, "config": config, **extra}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKER.parent)])
     env["OMP_NUM_THREADS"] = "1"
@@ -102,6 +102,29 @@ def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_mode
     events = [r.event for r in trainer_store.read_stream(run_stream_id(dist_run))]
     updated = [e for e in events if isinstance(e, PolicyUpdated)]
     assert [e.version for e in updated] == [1] and updated[0].checkpoint == result["checkpoint"]
+
+
+def test_resumed_two_processes_train_like_one(trainer_store, trainer_settings,
+                                              tiny_model: Path) -> None:
+    """Each step in a new process group: the second resumes the weights and the sharded
+    optimizer moments (torch.distributed.checkpoint) of the first."""
+    config = {**CONFIG, "groups_per_step": 1}
+    single_run, dist_run = two_runs(trainer_store, tiny_model)
+    for _ in range(2):  # reopened each time: resumes from its own checkpoint
+        expected = Trainer.open(trainer_store, single_run, config=TrainerConfig(**config)).step()
+    assert expected.version == 2
+    for version in (1, 2):
+        proc = torchrun(trainer_settings, dist_run, nproc=2, config=config)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["version"] == version
+    folder = Path(result["checkpoint"])
+    assert (folder / "optimizer-dcp").is_dir()
+    ours = load_file(str(folder / "model.safetensors"))
+    theirs = load_file(str(expected.checkpoint / "model.safetensors"))
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5
+    assert result["metrics"]["pg_loss"] == pytest.approx(expected.metrics["pg_loss"], abs=1e-5)
 
 
 def test_killed_rank_trains_nothing_twice(trainer_store, trainer_settings, tiny_model: Path,

@@ -13,8 +13,9 @@ One step, with ``N`` ranks (every rank runs :meth:`DistributedTrainer.step`):
    and FSDP averages the gradients, so the update equals the single-process one; ranks with
    fewer micro-batches run zero-weighted ones so that their collectives pair up;
 4. the full state dict is gathered on rank 0, which saves the consolidated checkpoint
-   (safetensors, loadable by any engine), appends ``policy_updated`` naming its folder, and
-   acknowledges the lease.
+   (safetensors, loadable by any engine) with the sharded optimizer state that every rank
+   wrote with ``torch.distributed.checkpoint`` (:data:`OPTIMIZER_DIR`), appends
+   ``policy_updated`` naming its folder, and acknowledges the lease.
 
 Only rank 0 talks to the store. A rank that dies fails the step on the others before the
 acknowledgement (its collectives break, or ``torchrun`` stops the group): rank 0 releases the
@@ -71,6 +72,7 @@ from workers.trainer.policy import response_log_probs
 from workers.trainer.ppo import PPOStats, micro_batches, ppo_update
 
 __all__ = [
+    "OPTIMIZER_DIR",
     "DistributedHooks",
     "DistributedTrainer",
     "RankSharding",
@@ -79,6 +81,10 @@ __all__ = [
     "main",
     "shard_model",
 ]
+
+
+#: The checkpoint's sub-folder with the sharded optimizer state (torch.distributed.checkpoint).
+OPTIMIZER_DIR = "optimizer-dcp"
 
 
 def balanced_split(tokens: Sequence[int], world_size: int) -> list[list[int]]:
@@ -197,12 +203,13 @@ def _score(sharding: RankSharding, batch: TrainingBatch, config: TrainerConfig
     return log_probs, entropies
 
 
-def _reduce_stats(stats: PPOStats, world_size: int) -> None:
+def _reduce_stats(stats: PPOStats, world_size: int, device: torch.device) -> None:
     """Sum the ranks' token-weighted metric sums and token counts; the loss terms (each rank's
     scaled by ``world_size``) sum to ``world_size`` times the whole batch's."""
     names = sorted(stats.token_sums), sorted(stats.loss_sums)
     packed = torch.tensor([stats.tokens] + [stats.token_sums[n] for n in names[0]]
-                          + [stats.loss_sums[n] for n in names[1]], dtype=torch.float64)
+                          + [stats.loss_sums[n] for n in names[1]], dtype=torch.float64,
+                          device=device)
     dist.all_reduce(packed)
     values = packed.tolist()
     stats.tokens = values[0]
@@ -360,6 +367,8 @@ class DistributedTrainer(Trainer):
         trainer.root = root
         trainer.sharding = RankSharding(root, rank, world)
         trainer.reference_sharding = reference_sharding
+        if plan["resume"]:
+            trainer._load_optimizer(Path(plan["resume"]))
         return trainer
 
     @property
@@ -397,7 +406,7 @@ class DistributedTrainer(Trainer):
                         hooks.after_lease(lease)
                     batch = pad_samples(lease.samples, pad_token_id=self.pad_token_id,
                                         vocab_size=self.vocab_size)
-                    payload = ("batch", batch)
+                    payload = ("batch", batch, lease.lease_id.hex[:8])
                 except BaseException as exc:
                     payload = ("error", exc)
             payload = _broadcast(payload)
@@ -429,9 +438,10 @@ class DistributedTrainer(Trainer):
                                old_log_probs=old_log_probs, advantages=advantages,
                                config=config, ref_log_probs=ref_log_probs,
                                between_steps=keep_lease, sharding=self.sharding)
-            _reduce_stats(stats, self.sharding.world_size)
+            _reduce_stats(stats, self.sharding.world_size, self.device)
             self.steps_done += stats.optimizer_steps
             full = self._full_state_dict()
+            optimizer_dir = self._save_optimizer(tag=payload[2])
 
             outcome: Any = None
             if self.rank == 0:
@@ -440,7 +450,8 @@ class DistributedTrainer(Trainer):
                     metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
                                             stats.metrics(), started)
                     metrics["world_size"] = float(self.sharding.world_size)
-                    version, path = self._record_consolidated(full, metrics, lease)
+                    version, path = self._record_consolidated(full, metrics, lease,
+                                                              optimizer_dir)
                     changed = False
                     if hooks.before_ack is not None:
                         hooks.before_ack(lease)
@@ -478,8 +489,45 @@ class DistributedTrainer(Trainer):
             full_state_dict=True, cpu_offload=True))
         return {name.removeprefix("lm."): tensor for name, tensor in state.items()}
 
+    def _save_optimizer(self, *, tag: str) -> Path:
+        """Collective: every rank writes its optimizer shard with
+        ``torch.distributed.checkpoint`` into a staging folder beside the run's checkpoints,
+        which rank 0 moves into the checkpoint folder; returns the staging folder."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        staging = (checkpoint_dir(self.data_dir, self.run_id, version=0).parent
+                   / f".{OPTIMIZER_DIR}-{tag}")
+        if self.rank == 0 and staging.exists():
+            shutil.rmtree(staging)
+        dist.barrier()
+        dcp.save({"optimizer": get_optimizer_state_dict(self.root, self.optimizer)},
+                 checkpoint_id=str(staging))
+        return staging
+
+    def _load_optimizer(self, folder: Path) -> bool:
+        """Collective: restore the optimizer from a checkpoint's ``OPTIMIZER_DIR`` (False,
+        nothing changed, when the checkpoint has none: one of the single-process trainer)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if not (folder / OPTIMIZER_DIR).is_dir():
+            return False
+        state = {"optimizer": get_optimizer_state_dict(self.root, self.optimizer)}
+        dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR))
+        set_optimizer_state_dict(self.root, self.optimizer, optim_state_dict=state["optimizer"])
+        config = self.config
+        for group in self.optimizer.param_groups:  # the configured settings win
+            group.update(lr=config.lr, betas=config.betas, eps=config.adam_eps,
+                         weight_decay=config.weight_decay)
+        return True
+
     def _record_consolidated(self, state_dict: dict[str, torch.Tensor],
-                             metrics: dict[str, float], lease: Lease) -> tuple[int, Path]:
+                             metrics: dict[str, float], lease: Lease,
+                             optimizer_dir: Path) -> tuple[int, Path]:
         """Rank 0: save the consolidated checkpoint and append ``policy_updated`` under the
         next free version (retrying on a race, as :meth:`Trainer._record`)."""
         stream = run_stream_id(self.run_id)
@@ -494,11 +542,13 @@ class DistributedTrainer(Trainer):
                 state={"run_id": self.run_id, "version": version, "step": self.steps_done,
                        "metrics": metrics, "config": self.config.to_dict(),
                        "world_size": self.sharding.world_size})
+            os.replace(optimizer_dir, path / OPTIMIZER_DIR)
             try:
                 self.store.append(stream, [PolicyUpdated(
                     version=version, step=self.steps_done, metrics=metrics,
                     checkpoint=str(path))], expected)
             except ConflictError:
+                os.replace(path / OPTIMIZER_DIR, optimizer_dir)
                 shutil.rmtree(path, ignore_errors=True)
                 continue
             prune_checkpoints(path.parent, keep=self.config.keep_checkpoints)
@@ -539,7 +589,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "betas" in fields:
         fields["betas"] = tuple(fields["betas"])
     config = TrainerConfig(**fields)
-    dist.init_process_group("gloo" if (config.device or "cpu") == "cpu" else "nccl")
+    if (config.device or "cpu").startswith("cuda"):  # one GPU per rank (never run yet)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        config = config.replace(device=f"cuda:{local}")
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     store = None
     try:
         if dist.get_rank() == 0:
@@ -555,7 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = 0
         while done < args.steps:
             deadline = time.monotonic() + args.wait
-            while not (result := trainer.step()).trained and time.monotonic() < deadline:
+            # Rank 0's clock decides whether to poll again, so every rank calls step() alike.
+            while not (result := trainer.step()).trained and _broadcast(
+                    time.monotonic() < deadline if dist.get_rank() == 0 else None):
                 time.sleep(1.0)
             if not result.trained:
                 break
