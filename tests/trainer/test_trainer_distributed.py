@@ -70,14 +70,15 @@ def test_balanced_split_balances_tokens() -> None:
         balanced_split([1], 0)
 
 
-def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_model: Path
-                                      ) -> None:
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_model: Path,
+                                      pack: bool) -> None:
     single_run, dist_run = two_runs(trainer_store, tiny_model)
     single = Trainer.open(trainer_store, single_run, config=TrainerConfig(**CONFIG))
-    expected = single.step()
+    expected = single.step()  # one process, right-padded micro-batches
     assert expected.trained and expected.samples == 8
 
-    proc = torchrun(trainer_settings, dist_run, nproc=int(os.environ.get("NP", 2)))
+    proc = torchrun(trainer_settings, dist_run, nproc=2, pack=pack)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
@@ -86,7 +87,7 @@ def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_mode
     # Same loss and metrics, same updated weights.
     for name in ("pg_loss", "ppo_kl", "entropy", "old_entropy", "trainable_tokens"):
         assert result["metrics"][name] == pytest.approx(expected.metrics[name], abs=1e-5), name
-    assert result["metrics"]["world_size"] == float(os.environ.get("NP", 2))
+    assert result["metrics"]["world_size"] == 2.0
     ours = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))
     theirs = single.model.state_dict()
     assert set(ours) == set(theirs)

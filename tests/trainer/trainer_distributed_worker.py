@@ -31,7 +31,7 @@ if rank == 0:
     store = EventStore(Database(args["url"], max_size=2),
                        Settings(database_url=args["url"], data_dir=args["data_dir"]))
 trainer = DistributedTrainer.open(store, args["run_id"], config=TrainerConfig(**args["config"]),
-                                  data_dir=args["data_dir"])
+                                  data_dir=args["data_dir"], pack=args.get("pack", False))
 
 
 def hold(this_rank: int) -> None:

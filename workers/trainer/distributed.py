@@ -68,6 +68,7 @@ from workers.trainer.loop import (
     TrainerBroken,
     _latest_checkpoint,
 )
+from workers.trainer.packing import packed_response_log_probs
 from workers.trainer.policy import response_log_probs
 from workers.trainer.ppo import PPOStats, micro_batches, ppo_update
 
@@ -107,16 +108,17 @@ class _Scorer(torch.nn.Module):
     """The causal LM behind one module whose ``forward`` is the scoring, so FSDP's root hooks
     gather the embedding, final norm and output head around it."""
 
-    def __init__(self, lm: Any) -> None:
+    def __init__(self, lm: Any, *, pack: bool = False) -> None:
         super().__init__()
-        self.lm = lm
+        self.lm, self.pack = lm, pack
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 responses: torch.Tensor, response_positions: torch.Tensor, temperature: float,
                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         part = types.SimpleNamespace(input_ids=input_ids, attention_mask=attention_mask,
                                      responses=responses, response_positions=response_positions)
-        log_probs, entropies = response_log_probs(
+        score = packed_response_log_probs if self.pack else response_log_probs
+        log_probs, entropies = score(
             self.lm, cast(TrainingBatch, part), temperature=temperature, chunk_size=chunk_size)
         # FSDP hooks its backward onto the outputs; views of a larger tensor would lose it.
         return log_probs.clone(), entropies.clone()
@@ -127,19 +129,20 @@ def _decoder_layers(lm: Any) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
-def shard_model(lm: Any, *, bf16: bool = False) -> torch.nn.Module:
+def shard_model(lm: Any, *, bf16: bool = False, pack: bool = False) -> torch.nn.Module:
     """Shard ``lm`` (a causal LM) with FSDP2 across the default process group: each decoder
     layer is one unit, the rest (embedding, final norm, head) the root. Returns the root
     module, whose ``forward`` scores a batch; ``lm``'s parameters become DTensors in place.
-    ``bf16`` computes in bfloat16 and reduces gradients in float32. Raises RuntimeError when
-    no process group is initialised."""
+    ``bf16`` computes in bfloat16 and reduces gradients in float32; ``pack`` scores
+    micro-batches packed, without padding (:mod:`workers.trainer.packing`). Raises
+    RuntimeError when no process group is initialised."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs an initialised process group (run under torchrun)")
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 else MixedPrecisionPolicy())
-    root = _Scorer(lm)
+    root = _Scorer(lm, pack=pack)
     for layer in _decoder_layers(lm):
         fully_shard(layer, mp_policy=policy)
     # The root too gives its gathered parameters back after each forward: a no-grad forward
@@ -316,7 +319,8 @@ class DistributedTrainer(Trainer):
     def open(cls, store: EventStore | None, run_id: str, *,  # type: ignore[override]
              config: TrainerConfig | None = None,
              data_dir: str | os.PathLike[str] | None = None, model: str | None = None,
-             name: str | None = None, bf16: bool = False, **_: Any) -> DistributedTrainer:
+             name: str | None = None, bf16: bool = False, pack: bool = False,
+             **_: Any) -> DistributedTrainer:
         """Collective: every rank calls it (``store`` is needed on rank 0 only). Rank 0 reads
         the run, checks the setup (:func:`check_setup`) and finds the newest checkpoint; every
         rank loads those weights and shards them. Raises on every rank the ValueError or
@@ -352,12 +356,13 @@ class DistributedTrainer(Trainer):
         device = torch.device(config.device or "cpu")
         torch.manual_seed(config.seed)
         lm = load_model(plan["resume"] or plan["initial"], device=device, dtype=config.dtype)
-        root = shard_model(lm, bf16=bf16)
+        root = shard_model(lm, bf16=bf16, pack=pack)
         reference_sharding = None
         if config.kl_coef > 0:
             reference_lm = load_model(plan["initial"], device=device, dtype=config.dtype)
             reference_lm.requires_grad_(False)
-            reference_sharding = RankSharding(shard_model(reference_lm, bf16=bf16), rank, world)
+            reference_sharding = RankSharding(shard_model(reference_lm, bf16=bf16, pack=pack),
+                                              rank, world)
         run_config: RunConfig = plan["run_config"]
         tokenizer = load_tokenizer(run_config.tokenizer or run_config.model or plan["initial"])
         trainer = cls(store=store if rank == 0 else cast(EventStore, _Offline()),
@@ -561,7 +566,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="One rank of a distributed trainer (run under torchrun). SPEC is one JSON "
                     "object (torchrun would take options such as --run as its own): run (the "
                     "run id, required), steps (1), wait (seconds, 0), model, data_dir, bf16 "
-                    "(false) and config (TrainerConfig fields).")
+                    "(false), pack (false: score micro-batches packed, without padding) and "
+                    "config (TrainerConfig fields).")
     parser.add_argument("spec")
     spec = json.loads(parser.parse_args(argv).spec)
     if not isinstance(spec, dict) or not isinstance(spec.get("run"), str):
@@ -569,6 +575,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return argparse.Namespace(run=spec["run"], steps=int(spec.get("steps", 1)),
                               wait=float(spec.get("wait", 0.0)), model=spec.get("model"),
                               data_dir=spec.get("data_dir"), bf16=bool(spec.get("bf16", False)),
+                              pack=bool(spec.get("pack", False)),
                               config=dict(spec.get("config", {})))
 
 
@@ -603,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             trainer = DistributedTrainer.open(store, args.run, config=config,
                                               data_dir=args.data_dir, model=args.model,
-                                              bf16=args.bf16)
+                                              bf16=args.bf16, pack=args.pack)
         except (errors.NotFoundError, ValueError) as exc:
             if dist.get_rank() == 0:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
