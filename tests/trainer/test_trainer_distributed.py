@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 import trainer_episodes
 from safetensors.torch import load_file
 from trainer_episodes import new_run, record_group
@@ -23,9 +25,11 @@ from store.events import PolicyUpdated
 from store.leasing import Leasing
 from store.settings import Settings
 from workers.rollout.backend_transformers import TransformersBackend
+from workers.trainer.checkpoint import load_model
 from workers.trainer.config import TrainerConfig
-from workers.trainer.distributed import balanced_split, check_setup
+from workers.trainer.distributed import balanced_split, check_setup, checkpoint_activations
 from workers.trainer.loop import Trainer
+from workers.trainer.policy import response_log_probs
 
 tiny_model = trainer_episodes.tiny_model
 trainer_settings = trainer_episodes.trainer_settings
@@ -60,6 +64,43 @@ def two_runs(store: Any, model: Path) -> tuple[str, str]:
     return runs
 
 
+def test_activation_checkpointing_keeps_gradients_and_saves_less(tiny_model: Path) -> None:
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from workers.trainer.batch import pad_samples
+
+    class Sample:
+        def __init__(self, index: int, length: int) -> None:
+            rng = np.random.default_rng(index)
+            self.sample_id, self.group_id, self.kind = index, "g", "positive"
+            self.reward, self.policy_version, self.prompt_length = 1.0, 0, 3
+            self.token_ids = rng.integers(0, 700, length)
+            self.loss_mask = (np.arange(length) >= 3).astype(np.int64)
+            self.logprobs = np.zeros(length, dtype=np.float32)
+
+    batch = pad_samples([Sample(i, 20 + 7 * i) for i in range(3)], pad_token_id=0)
+    results = []
+    for wrap in (False, True):
+        model = load_model(tiny_model)
+        if wrap:
+            assert checkpoint_activations(model) == 2
+            assert checkpoint_activations(model) == 0  # already wrapped
+        saved = [0]
+
+        def pack(tensor: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved[0] += tensor.numel()
+            return tensor
+
+        with saved_tensors_hooks(pack, lambda tensor: tensor):
+            log_probs, _ = response_log_probs(model, batch)
+        (log_probs * batch.response_mask).sum().backward()
+        results.append((saved[0], {n: p.grad for n, p in model.named_parameters()}))
+    (plain_saved, plain), (wrapped_saved, wrapped) = results
+    assert wrapped_saved < plain_saved  # the layers' activations were not kept
+    for name, grad in plain.items():
+        assert torch.allclose(wrapped[name], grad, atol=1e-6), name
+
+
 def test_balanced_split_balances_tokens() -> None:
     assert balanced_split([10, 1, 1, 8], 2) == [[0], [1, 2, 3]]
     shares = balanced_split([5, 5, 5], 4)
@@ -70,15 +111,17 @@ def test_balanced_split_balances_tokens() -> None:
         balanced_split([1], 0)
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize(("pack", "checkpointing"), [(False, False), (True, False),
+                                                    (False, True)],
+                         ids=["padded", "packed", "checkpointed"])
 def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_model: Path,
-                                      pack: bool) -> None:
+                                      pack: bool, checkpointing: bool) -> None:
     single_run, dist_run = two_runs(trainer_store, tiny_model)
     single = Trainer.open(trainer_store, single_run, config=TrainerConfig(**CONFIG))
     expected = single.step()  # one process, right-padded micro-batches
     assert expected.trained and expected.samples == 8
 
-    proc = torchrun(trainer_settings, dist_run, nproc=2, pack=pack)
+    proc = torchrun(trainer_settings, dist_run, nproc=2, pack=pack, checkpointing=checkpointing)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])

@@ -31,7 +31,8 @@ if rank == 0:
     store = EventStore(Database(args["url"], max_size=2),
                        Settings(database_url=args["url"], data_dir=args["data_dir"]))
 trainer = DistributedTrainer.open(store, args["run_id"], config=TrainerConfig(**args["config"]),
-                                  data_dir=args["data_dir"], pack=args.get("pack", False))
+                                  data_dir=args["data_dir"], pack=args.get("pack", False),
+                                  activation_checkpointing=args.get("checkpointing", False))
 
 
 def hold(this_rank: int) -> None:

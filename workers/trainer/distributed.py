@@ -79,6 +79,7 @@ __all__ = [
     "RankSharding",
     "balanced_split",
     "check_setup",
+    "checkpoint_activations",
     "main",
     "shard_model",
 ]
@@ -129,12 +130,39 @@ def _decoder_layers(lm: Any) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
-def shard_model(lm: Any, *, bf16: bool = False, pack: bool = False) -> torch.nn.Module:
+def checkpoint_activations(lm: Any) -> int:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them (``torch.utils.checkpoint``, non-reentrant): memory for one layer's activations
+    instead of all, for about one more forward. Works with and without FSDP, in eval mode
+    too, and leaves parameter names alone. Returns how many layers it wrapped (0 when the
+    model has no ``base_model.layers``); wrapping twice is a no-op."""
+    from torch.utils.checkpoint import checkpoint
+
+    wrapped = 0
+    for layer in _decoder_layers(lm):
+        if getattr(layer, "_trajstore_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+        layer._trajstore_checkpointed = True
+        wrapped += 1
+    return wrapped
+
+
+def shard_model(lm: Any, *, bf16: bool = False, pack: bool = False,
+                activation_checkpointing: bool = False) -> torch.nn.Module:
     """Shard ``lm`` (a causal LM) with FSDP2 across the default process group: each decoder
     layer is one unit, the rest (embedding, final norm, head) the root. Returns the root
     module, whose ``forward`` scores a batch; ``lm``'s parameters become DTensors in place.
     ``bf16`` computes in bfloat16 and reduces gradients in float32; ``pack`` scores
-    micro-batches packed, without padding (:mod:`workers.trainer.packing`). Raises
+    micro-batches packed, without padding (:mod:`workers.trainer.packing`);
+    ``activation_checkpointing`` applies :func:`checkpoint_activations`. Raises
     RuntimeError when no process group is initialised."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -142,6 +170,8 @@ def shard_model(lm: Any, *, bf16: bool = False, pack: bool = False) -> torch.nn.
         raise RuntimeError("shard_model needs an initialised process group (run under torchrun)")
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 else MixedPrecisionPolicy())
+    if activation_checkpointing:
+        checkpoint_activations(lm)
     root = _Scorer(lm, pack=pack)
     for layer in _decoder_layers(lm):
         fully_shard(layer, mp_policy=policy)
@@ -320,7 +350,7 @@ class DistributedTrainer(Trainer):
              config: TrainerConfig | None = None,
              data_dir: str | os.PathLike[str] | None = None, model: str | None = None,
              name: str | None = None, bf16: bool = False, pack: bool = False,
-             **_: Any) -> DistributedTrainer:
+             activation_checkpointing: bool = False, **_: Any) -> DistributedTrainer:
         """Collective: every rank calls it (``store`` is needed on rank 0 only). Rank 0 reads
         the run, checks the setup (:func:`check_setup`) and finds the newest checkpoint; every
         rank loads those weights and shards them. Raises on every rank the ValueError or
@@ -356,7 +386,8 @@ class DistributedTrainer(Trainer):
         device = torch.device(config.device or "cpu")
         torch.manual_seed(config.seed)
         lm = load_model(plan["resume"] or plan["initial"], device=device, dtype=config.dtype)
-        root = shard_model(lm, bf16=bf16, pack=pack)
+        root = shard_model(lm, bf16=bf16, pack=pack,
+                           activation_checkpointing=activation_checkpointing)
         reference_sharding = None
         if config.kl_coef > 0:
             reference_lm = load_model(plan["initial"], device=device, dtype=config.dtype)
@@ -566,8 +597,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="One rank of a distributed trainer (run under torchrun). SPEC is one JSON "
                     "object (torchrun would take options such as --run as its own): run (the "
                     "run id, required), steps (1), wait (seconds, 0), model, data_dir, bf16 "
-                    "(false), pack (false: score micro-batches packed, without padding) and "
-                    "config (TrainerConfig fields).")
+                    "(false), pack (false: score micro-batches packed, without padding), "
+                    "activation_checkpointing (false) and config (TrainerConfig fields).")
     parser.add_argument("spec")
     spec = json.loads(parser.parse_args(argv).spec)
     if not isinstance(spec, dict) or not isinstance(spec.get("run"), str):
@@ -576,6 +607,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                               wait=float(spec.get("wait", 0.0)), model=spec.get("model"),
                               data_dir=spec.get("data_dir"), bf16=bool(spec.get("bf16", False)),
                               pack=bool(spec.get("pack", False)),
+                              activation_checkpointing=bool(
+                                  spec.get("activation_checkpointing", False)),
                               config=dict(spec.get("config", {})))
 
 
@@ -610,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             trainer = DistributedTrainer.open(store, args.run, config=config,
                                               data_dir=args.data_dir, model=args.model,
-                                              bf16=args.bf16, pack=args.pack)
+                                              bf16=args.bf16, pack=args.pack,
+                                              activation_checkpointing=args.activation_checkpointing)
         except (errors.NotFoundError, ValueError) as exc:
             if dist.get_rank() == 0:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
