@@ -6,7 +6,7 @@ imported only when the command runs, so other commands stay fast.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -41,6 +41,8 @@ def train(
                                                "available).")] = None,
     wait: Annotated[float, typer.Option(min=0.0, help="Seconds to wait for a ready batch "
                                         "before stopping early.")] = 0.0,
+    nproc: Annotated[int, typer.Option(min=1, help="Processes (FSDP2 ranks under torchrun); "
+                                       "1 trains in this process.")] = 1,
 ) -> None:
     """Train a run in the foreground: lease, update, checkpoint, record, for --steps steps."""
     from rich.console import Console
@@ -61,6 +63,16 @@ def train(
     except (TypeError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     store = EventStore.open(get_settings())
+    if nproc > 1:
+        try:
+            code = _train_distributed(store, run, config, nproc=nproc, steps=steps,
+                                      wait=wait, model=model)
+        except (errors.NotFoundError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+        finally:
+            store.close()
+        raise typer.Exit(code)
     try:
         try:
             trainer = Trainer.open(store, run, config=config, model=model)
@@ -91,3 +103,26 @@ def train(
                           + (f" within {wait:g}s" if wait else ""))
     finally:
         store.close()
+
+
+def _train_distributed(store: Any, run: str, config: Any, *, nproc: int, steps: int,
+                       wait: float, model: str | None) -> int:
+    """Check the setup here (before any lease), then start ``nproc`` ranks with torchrun and
+    return its exit status."""
+    import json
+    import subprocess
+    import sys
+
+    from workers.trainer.distributed import check_setup
+
+    found = store.get_run(run)
+    initial = model or found.config.model
+    if initial is None:
+        raise ValueError(f"run {run!r} names no model (RunConfig.model); pass --model")
+    check_setup(found.config, config, world_size=nproc, model=initial,
+                data_dir=store.settings.data_dir, run_id=run)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "workers.trainer.distributed",
+               json.dumps({"run": run, "steps": steps, "wait": wait, "model": model,
+                           "config": config.to_dict()})]
+    return subprocess.call(command)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -29,7 +30,23 @@ from workers.trainer.losses import (
 )
 from workers.trainer.policy import response_log_probs
 
-__all__ = ["PPOStats", "micro_batches", "ppo_update", "score_batch"]
+__all__ = ["PPOStats", "Sharding", "micro_batches", "ppo_update", "score_batch"]
+
+
+class Sharding(Protocol):
+    """How :func:`ppo_update` runs as one of several data-parallel ranks
+    (:mod:`workers.trainer.distributed`): every rank holds the whole batch, takes its share of
+    each mini-batch's rows from ``micro_batches`` (as many micro-batches on every rank, so the
+    ranks' collectives pair up) and scores them through ``log_probs``; losses are normalised
+    by the whole mini-batch's counts times ``world_size``, and the ranks' gradients averaged."""
+
+    world_size: int
+
+    def micro_batches(self, batch: TrainingBatch, rows: list[int], *, size: int
+                      ) -> Iterable[tuple[list[int], TrainingBatch]]: ...
+
+    def log_probs(self, model: Any, batch: TrainingBatch, *, temperature: float,
+                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def micro_batches(batch: TrainingBatch, rows: list[int], *, size: int
@@ -137,6 +154,7 @@ def ppo_update(
     between_steps: Callable[[], None] | None = None,
     is_weights: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
+    sharding: Sharding | None = None,
 ) -> PPOStats:
     """Run the PPO epochs over ``batch`` and return the statistics.
 
@@ -144,7 +162,8 @@ def ppo_update(
     0``) are ``(bs, response_length)`` on the batch's device. ``between_steps`` runs after each
     optimizer step (the training step renews its lease there). ``is_weights`` (off-policy
 correction weights) multiply the token losses and ``response_mask`` replaces the batch's mask
-(tokens rejected by the correction), both ``(bs, response_length)``. Raises ValueError when
+(tokens rejected by the correction), both ``(bs, response_length)``. ``sharding`` (default: one
+process) makes this one rank of a data-parallel update (:class:`Sharding`). Raises ValueError when
     ``kl_coef > 0`` and no reference log-probs are given, and the loss functions' errors.
     """
     if config.kl_coef > 0 and ref_log_probs is None:
@@ -161,17 +180,21 @@ correction weights) multiply the token losses and ``response_mask`` replaces the
             rows = list(range(start, min(start + mini, n)))
             mask = batch.response_mask[rows]
             info = GlobalBatchInfo(
+                dp_size=sharding.world_size if sharding is not None else 1,
                 batch_num_tokens=max(int(mask.sum().item()), 1),
                 global_batch_size=max(int((mask.sum(dim=1) > 0).sum().item()), 1),
                 loss_scale_factor=float(batch.responses.shape[1]),
             )
             optimizer.zero_grad(set_to_none=True)
-            for part_rows, part in micro_batches(batch, rows, size=config.micro_batch_size):
+            parts = (micro_batches(batch, rows, size=config.micro_batch_size) if sharding is None
+                     else sharding.micro_batches(batch, rows, size=config.micro_batch_size))
+            for part_rows, part in parts:
                 width = part.responses.shape[1]
                 old = old_log_probs[part_rows, :width]
                 adv = advantages[part_rows, :width]
                 weights = is_weights[part_rows, :width] if is_weights is not None else None
-                log_prob, entropy = response_log_probs(
+                log_prob, entropy = (response_log_probs if sharding is None
+                                     else sharding.log_probs)(
                     model, part, temperature=config.temperature,
                     chunk_size=config.logit_chunk_size)
                 pg_loss, pg_metrics = ppo_policy_loss(
