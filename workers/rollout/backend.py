@@ -171,7 +171,9 @@ class GenerationResult:
     docstring); ``text`` the decoded response with control tokens removed and markup tokens
     (``<think>``, ``<tool_call>``…) kept, cut before a matched stop string; ``finish_reason``
     "stop" or "length"; ``policy_version`` the weights version that produced it.
-    Mismatched lengths or an unknown finish reason raise ValueError.
+    Mismatched lengths or an unknown finish reason raise ValueError. A NUL the model
+    generated (a byte-level token) reads as U+FFFD in ``text``: the event log refuses NUL in
+    any string, and ``response_ids`` keep exactly what was generated.
     """
 
     prompt_ids: np.ndarray
@@ -194,6 +196,8 @@ class GenerationResult:
         object.__setattr__(self, "prompt_ids", prompt)
         object.__setattr__(self, "response_ids", response)
         object.__setattr__(self, "logprobs", logprobs)
+        if "\x00" in self.text:
+            object.__setattr__(self, "text", self.text.replace("\x00", "\ufffd"))
 
 
 @runtime_checkable
