@@ -6,6 +6,7 @@ Errors name the event's index in the batch and the field path, e.g.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,7 @@ import pydantic
 from pydantic import BaseModel
 
 from store.errors import ValidationError
-from store.events import EVENT_TYPES, MAX_INT, Event, parse_event
+from store.events import EVENT_TYPES, MAX_INT, TOKEN_FIELDS, Event, parse_event
 from store.settings import Settings
 
 __all__ = [
@@ -178,11 +179,46 @@ def check_value(model: BaseModel) -> tuple[str, str] | None:
     Refused: a string or object key holding NUL or a lone surrogate, lists and objects nested
     deeper than ``MAX_DEPTH``, a NaN or infinite number, an integer beyond ``MAX_JSON_INT``.
     Token payloads (numpy arrays) are checked by their own validators."""
+    if _plainly_storable(model):
+        return None
     for name in type(model).model_fields:
         found = _check(getattr(model, name), name, 1)
         if found is not None:
             return found
     return None
+
+
+def _plainly_storable(model: BaseModel) -> bool:
+    """A fast, conservative ``check_value(model) is None``: True only when the event's JSON
+    text has no NUL escape, lone surrogate or non-finite number, and its lists and objects
+    nest at most ``MAX_DEPTH`` deep holding no integer past ``MAX_JSON_INT``. False sends the
+    event to the exact walk, which names the field (and accepts what this merely could not
+    rule out)."""
+    # The field values as validated (not to_data(): its JSON mode writes NaN as null).
+    data = {name: getattr(model, name) for name in type(model).model_fields}
+    for name in ("event_id", "occurred_at", *TOKEN_FIELDS):
+        data.pop(name, None)
+    try:
+        text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+        text.encode()  # a lone surrogate cannot be encoded
+    except (TypeError, ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return False
+    if "\\u0000" in text:
+        return False
+    return _nested_ok(data, 0)
+
+
+def _nested_ok(value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> bool:
+    if depth > MAX_DEPTH:
+        return False
+    for item in value.values() if type(value) is dict else value:
+        kind = type(item)
+        if kind is dict or kind is list or kind is tuple:
+            if not _nested_ok(item, depth + 1):
+                return False
+        elif kind is int and not -MAX_JSON_INT <= item <= MAX_JSON_INT:
+            return False
+    return True
 
 
 def check_json(value: Any) -> tuple[str, str] | None:

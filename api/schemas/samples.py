@@ -12,7 +12,7 @@ import datetime as dt
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from api.schemas.common import FloatArray, IntArray
 
@@ -63,10 +63,10 @@ class LeaseRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    groups: int = Field(default=1, ge=1, le=4096)
+    groups: StrictInt = Field(default=1, ge=1, le=4096)
     lease_seconds: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
-    max_staleness: int | None = Field(default=None, ge=0)
-    current_version: int | None = Field(default=None, ge=0)
+    max_staleness: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
+    current_version: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
     trainer: str | None = Field(default=None, max_length=200)
     format: Literal["json", "parquet"] = "json"
     encoding: Literal["json", "base64"] = "json"
@@ -84,7 +84,8 @@ class LeaseOut(BaseModel):
 class AckRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy_version: int = Field(ge=0, description="The policy version trained on the batch.")
+    policy_version: StrictInt = Field(ge=0, le=2**31 - 1,
+                                      description="The policy version trained on the batch.")
 
 
 class AckOut(BaseModel):

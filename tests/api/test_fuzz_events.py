@@ -49,7 +49,8 @@ def nest(depth: int, leaf: Any) -> Any:
 
 deep = st.builds(nest, st.integers(min_value=55, max_value=80), scalars)
 free_form = st.one_of(st.dictionaries(keys, json_values, max_size=4),
-                      st.builds(lambda v: {"deep": v}, deep))
+                      st.builds(lambda v: {"deep": v}, deep),
+                      st.builds(lambda v: {"n": [v]}, numbers))
 
 tool_returned = st.fixed_dictionaries({
     "type": st.just("tool_returned"), "name": text, "output": text,

@@ -308,3 +308,18 @@ def test_the_gateway_and_remote_rollout_refuse_before_generating(
     assert_422(r, "rollout_id")
     detail = client.get(f"/v1/episodes/{episode}", headers=project.headers("read"))
     assert [e["type"] for e in detail.json()["events"]] == ["episode_started"]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/runs/{run}/leases", {"groups": True}, "groups"),
+    ("/v1/runs/{run}/leases", {"current_version": 2**40, "max_staleness": 1}, "current_version"),
+    ("/v1/leases/00000000-0000-0000-0000-000000000000/ack", {"policy_version": 2**40},
+     "policy_version"),
+    ("/v1/leases/00000000-0000-0000-0000-000000000000/ack", {"policy_version": True},
+     "policy_version"),
+])
+def test_lease_numbers_are_integers_in_range(client: TestClient, project: Project, path: str,
+                                             body: dict[str, Any], field: str) -> None:
+    run_id = create_run(client, project)
+    r = client.post(path.format(run=run_id), json=body, headers=project.headers("read"))
+    assert_422(r, field)
