@@ -356,6 +356,9 @@ def worker(
         raise typer.BadParameter(f"unknown queue(s) {unknown}; known: {', '.join(QUEUES)}",
                                  param_hint="--queues")
     ensure_configured()
+    # A replay worker also follows the log and queues the replay of every finished episode,
+    # whichever process appended it.
+    celery_app.conf.trajstore_replay_dispatch = "replay" in names
     argv = ["worker", "-Q", ",".join(names), "-c", str(concurrency), "--pool", pool.value,
             "--loglevel", get_settings().log_level, "-n", f"trajstore-{'-'.join(names)}@%h",
             # Worker-to-worker chatter is not used, and its reconnect after a broker outage
