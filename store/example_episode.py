@@ -22,6 +22,7 @@ from store.events import (
     Event,
     LLMCalled,
     RewardAssigned,
+    RunConfig,
     RunCreated,
     ToolReturned,
 )
@@ -53,8 +54,19 @@ def _ids(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
 
 
-def record_example_episode(store: EventStore, *, seed: int = 0, run_id: str) -> tuple[str, str]:
-    """Record a run and one two-turn calculator episode in it; returns (run id, episode id)."""
+def record_example_episode(store: EventStore, *, seed: int = 0, run_id: str,
+                           tokenizer: Any = None, tokenizer_name: str | None = None
+                           ) -> tuple[str, str]:
+    """Record a run and one two-turn calculator episode in it; returns (run id, episode id).
+
+    With ``tokenizer`` (a Hugging Face tokenizer with a chat template, loadable by replay as
+    ``tokenizer_name``) the run names it and the token ids are its renderings of the messages,
+    as an engine's would be, so the episode replays into samples. Without one, ids are the
+    bytes of a hand-made rendering: the episode is stored and readable, and replay records it
+    as untrainable (the run names no tokenizer)."""
+    if tokenizer is not None:
+        return _record_tokenized(store, seed=seed, run_id=run_id, tokenizer=tokenizer,
+                                 tokenizer_name=tokenizer_name)
     rng = random.Random(seed)
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     store.append(run_stream_id(run_id), [RunCreated(run_id=run_id)], NO_STREAM)
@@ -96,6 +108,57 @@ def record_example_episode(store: EventStore, *, seed: int = 0, run_id: str) -> 
                                        arguments=arguments, output=str(a * b)))
             messages = messages + [{"role": "assistant", "content": text.removesuffix(
                 "<|im_end|>")}, {"role": "tool", "content": str(a * b)}]
+    events += [
+        RewardAssigned(value=1.0, components={"correct": 1.0}, source="exact_match"),
+        EpisodeFinished(status="completed"),
+    ]
+    store.append(episode_id, events, NO_STREAM)
+    return run_id, episode_id
+
+
+def _record_tokenized(store: EventStore, *, seed: int, run_id: str, tokenizer: Any,
+                      tokenizer_name: str | None) -> tuple[str, str]:
+    rng = random.Random(seed)
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    config = RunConfig(group_size=1, tokenizer=tokenizer_name)
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, config=config)], NO_STREAM)
+    episode_id = f"{run_id}-ep-{uuid.uuid4().hex[:8]}"
+
+    def render(messages: list[dict[str, Any]], generation: bool) -> str:
+        return str(tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                                 add_generation_prompt=generation))
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f"What is {a} * {b}? Use the calculator."}
+    ]
+    events: list[Event] = [
+        EpisodeStarted(run_id=run_id, group_id=f"{run_id}-g0", task_id=f"mul-{a}-{b}",
+                       messages=messages, tools=TOOLS, sampling_params={"temperature": 1.0})
+    ]
+    arguments: dict[str, Any] = {"expression": f"{a} * {b}"}
+    call = {"id": "call-0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps(arguments)}}
+    replies: list[dict[str, Any]] = [
+        {"role": "assistant", "content": f"I should multiply {a} by {b}.", "tool_calls": [call]},
+        {"role": "assistant", "content": f"{a} * {b} = {a * b}"},
+    ]
+    np_rng = np.random.default_rng(seed)
+    for turn, response in enumerate(replies):
+        prompt = render(messages, True)
+        generated = encode(render([*messages, response], False)[len(prompt):].rstrip())
+        events.append(LLMCalled(
+            call_id=f"call-{turn}", messages=list(messages), tools=TOOLS,
+            prompt_ids=encode(prompt), response_ids=generated,
+            logprobs=-np_rng.exponential(0.3, len(generated)), response=response,
+            finish_reason="stop"))
+        if turn == 0:
+            events.append(CheckpointCreated(checkpoint_id="ckpt-0", position_key="turn_0"))
+            events.append(ToolReturned(tool_call_id="call-0", name="calculator",
+                                       arguments=arguments, output=str(a * b)))
+            messages = [*messages, response, {"role": "tool", "content": str(a * b)}]
     events += [
         RewardAssigned(value=1.0, components={"correct": 1.0}, source="exact_match"),
         EpisodeFinished(status="completed"),

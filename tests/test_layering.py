@@ -24,7 +24,7 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("migrations", ("workers", "api", "trajstore"), "migrations stand alone"),
     ("workers", ("api", "trajstore"), "workers are driven through the store and Celery"),
     ("api", ("trajstore",), "nothing imports the command line"),
-    ("api", ("workers.replay.jobs", "workers.celery_tasks", "workers.dispatch"),
+    ("api", ("workers.replay.jobs", "workers.celery_tasks"),
      "the API reads projections; replay jobs run in workers"),
     ("api", ("workers.rollout.loop", "workers.rollout.remote", "workers.rollout.group",
              "workers.rollout.agent_tasks"),

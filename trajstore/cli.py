@@ -227,11 +227,17 @@ def example(
     from store.example_episode import record_example_episode
 
     settings = get_settings()
+    try:  # the run names Qwen3's tokenizer when it is installed, so the episode replays
+        from workers.tokenizers import load_tokenizer
+
+        tokenizer, tokenizer_name = load_tokenizer("qwen3"), "qwen3"
+    except (ImportError, LookupError):
+        tokenizer, tokenizer_name = None, None
     store = _open_store(settings)
     try:
         run_id, episode_id = record_example_episode(
-            store, seed=seed, run_id=f"example-{uuid.uuid4().hex[:8]}"
-        )
+            store, seed=seed, run_id=f"example-{uuid.uuid4().hex[:8]}", tokenizer=tokenizer,
+            tokenizer_name=tokenizer_name)
         console.print(f"[bold]run[/bold] {run_id}  [bold]episode[/bold] {episode_id}")
         for r in store.read_stream(episode_id):
             console.print(_event_line(r), markup=False, highlight=False)
@@ -356,6 +362,9 @@ def worker(
         raise typer.BadParameter(f"unknown queue(s) {unknown}; known: {', '.join(QUEUES)}",
                                  param_hint="--queues")
     ensure_configured()
+    # A replay worker also follows the log and queues the replay of every finished episode,
+    # whichever process appended it.
+    celery_app.conf.trajstore_replay_dispatch = "replay" in names
     argv = ["worker", "-Q", ",".join(names), "-c", str(concurrency), "--pool", pool.value,
             "--loglevel", get_settings().log_level, "-n", f"trajstore-{'-'.join(names)}@%h",
             # Worker-to-worker chatter is not used, and its reconnect after a broker outage

@@ -6,12 +6,36 @@ import threading
 import time
 from typing import Any
 
+from celery.signals import worker_ready, worker_shutdown
+
 from store.errors import TransientError
 from store.eventlog import EventStore
 from store.settings import get_settings
 from workers.app import app
 
 __all__ = ["replay_episode", "sweep", "train_step", "worker_store"]
+
+_dispatcher: threading.Event | None = None
+
+
+@worker_ready.connect
+def _start_replay_dispatcher(sender: Any = None, **_: Any) -> None:
+    """A worker that consumes the ``replay`` queue follows the log and queues the replay of
+    every finished episode (``workers.replay.jobs.dispatch``); one copy leads at a time."""
+    global _dispatcher
+    if not app.conf.get("trajstore_replay_dispatch"):
+        return
+    from workers.replay.jobs.dispatch import start_dispatcher
+
+    _, _dispatcher = start_dispatcher(
+        lambda: EventStore.open(get_settings()),
+        poll_interval=get_settings().sweep_interval_s)
+
+
+@worker_shutdown.connect
+def _stop_replay_dispatcher(**_: Any) -> None:
+    if _dispatcher is not None:
+        _dispatcher.set()
 
 _store: EventStore | None = None
 _lock = threading.Lock()

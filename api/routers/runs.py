@@ -17,6 +17,7 @@ from store import errors as store_errors
 from store import queries
 from store.eventlog import NO_STREAM, run_stream_id
 from store.events import RunCreated as RunCreatedEvent
+from workers.tokenizers import tokenizer_problem
 
 __all__ = ["router", "run_out"]
 
@@ -44,11 +45,21 @@ def run_out(ctx: ApiContext, record: dict[str, Any]) -> RunOut:
              responses={200: {"model": RunCreated, "description": "A retried create."},
                         409: ERROR_RESPONSES[422] | {"description": "The run exists."}})
 def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) -> RunCreated:
-    """Create a run with its configuration (appends ``run_created`` to the run's stream)."""
+    """Create a run with its configuration (appends ``run_created`` to the run's stream).
+    A tokenizer replay could not load (``config.tokenizer``, else ``config.model``) is refused
+    with 422 naming the accepted names (``workers.tokenizers``), before anything is stored. A
+    run that names neither is accepted: its episodes are stored and analysed, and replay
+    records them as untrainable until a tokenizer is known."""
     project = body.project or key.project
     if project != key.project:
         raise ApiError(403, "forbidden", f"this key may create runs in project "
                                          f"{key.project!r} only, not {project!r}")
+    named = body.config.tokenizer or body.config.model
+    problem = tokenizer_problem(named) if named else None
+    if problem is not None:
+        raise ApiError(422, "invalid", problem,
+                       field="body.config.tokenizer" if body.config.tokenizer or not
+                       body.config.model else "body.config.model")
     event = RunCreatedEvent(run_id=body.run_id, project=project, config=body.config,
                             event_id=body.event_id)
     try:

@@ -2,14 +2,14 @@
 exclusion records, why an episode or sample did not reach training, in one taxonomy.
 
 Revision ID: 0009
-Revises: 0005
+Revises: 0008
 Create Date: 2026-11-24
 """
 
 from alembic import op
 
 revision = "0009"
-down_revision = "0005"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

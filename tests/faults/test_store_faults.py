@@ -26,7 +26,6 @@ from store.projections import Projections
 from store.settings import Settings
 from tests.factories import episode_started
 from tests.workers.conftest import wait_for
-from workers.dispatch import install_replay_dispatch
 from workers.replay.jobs.sweep import sweep_unprojected
 
 
@@ -114,7 +113,6 @@ def test_redis_outage_during_ingest_then_the_sweep_catches_up(
                         visibility_timeout_s=5)
     configure(app, settings)
     store = EventStore(Database(url, max_size=2), settings)
-    install_replay_dispatch(store)
     qwen3 = qwen3_tokenizer()
     run_id = new_run(store)
     projections = Projections(store)

@@ -52,3 +52,21 @@ def test_stale_episodes(store: EventStore) -> None:
 
 def test_ping(store: EventStore) -> None:
     queries.ping(store)  # raises when the database does not answer
+
+
+def test_the_example_episode_replays_into_samples(store: EventStore) -> None:
+    from store.example_episode import record_example_episode
+    from workers.tokenizers import load_tokenizer
+
+    run_id, episode = record_example_episode(
+        store, seed=4, run_id=f"example-{uuid.uuid4().hex[:8]}",
+        tokenizer=load_tokenizer("qwen3"), tokenizer_name="qwen3")
+    outcome = project_episode(store, episode)
+    assert outcome.outcome == "written" and outcome.status == "completed", outcome
+    with store.db.connection() as conn:
+        kinds = conn.execute("SELECT kind, num_trainable FROM samples WHERE episode_id = %s",
+                             (episode,)).fetchall()
+    assert kinds and all(kind == "positive" and trainable > 0 for kind, trainable in kinds)
+    # Without a tokenizer the episode is stored and projected as untrainable, not lost.
+    _, bare = record_example_episode(store, seed=4, run_id=f"example-{uuid.uuid4().hex[:8]}")
+    assert project_episode(store, bare).outcome == "written"

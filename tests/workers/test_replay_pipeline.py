@@ -17,7 +17,6 @@ from store.projections import Projections
 from tests.replay.replay_episodes import SEARCH_TOOL, Script, tool_call
 from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.workers.conftest import _env, wait_for
-from workers.dispatch import install_replay_dispatch
 from workers.replay.jobs.project import project_episode
 
 
@@ -75,7 +74,6 @@ def counts(store: EventStore, episode_id: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_worker_projects_a_finished_episode_once(worker_store, start_worker, qwen3) -> None:
-    install_replay_dispatch(worker_store)
     worker = start_worker("--queues", "replay")
     worker.wait_ready()
     run_id = new_run(worker_store)
@@ -104,7 +102,6 @@ def test_worker_projects_a_finished_episode_once(worker_store, start_worker, qwe
 @pytest.mark.timeout(300)
 def test_bad_episode_is_invalid_and_does_not_block_others(worker_store, start_worker,
                                                           qwen3) -> None:
-    install_replay_dispatch(worker_store)
     worker = start_worker("--queues", "replay")
     worker.wait_ready()
     run_id = new_run(worker_store)
@@ -148,7 +145,6 @@ def test_sweep_projects_episodes_whose_message_was_lost(worker_store, start_work
 def test_sigkill_mid_replay_then_redelivery_projects_exactly_once(
     worker_store, start_worker, qwen3
 ) -> None:
-    install_replay_dispatch(worker_store)
     slow = start_worker("--queues", "replay", TRAJSTORE_FAULT_REPLAY_DELAY_S="60")
     slow.wait_ready()
     run_id = new_run(worker_store)

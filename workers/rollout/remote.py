@@ -87,7 +87,6 @@ _SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
 #: Further sampling fields passed verbatim to the trainer.
 _PASSTHROUGH = ("top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty")
-_QWEN3 = re.compile(r"(?i)^(qwen3|qwen/qwen3(-[\w.]+)*)$")
 
 
 class DuplicateRolloutError(ValueError):
@@ -206,12 +205,8 @@ def resolve_tokenizer(name: str, *, settings: Settings) -> Any:
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"tokenizer_name must be a non-empty string, got {name!r}")
-    if name == "tiny":
-        from workers.rollout.tinymodel import tiny_model_path
-
-        return load_tokenizer(str(tiny_model_path(settings.data_dir / "models")))
     try:
-        return load_tokenizer("qwen3" if _QWEN3.match(name) else name)
+        return load_tokenizer(name)
     except TokenizerNotFound as exc:
         raise ValueError(f"rollout request field 'tokenizer_name': {exc}") from None
 

@@ -1,10 +1,11 @@
 """The rollout worker's side of a ``rollout_group`` task: which log, engine, task and tools.
 
-The log is the database (the worker process's store, whose appends of ``episode_finished``
-enqueue replay) unless the settings name an ``api_url``: then events go through the HTTP API
-with ``api_key``. The engine is the process's :func:`~workers.rollout.engine.worker_engine`,
-brought to the run's newest policy. Tasks are resolved by id: built-in ids
-(``arith-<seed>-<index>``, ``fc-<seed>-<index>``) or the JSONL files of ``<data_dir>/tasks``.
+The log is the database (the worker process's store; replay workers follow the log and queue
+the replay of each finished episode) unless the settings name an ``api_url``: then events go
+through the HTTP API with ``api_key``. The engine is the process's
+:func:`~workers.rollout.engine.worker_engine`, brought to the run's newest policy. Tasks are
+resolved by id: built-in ids (``arith-<seed>-<index>``, ``fc-<seed>-<index>``) or the JSONL
+files of ``<data_dir>/tasks``.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ def worker_log(settings: Settings) -> GroupLog:
                 log = ApiGroupLog(settings.api_url, api_key=settings.api_key or "")
             else:
                 from workers.celery_tasks import worker_store
-                from workers.dispatch import install_replay_dispatch
 
-                store = worker_store()
-                install_replay_dispatch(store)
-                log = StoreGroupLog(store)
+                # Finished episodes are queued for replay by the replay workers' follower
+                # of the log (workers.replay.jobs.dispatch), as every other episode is.
+                log = StoreGroupLog(worker_store())
             _logs[key] = log
         return log
 

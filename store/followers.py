@@ -1,0 +1,84 @@
+"""What processes that follow the event log keep in the database: a durable cursor each, and
+a lock that lets one of several copies lead.
+
+A follower reads the log in commit order (``EventStore.subscribe``), acts on each event, and
+saves the position it acted up to (``save_cursor``). Several copies may run (one per replay
+worker); ``leadership`` lets exactly one act at a time, and the others take over when its
+connection goes (a process that dies releases its session lock with its connection).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import psycopg
+
+from store.db import translate_errors
+from store.eventlog import EventStore
+from store.rows import LogPosition
+
+__all__ = ["leadership", "load_cursor", "not_projected", "save_cursor"]
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not 0 < len(name) <= 200:
+        raise ValueError(f"a follower's name is 1 to 200 characters, got {name!r}")
+
+
+def load_cursor(store: EventStore, name: str) -> LogPosition | None:
+    """The position follower ``name`` has acted up to, or None when it never saved one."""
+    _check_name(name)
+    with store.db.connection() as conn:
+        row = conn.execute("SELECT tx_id, position FROM log_followers WHERE name = %s",
+                           (name,)).fetchone()
+    return None if row is None else LogPosition(int(row[0]), int(row[1]))
+
+
+def save_cursor(store: EventStore, name: str, position: LogPosition) -> None:
+    """Record that follower ``name`` has acted on every event up to ``position``. A position
+    behind the saved one is ignored (a follower never goes back)."""
+    _check_name(name)
+    with store.db.connection() as conn:
+        conn.execute(
+            """
+            INSERT INTO log_followers (name, tx_id, position) VALUES (%s, %s, %s)
+            ON CONFLICT (name) DO UPDATE
+               SET tx_id = excluded.tx_id, position = excluded.position, updated_at = now()
+             WHERE (log_followers.tx_id, log_followers.position)
+                   < (excluded.tx_id, excluded.position)
+            """,
+            (name, position.tx_id, position.position),
+        )
+
+
+@contextmanager
+def leadership(store: EventStore, name: str) -> Iterator[bool]:
+    """Try to become the one active copy of follower ``name``: yields True while this
+    process holds the lock (a session advisory lock on a connection of its own, held until
+    the block ends or the process dies), False when another copy holds it."""
+    _check_name(name)
+    key = zlib.crc32(f"trajstore.follower.{name}".encode())
+    with translate_errors():
+        conn = psycopg.connect(store.db.url, autocommit=True)
+    try:
+        with translate_errors():
+            held = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0])
+        yield held
+    finally:
+        conn.close()
+
+
+def not_projected(store: EventStore, finished: Sequence[tuple[str, int]]) -> list[str]:
+    """Of ``(episode_id, stream_version of its episode_finished)`` pairs, the episodes whose
+    projection is missing or older than that version, in the order given."""
+    if not finished:
+        return []
+    ids = [episode_id for episode_id, _ in finished]
+    with store.db.connection() as conn:
+        done = dict(conn.execute(
+            "SELECT episode_id, projected_version FROM episodes"
+            " WHERE episode_id = ANY(%s::text[])", (ids,)).fetchall())
+    return [episode_id for episode_id, version in finished
+            if done.get(episode_id) is None or done[episode_id] < version]

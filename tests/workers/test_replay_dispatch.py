@@ -1,0 +1,134 @@
+"""Replay triggered by the log: every finished episode is queued once, whichever process
+appended it, across restarts of the follower, with one leading copy."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import pytest
+
+from store.eventlog import EventStore
+from store.followers import leadership, load_cursor, save_cursor
+from store.projections import Projections
+from store.rows import LogPosition
+from tests.workers.conftest import wait_for
+from tests.workers.test_replay_pipeline import new_run, rollback_episode
+from workers.replay.jobs.dispatch import dispatch_finished
+from workers.replay.jobs.project import project_episode
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Any:
+    from tests.replay.replay_tokenizers import qwen3_tokenizer
+
+    return qwen3_tokenizer()
+
+
+def _follow_until(store: EventStore, want: int, name: str) -> list[str]:
+    """Run the dispatcher in a thread until it has sent ``want`` episodes (or 60 s)."""
+    sent: list[str] = []
+    stop = threading.Event()
+
+    def send(episode_id: str) -> None:
+        sent.append(episode_id)
+        if len(sent) >= want:
+            stop.set()
+
+    thread = threading.Thread(target=dispatch_finished, args=(store,),
+                              kwargs={"send": send, "stop": stop, "poll_interval": 0.2,
+                                      "name": name})
+    thread.start()
+    thread.join(timeout=60 if want else 2)
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    return sent
+
+
+def test_each_finish_is_sent_once_across_restarts(worker_store: EventStore, qwen3: Any) -> None:
+    store = worker_store
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    run_id = new_run(store)
+    first = [f"ep-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    for episode in first:
+        store.append(episode, rollback_episode(qwen3, run_id, "g1"))
+    # An episode still running is not sent.
+    open_episode = f"ep-open-{uuid.uuid4().hex[:8]}"
+    store.append(open_episode, rollback_episode(qwen3, run_id, "g1")[:-1])
+    assert _follow_until(store, 3, name) == first
+    saved = load_cursor(store, name)
+    assert saved is not None
+    # A restart sends nothing again; the next finishes are sent, in commit order.
+    assert _follow_until(store, 0, name) == []
+    later = [f"ep-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    for episode in later:
+        store.append(episode, rollback_episode(qwen3, run_id, "g2"))
+    assert _follow_until(store, 2, name) == later
+    after = load_cursor(store, name)
+    assert after is not None and (after.tx_id, after.position) > (saved.tx_id, saved.position)
+    # A cursor never goes back.
+    save_cursor(store, name, LogPosition(0, 0))
+    assert load_cursor(store, name) == after
+
+
+def test_projected_episodes_are_not_sent_again(worker_store: EventStore, qwen3: Any) -> None:
+    store = worker_store
+    run_id = new_run(store)
+    done, todo = f"ep-{uuid.uuid4().hex[:8]}", f"ep-{uuid.uuid4().hex[:8]}"
+    store.append(done, rollback_episode(qwen3, run_id, "g1"))
+    store.append(todo, rollback_episode(qwen3, run_id, "g1"))
+    assert project_episode(store, done).outcome == "written"
+    # A follower with no saved position reads the log from its start: it sends only what
+    # was never projected.
+    assert _follow_until(store, 1, f"fresh-{uuid.uuid4().hex[:8]}") == [todo]
+
+
+def test_one_copy_leads(worker_store: EventStore) -> None:
+    name = f"lead-{uuid.uuid4().hex[:8]}"
+    with leadership(worker_store, name) as first:
+        assert first
+        with leadership(worker_store, name) as second:
+            assert not second
+        # The standby returns at once without acting.
+        assert dispatch_finished(worker_store, send=lambda e: None, stop=threading.Event(),
+                                 name=name) == 0
+    with leadership(worker_store, name) as again:
+        assert again
+    with pytest.raises(ValueError, match="1 to 200"):
+        load_cursor(worker_store, "")
+
+
+@pytest.mark.timeout(300)
+def test_a_replay_worker_projects_episodes_appended_anywhere(
+        worker_store: EventStore, start_worker: Any, qwen3: Any) -> None:
+    """Episodes appended by a process that queues nothing (as the REST API, the gateway and
+    remote rollout append) are projected by a replay worker without the periodic sweep,
+    including those finished while no worker ran."""
+    store = worker_store
+    run_id = new_run(store)
+    projections = Projections(store)
+    before = f"ep-{uuid.uuid4().hex[:8]}"
+    store.append(before, rollback_episode(qwen3, run_id, "g1"))
+    worker = start_worker("--queues", "replay")  # no --beat: no sweep
+    worker.wait_ready()
+    wait_for(lambda: projections.projected_version(before), what="the earlier episode")
+    live = [f"ep-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    for episode in live:
+        store.append(episode, rollback_episode(qwen3, run_id, "g2"))
+    wait_for(lambda: all(projections.projected_version(e) for e in live),
+             what="the live episodes")
+    # Stopped, then started again: what finished meanwhile is projected.
+    worker.stop()
+    while_down = f"ep-{uuid.uuid4().hex[:8]}"
+    store.append(while_down, rollback_episode(qwen3, run_id, "g3"))
+    again = start_worker("--queues", "replay")
+    again.wait_ready()
+    wait_for(lambda: projections.projected_version(while_down), what="the episode finished "
+             "while no worker ran")
+    with store.db.connection() as conn:
+        per_episode = dict(conn.execute(
+            "SELECT episode_id, count(*) FROM samples GROUP BY episode_id").fetchall())
+    assert set(per_episode) == {before, *live, while_down}
+    assert set(per_episode.values()) == {3}
