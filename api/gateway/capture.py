@@ -1,13 +1,18 @@
 """The episode a gateway call belongs to, and recording the call as an ``llm_called``.
 
-The episode must exist (started through the ingest routes) and not be finished: a call
-recorded after ``episode_finished`` would make the episode impossible to replay. What
+The episode must exist and not be finished: a call recorded after ``episode_finished`` would
+make the episode impossible to replay. A call that names its run (``NewEpisode``) creates the
+episode on first use, and the run too when it does not exist yet (in the key's project, with
+the default configuration and the tokenizer the model name implies), the way Agent Lightning's
+proxy creates rollouts from ids in the URL; ids created so are checked against the key's
+project exactly as explicit creation is. What
 never changes about an episode (its run, group, policy version, tools, the run's
 configuration) is cached per process.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -20,11 +25,34 @@ from api.access import Access
 from api.errors import ApiError
 from api.gateway.openai_format import Captured
 from api.keys import ApiKey
+from store import errors as store_errors
 from store import queries
-from store.eventlog import ANY, AppendResult, EventStore, ExpectedVersion, run_stream_id
+from store.eventlog import (
+    ANY,
+    NO_STREAM,
+    AppendResult,
+    EventStore,
+    ExpectedVersion,
+    run_stream_id,
+)
 from store.events import EpisodeStarted, LLMCalled, RunConfig, RunCreated
 
-__all__ = ["Capture", "EpisodeTarget"]
+__all__ = ["Capture", "EpisodeTarget", "NewEpisode"]
+
+_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+
+
+@dataclass(frozen=True)
+class NewEpisode:
+    """What creates an episode on first use: its run (created too when missing), its GRPO
+    group (default: the episode id) and the call's messages, tools and model name."""
+
+    run_id: str
+    group_id: str | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    model: str | None = None
+    where: str = "header.X-Trajstore-Run"
 
 
 @dataclass(frozen=True)
@@ -68,6 +96,43 @@ class Capture:
                            f"episode {episode_id!r} is finished; calls can no longer be "
                            "recorded into it")
         return found
+
+    def target_or_create(self, key: ApiKey, episode_id: str, new: NewEpisode | None
+                         ) -> EpisodeTarget:
+        """``target``; when the episode does not exist and ``new`` names a run, the episode
+        is created first (and the run, when missing: module docstring). ApiError 422 for a
+        malformed id, 403 for a run of another project, 409 for a finished episode."""
+        if new is None or queries.episode_run(self.store, episode_id) is not None:
+            return self.target(key, episode_id)
+        for value, where in ((episode_id, "header.X-Trajstore-Episode"),
+                             (new.run_id, new.where),
+                             (new.group_id or episode_id, "header.X-Trajstore-Group")):
+            if not _ID.match(value):
+                raise ApiError(422, "invalid_request", f"{value[:60]!r} is not an id: 1 to "
+                               "200 letters, digits or _.:-", field=where)
+        if queries.run_record(self.store, new.run_id) is None:
+            self._create_run(key, new)
+        self.access.check_run(key, new.run_id)
+        started = EpisodeStarted(run_id=new.run_id, group_id=new.group_id or episode_id,
+                                 messages=new.messages, tools=new.tools)
+        try:
+            self.store.append(episode_id, [started], NO_STREAM)
+        except store_errors.ConflictError:
+            pass  # a concurrent first call created it: record into it
+        return self.target(key, episode_id)
+
+    def _create_run(self, key: ApiKey, new: NewEpisode) -> None:
+        from workers.tokenizers import canonical_tokenizer, tokenizer_problem
+
+        tokenizer = None
+        if new.model and tokenizer_problem(new.model) is None:
+            tokenizer = canonical_tokenizer(new.model)
+        event = RunCreated(run_id=new.run_id, project=key.project,
+                           config=RunConfig(tokenizer=tokenizer))
+        try:
+            self.store.append(run_stream_id(new.run_id), [event], NO_STREAM)
+        except store_errors.ConflictError:
+            pass  # created meanwhile; its project is checked by the caller
 
     def _load(self, episode_id: str) -> EpisodeTarget:
         first = self.store.read_stream(episode_id, to_version=1)

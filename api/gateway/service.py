@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, error_body, error_response, refuse_unstorable
-from api.gateway.capture import Capture, EpisodeTarget
+from api.gateway.capture import Capture, EpisodeTarget, NewEpisode
 from api.gateway.local_engine import LocalEngine, engine_model_dir
 from api.gateway.messages import normalize_messages, sampling_params
 from api.gateway.openai_format import (
@@ -149,10 +150,19 @@ class Gateway:
                 raise _engine_error(exc) from None
             raise
 
-    async def _target(self, key: ApiKey, episode: str | None) -> EpisodeTarget | None:
+    async def _target(self, key: ApiKey, episode: str | None, new: NewEpisode | None = None
+                      ) -> EpisodeTarget | None:
         if episode is None:
+            if new is not None:
+                raise ApiError(422, "invalid_request", "a run id needs an episode id too "
+                               "(X-Trajstore-Episode, or the path's episode)",
+                               field="header.X-Trajstore-Episode")
             return None
-        return await run_in_threadpool(self.capture.target, key, episode)
+        if new is not None and new.model is None and not self.has_upstream:
+            # The in-process engine's own folder names its tokenizer exactly.
+            folder = await run_in_threadpool(engine_model_dir, self.settings)
+            new = replace(new, model=str(folder) if folder else None)
+        return await run_in_threadpool(self.capture.target_or_create, key, episode, new)
 
     async def _record(self, target: EpisodeTarget | None, captured: Captured, **kw: Any
                       ) -> None:
@@ -162,15 +172,18 @@ class Gateway:
     # --- OpenAI-compatible capture ---------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, *, key: ApiKey, episode: str | None,
-                   agent: str, policy_version: int | None) -> Response:
+                   agent: str, policy_version: int | None, run: str | None = None,
+                   group: str | None = None) -> Response:
         """``POST /v1/chat/completions``. A value the store would refuse (a NUL or lone
         surrogate, nesting past 64 levels, …) is answered 422 before anything is generated."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
-        target = await self._target(key, episode)
         messages = normalize_messages(body.messages)
         tools = body.tools or None
+        new = NewEpisode(run_id=run, group_id=group, messages=messages, tools=tools or [],
+                         model=body.model if self.has_upstream else None) if run else None
+        target = await self._target(key, episode, new)
         record: dict[str, Any] = {"agent": agent, "messages": messages, "tools": tools,
                   "policy_version": policy_version}
         if self.has_upstream:
@@ -207,7 +220,8 @@ class Gateway:
             **common, token_text=engine.token_text if body.logprobs else None))
 
     async def completion(self, body: CompletionRequest, *, key: ApiKey, episode: str | None,
-                         agent: str, policy_version: int | None) -> Response:
+                         agent: str, policy_version: int | None, run: str | None = None,
+                         group: str | None = None) -> Response:
         """``POST /v1/completions``; refuses what ``chat`` refuses."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
@@ -218,7 +232,9 @@ class Gateway:
                            field="body.prompt")
         if body.echo:
             raise ApiError(422, "invalid_request", "echo is not supported", field="body.echo")
-        target = await self._target(key, episode)
+        new = NewEpisode(run_id=run, group_id=group,
+                         model=body.model if self.has_upstream else None) if run else None
+        target = await self._target(key, episode, new)
         want_logprobs = body.logprobs is not None and body.logprobs is not False
         record: dict[str, Any] = {"agent": agent, "messages": [], "tools": None,
                   "policy_version": policy_version}

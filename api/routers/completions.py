@@ -1,7 +1,13 @@
 """The OpenAI-compatible capture gateway: ``/v1/chat/completions`` and ``/v1/completions``.
 
 ``X-Trajstore-Episode`` names the episode a call is recorded into (none: the call is
-answered and not recorded); ``X-Trajstore-Agent`` the agent (default ``main``);
+answered and not recorded). With ``X-Trajstore-Run`` too, an episode that does not exist yet
+is created on the first call (and the run, in the key's project, when it does not exist);
+``X-Trajstore-Group`` names its GRPO group (default: the episode id). The same ids can come
+in the path instead, as Agent Lightning's proxy takes them:
+``/v1/runs/{run}/episodes/{episode}/chat/completions`` (and ``/completions``), so an agent
+needs only a base URL. ``GET /v1/models`` lists the model the gateway serves.
+``X-Trajstore-Agent`` names the agent (default ``main``);
 ``X-Trajstore-Policy-Version`` the weights version that answered, when the caller knows it
 better than the episode does. A body with ``rollout_id`` is a remote-rollout call
 (TrainGate): see ``api.gateway.service``.
@@ -37,22 +43,63 @@ Episode = Annotated[str | None, Header(alias="X-Trajstore-Episode", max_length=2
 Agent = Annotated[str | None, Header(alias="X-Trajstore-Agent", min_length=1, max_length=200)]
 PolicyVersion = Annotated[int | None, Header(alias="X-Trajstore-Policy-Version", ge=0,
                                              le=2**31 - 1)]
+Run = Annotated[str | None, Header(alias="X-Trajstore-Run", max_length=200)]
+Group = Annotated[str | None, Header(alias="X-Trajstore-Group", max_length=200)]
+
+
+@router.get("/models")
+def models(key: IngestKey, ctx: Ctx) -> dict[str, Any]:
+    """The model the gateway serves, in OpenAI's list shape: the upstream's model name when
+    one is set (else the caller's), or the in-process engine's name."""
+    name = (ctx.settings.gateway_upstream_model or "upstream") if ctx.gateway.has_upstream \
+        else ctx.settings.gateway_model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                        "owned_by": "trajstore"}]}
 
 
 @router.post("/chat/completions", response_model=CompletionResponse, responses=_STREAM)
 async def chat_completions(body: ChatCompletionRequest, key: IngestKey, ctx: Ctx,
                            episode: Episode = None, agent: Agent = None,
-                           policy_version: PolicyVersion = None) -> Response:
+                           policy_version: PolicyVersion = None, run: Run = None,
+                           group: Group = None) -> Response:
     """OpenAI chat completions through the capture gateway."""
     return await ctx.gateway.chat(body, key=key, episode=episode or None,
-                                  agent=agent or "main", policy_version=policy_version)
+                                  agent=agent or "main", policy_version=policy_version,
+                                  run=run or None, group=group or None)
+
+
+@router.post("/runs/{run_id}/episodes/{episode_id}/chat/completions",
+             response_model=CompletionResponse, responses=_STREAM)
+async def episode_chat_completions(run_id: str, episode_id: str, body: ChatCompletionRequest,
+                                   key: IngestKey, ctx: Ctx, agent: Agent = None,
+                                   policy_version: PolicyVersion = None,
+                                   group: Group = None) -> Response:
+    """Chat completions recorded into ``episode_id`` of ``run_id``, both created on the
+    first call when missing."""
+    return await ctx.gateway.chat(body, key=key, episode=episode_id, agent=agent or "main",
+                                  policy_version=policy_version, run=run_id,
+                                  group=group or None)
 
 
 @router.post("/completions", response_model=CompletionResponse, responses=_STREAM)
 async def completions(body: CompletionRequest, key: IngestKey, ctx: Ctx,
                       episode: Episode = None, agent: Agent = None,
-                      policy_version: PolicyVersion = None) -> Response:
+                      policy_version: PolicyVersion = None, run: Run = None,
+                      group: Group = None) -> Response:
     """OpenAI text completions through the capture gateway (and TrainGate's
     ``/v1/completions`` with ``rollout_id`` and ``messages``)."""
     return await ctx.gateway.completion(body, key=key, episode=episode or None,
-                                        agent=agent or "main", policy_version=policy_version)
+                                        agent=agent or "main", policy_version=policy_version,
+                                        run=run or None, group=group or None)
+
+
+@router.post("/runs/{run_id}/episodes/{episode_id}/completions",
+             response_model=CompletionResponse, responses=_STREAM)
+async def episode_completions(run_id: str, episode_id: str, body: CompletionRequest,
+                              key: IngestKey, ctx: Ctx, agent: Agent = None,
+                              policy_version: PolicyVersion = None,
+                              group: Group = None) -> Response:
+    """Text completions recorded into ``episode_id`` of ``run_id`` (created when missing)."""
+    return await ctx.gateway.completion(body, key=key, episode=episode_id,
+                                        agent=agent or "main", policy_version=policy_version,
+                                        run=run_id, group=group or None)

@@ -23,6 +23,8 @@ from api.schemas.episodes import (
     EpisodeStatus,
     EpisodeSummary,
     EpisodeTimelines,
+    FinishIn,
+    RewardIn,
 )
 from api.timelines import episode_timelines
 from api.tokens import Encoding, encode_array
@@ -30,7 +32,7 @@ from store import errors as store_errors
 from store import queries
 from store.codec import ID_DTYPE, LOGPROB_DTYPE
 from store.eventlog import NO_STREAM, RecordedEvent
-from store.events import EVENT_TYPES, EpisodeStarted
+from store.events import EVENT_TYPES, EpisodeFinished, EpisodeStarted, RewardAssigned
 
 __all__ = ["router"]
 
@@ -107,6 +109,55 @@ def append_events(episode_id: str, body: AppendRequest, key: IngestKey, ctx: Ctx
                               expected_version=body.expected_version, allowed=EPISODE_TYPES)
     return AppendResult(stream_id=episode_id, version=result.version,
                         positions=list(result.positions), duplicate=result.duplicate)
+
+
+def _open_episode(ctx: Any, key: Any, episode_id: str) -> int:
+    """The episode's stream version after the project check; ApiError 409 when finished."""
+    ctx.access.check_episode(key, episode_id)
+    if queries.episode_finished(ctx.store, episode_id):
+        raise ApiError(409, "episode_finished", f"episode {episode_id!r} is finished")
+    return ctx.store.stream_version(episode_id)
+
+
+@router.post("/v1/episodes/{episode_id}/reward", response_model=AppendResult,
+             responses={409: ERROR_RESPONSES[422] | {"description": "The episode is finished."}})
+def reward_episode(episode_id: str, body: RewardIn, key: IngestKey, ctx: Ctx) -> AppendResult:
+    """Record a reward (``reward_assigned``). A retry with the same ``event_id`` stores it
+    once; a reward for a finished episode is refused with 409."""
+    _open_episode(ctx, key, episode_id)
+    event = RewardAssigned(value=body.value, components=body.components, source=body.source,
+                           **({"event_id": body.event_id} if body.event_id else {}))
+    result = ctx.store.append(episode_id, [event])
+    return AppendResult(stream_id=episode_id, version=result.version,
+                        positions=list(result.positions), duplicate=result.duplicate)
+
+
+@router.post("/v1/episodes/{episode_id}/finish", response_model=AppendResult)
+def finish_episode(episode_id: str, body: FinishIn, key: IngestKey, ctx: Ctx) -> AppendResult:
+    """Finish the episode (``episode_finished``, after ``reward_assigned`` when ``reward`` is
+    given). Idempotent: finishing a finished episode stores nothing and answers with its
+    version and ``duplicate`` true."""
+    try:
+        version = _open_episode(ctx, key, episode_id)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        return AppendResult(stream_id=episode_id, version=ctx.store.stream_version(episode_id),
+                            positions=[], duplicate=True)
+    events: list[Any] = []
+    if body.reward is not None:
+        events.append(RewardAssigned(value=body.reward, source="client"))
+    events.append(EpisodeFinished(status=body.status, reason=body.reason))
+    try:
+        result = ctx.store.append(episode_id, events, version)
+    except store_errors.ConflictError:
+        if queries.episode_finished(ctx.store, episode_id):  # a concurrent finish won
+            return AppendResult(stream_id=episode_id,
+                                version=ctx.store.stream_version(episode_id), positions=[],
+                                duplicate=True)
+        raise
+    return AppendResult(stream_id=episode_id, version=result.version,
+                        positions=list(result.positions), duplicate=False)
 
 
 @router.get("/v1/episodes", response_model=EpisodePage)

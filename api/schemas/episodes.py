@@ -21,8 +21,10 @@ __all__ = [
     "EpisodeSummary",
     "EpisodeTimelines",
     "EventOut",
+    "FinishIn",
     "ForkOut",
     "NegativeOut",
+    "RewardIn",
     "TimelineMessage",
     "TimelineOut",
 ]
@@ -202,3 +204,24 @@ class EpisodeTimelines(BaseModel):
     negatives: list[NegativeOut]
     forks: list[ForkOut]
     drifted_messages: int
+
+
+class RewardIn(BaseModel):
+    """A reward for an episode. ``event_id`` makes a retried call idempotent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    value: float = Field(allow_inf_nan=False)
+    components: dict[str, float] = Field(default_factory=dict)
+    source: str = Field(default="client", min_length=1, max_length=200)
+    event_id: uuid.UUID | None = None
+
+
+class FinishIn(BaseModel):
+    """How an episode ended; ``reward``, when given, is recorded with it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["completed", "terminated", "truncated", "error", "aborted"] = "completed"
+    reason: str | None = Field(default=None, max_length=10_000)
+    reward: float | None = Field(default=None, allow_inf_nan=False)
