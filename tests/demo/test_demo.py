@@ -74,3 +74,11 @@ def test_bad_options_are_named(tmp_path: Path) -> None:
     missing = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--resume", "nope"],
                              env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and "no run 'nope'" in missing.stdout
+
+
+def test_out_of_range_seed_steps_and_task_are_named(tmp_path: Path) -> None:
+    for args, name in ((["--seed", "10001"], "--seed"), (["--steps", "5000"], "--steps"),
+                       (["--task", "chess"], "--task")):
+        bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", *args],
+                             env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and name in bad.stdout + bad.stderr, (args, bad.stdout)
