@@ -50,7 +50,7 @@ class DemoOptions:
     backend: str = "transformers"
     seed: int = 0
     resume: str | None = None
-    lr: float = 3e-2
+    lr: float | None = None
     max_tokens: int | None = None
     timeout_s: float = 900.0
     task: str = "digits"
@@ -61,6 +61,13 @@ class DemoOptions:
         if self.max_tokens is not None:
             return self.max_tokens
         return 96 if self.task == "calc" else 8
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the task's default (3e-2 for digits, 1e-3 for calc)."""
+        if self.lr is not None:
+            return self.lr
+        return 1e-3 if self.task == "calc" else 3e-2
 
     def task_id(self, version: int, group: int) -> str:
         """The task id of group ``group`` at policy ``version``."""
@@ -85,7 +92,7 @@ class DemoOptions:
                                  f"got {getattr(self, name)}")
         if self.backend not in ("transformers", "vllm"):
             raise ValueError(f"--backend must be transformers or vllm, got {self.backend!r}")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
 
 
@@ -234,7 +241,7 @@ def run_demo(
         run_id = _create_run(store, settings, options)
     app = ensure_configured()
     leasing_version = _policy_version(store, run_id)
-    train_config = {"lr": options.lr, "groups_per_step": options.groups_per_step,
+    train_config = {"lr": options.learning_rate, "groups_per_step": options.groups_per_step,
                     "micro_batch_size": 16, "seed": options.seed}
     logs = settings.data_dir / "demo" / run_id / "logs"
     with _workers(settings, options, logs) as procs:
