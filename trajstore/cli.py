@@ -256,17 +256,21 @@ def demo(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the tiny model and trainer.")] = 0,
     resume: Annotated[str | None, typer.Option(help="Continue this run from its last "
                                                "policy_updated.")] = None,
+    task: Annotated[str, typer.Option(help="Task family: digits or calc (tool use from a "
+                                      "warm-started policy).")] = "digits",
+    json_out: Annotated[bool, typer.Option("--json", help="Also print the final summary as "
+                                           "one JSON line.")] = False,
 ) -> None:
     """The main job: roll out groups with a tiny model through Celery workers, replay them,
     train with EGPO, push each new policy to the rollout engine, and chart the result."""
     from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from trajstore.demo import DemoOptions, run_demo, summary, write_charts
+    from trajstore.demo import DemoOptions, json_summary, run_demo, summary, write_charts
 
     settings = get_settings()
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
-                          backend=backend.value, seed=seed, resume=resume)
+                          backend=backend.value, seed=seed, resume=resume, task=task)
     try:
         options.check()
     except ValueError as exc:
@@ -320,6 +324,10 @@ def demo(
             f"  SELECT policy_version, avg(reward) FROM episodes WHERE run_id = '{run_id}'"
             " GROUP BY 1 ORDER BY 1;\n"
             f"train 4 more versions with: trajstore demo --resume {run_id} --steps 4")
+        if json_out:
+            import json
+
+            print(json.dumps(json_summary(run_id, rows)))
     except (RuntimeError, ValueError, errors.NotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -7,7 +7,10 @@ replayed, sends one training step and waits for its ``policy_updated``. The roll
 loads each new checkpoint before its next group, so every version's rollouts come from the
 policy just trained. The task is the built-in ``digits`` (reward: the share of digits in
 the answer, with the calculator on offer, so stray tool calls give tool errors, rollbacks and
-negative samples).
+negative samples); ``task="calc"`` plays the ``calc-<seed>-<index>`` tool-use questions (the
+``python`` and ``calculator`` tools, EGPO's strict binary ``tool_answer`` reward) from the
+warm-started policy of :mod:`workers.rollout.warmstart`, whose own mistakes give real tool
+errors, rollbacks and negative samples.
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import PolicyUpdated, RolloutConfig, RunConfig, RunCreated
 from store.settings import Settings
 
-__all__ = ["DemoOptions", "VersionRow", "run_demo", "version_rows", "write_charts"]
+__all__ = ["DemoOptions", "VersionRow", "json_summary", "run_demo", "version_rows",
+           "write_charts"]
 
 TASK_ID = "digits"
+TASKS = ("digits", "calc")
+#: Largest accepted ``--seed`` and ``--steps`` (task ids and versions stay small).
+MAX_SEED = 10_000
+MAX_STEPS = 1_000
 
 
 @dataclass(frozen=True)
@@ -43,13 +51,43 @@ class DemoOptions:
     backend: str = "transformers"
     seed: int = 0
     resume: str | None = None
-    lr: float = 3e-2
-    max_tokens: int = 8
+    lr: float | None = None
+    max_tokens: int | None = None
     timeout_s: float = 900.0
+    task: str = "digits"
+
+    @property
+    def generation_tokens(self) -> int:
+        """``max_tokens``, or the task's default (8 for digits, 96 for calc)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return 96 if self.task == "calc" else 8
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the task's default (3e-2 for digits, 1e-3 for calc)."""
+        if self.lr is not None:
+            return self.lr
+        return 1e-3 if self.task == "calc" else 3e-2
+
+    def task_id(self, version: int, group: int) -> str:
+        """The task id of group ``group`` at policy ``version``."""
+        if self.task == "calc":
+            return f"calc-{self.seed}-{version * self.groups_per_step + group}"
+        return TASK_ID
 
     def check(self) -> None:
-        """Raise ValueError naming the first option out of range."""
-        for name in ("steps", "group_size", "groups_per_step", "max_tokens"):
+        """Raise ValueError naming the first option out of range (``--task`` not digits or
+        calc, ``--seed`` outside 0..MAX_SEED, ``--steps`` outside 1..MAX_STEPS, ...)."""
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {list(TASKS)}, got {self.task!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"--seed must be in 0..{MAX_SEED}, got {self.seed}")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"--steps must be <= {MAX_STEPS}, got {self.steps}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        for name in ("steps", "group_size", "groups_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
@@ -59,7 +97,7 @@ class DemoOptions:
             # Found here, not minutes later in a rollout worker's log.
             raise ValueError("--backend vllm needs vLLM: pip install -e '.[vllm]' "
                              "(docs/rollout.md)")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
 
 
@@ -178,11 +216,16 @@ def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[l
 
 def _create_run(store: EventStore, settings: Settings, options: DemoOptions) -> str:
     from workers.rollout.tinymodel import tiny_model_path
+    from workers.rollout.warmstart import warm_start_path
 
-    model = str(tiny_model_path(settings.data_dir, seed=options.seed))
+    if options.task == "calc":
+        model = str(warm_start_path(settings.data_dir, seed=options.seed))
+    else:
+        model = str(tiny_model_path(settings.data_dir, seed=options.seed))
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
     config = RunConfig(group_size=options.group_size, model=model, tokenizer=model,
-                       rollout=RolloutConfig(max_tokens=options.max_tokens, max_turns=2))
+                       rollout=RolloutConfig(max_tokens=options.generation_tokens,
+                                             max_turns=3 if options.task == "calc" else 2))
     store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project="demo",
                                                      config=config)], NO_STREAM)
     return run_id
@@ -211,7 +254,7 @@ def run_demo(
         run_id = _create_run(store, settings, options)
     app = ensure_configured()
     leasing_version = _policy_version(store, run_id)
-    train_config = {"lr": options.lr, "groups_per_step": options.groups_per_step,
+    train_config = {"lr": options.learning_rate, "groups_per_step": options.groups_per_step,
                     "micro_batch_size": 16, "seed": options.seed}
     logs = settings.data_dir / "demo" / run_id / "logs"
     with _workers(settings, options, logs) as procs:
@@ -219,7 +262,8 @@ def run_demo(
         target = leasing_version + options.steps
         while version < target:
             for g in range(options.groups_per_step):
-                app.send_task("trajstore.rollout_group", args=[run_id, TASK_ID,
+                app.send_task("trajstore.rollout_group", args=[run_id,
+                                                             options.task_id(version, g),
                                                              options.group_size, g],
                               queue="rollout")
             want = options.groups_per_step * options.group_size
@@ -270,3 +314,19 @@ def summary(rows: list[VersionRow]) -> dict[str, float]:
     return {"first": first, "last": last, "gain": last - first,
             "best": max(r.reward_mean for r in rows),
             "mean_last_three": statistics.mean(r.reward_mean for r in rows[-3:])}
+
+
+def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
+    """The demo's closing summary with exactly the keys of ``--json``: run id, versions,
+    reward and tool error rate at the first and last version, rollbacks and negative samples
+    over the run, and the mean EGPO entropy bonus of the training steps (0 without any)."""
+    bonuses = [value for r in rows for key, value in r.train.items() if "bonus" in key]
+    first = rows[0] if rows else VersionRow(0)
+    last = rows[-1] if rows else VersionRow(0)
+    return {"run_id": run_id, "versions": len(rows),
+            "reward_first": first.reward_mean, "reward_last": last.reward_mean,
+            "tool_error_rate_first": first.tool_error_rate,
+            "tool_error_rate_last": last.tool_error_rate,
+            "rollbacks": sum(r.rollbacks for r in rows),
+            "negatives_trained": sum(r.negatives for r in rows),
+            "egpo_bonus_mean": statistics.mean(bonuses) if bonuses else 0.0}

@@ -95,3 +95,30 @@ def test_vllm_backend_without_vllm_fails_at_once(tmp_path: Path) -> None:
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "needs vLLM" in bad.stdout + bad.stderr
+
+
+def test_out_of_range_seed_steps_and_task_are_named(tmp_path: Path) -> None:
+    for args, name in ((["--seed", "10001"], "--seed"), (["--steps", "5000"], "--steps"),
+                       (["--task", "chess"], "--task")):
+        bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", *args],
+                             env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and name in bad.stdout + bad.stderr, (args, bad.stdout)
+
+
+@pytest.mark.timeout(900)
+def test_calc_warm_start_makes_tool_calls_and_some_fail(tmp_path: Path) -> None:
+    """One version of ``--task calc``: the warm-started policy's own calls reach the tools and
+    some fail and are rolled back (the --json summary is computed from the store's queries)."""
+    import json
+
+    done = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--task", "calc",
+                           "--steps", "1", "--groups", "1", "--group-size", "4", "--json"],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith('{"run_id"'))
+    result = json.loads(line)
+    assert list(result) == ["run_id", "versions", "reward_first", "reward_last",
+                            "tool_error_rate_first", "tool_error_rate_last", "rollbacks",
+                            "negatives_trained", "egpo_bonus_mean"]
+    assert result["versions"] == 1
+    assert 0 < result["tool_error_rate_first"] and result["rollbacks"] > 0

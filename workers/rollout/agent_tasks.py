@@ -20,9 +20,12 @@ string names a tool of the registry, an object is an OpenAI function schema), ``
 function-calling benchmarks). Any other field is an error. Every error names the file, the line
 number and the field.
 
-Built-in generated sets: :func:`arithmetic_tasks` (needs the calculator) and
-:func:`function_call_tasks` (EGPO-style, binary reward). Their task ids are stable:
-``arith-<seed>-<index>`` and ``fc-<seed>-<index>`` always name the same task (the ``index``-th
+Built-in generated sets: :func:`arithmetic_tasks` (needs the calculator),
+:func:`function_call_tasks` (EGPO-style, binary reward) and :func:`calc_tasks` (tool use with
+``<think>`` reasoning, the ``calculator`` and ``python`` tools and EGPO's strict binary
+``tool_answer`` reward; the demo's default). Their task ids are stable:
+``arith-<seed>-<index>``, ``fc-<seed>-<index>`` and ``calc-<seed>-<index>`` always name the
+same task (the ``index``-th
 of the set generated with ``seed``), so a worker rebuilds any of them from its id alone
 (:func:`builtin_task`). :func:`resolve_task` also looks in a folder of JSONL files.
 """
@@ -50,6 +53,7 @@ __all__ = [
     "MAX_BUILTIN_INDEX",
     "arithmetic_tasks",
     "builtin_task",
+    "calc_tasks",
     "function_call_tasks",
     "load_tasks",
     "resolve_task",
@@ -240,6 +244,45 @@ def arithmetic_tasks(count: int, *, seed: int = 0) -> list[Task]:
     return tasks
 
 
+CALC_SYSTEM = ("Answer with <think>reasoning</think> then one <tool_call> to the python or "
+               "calculator tool; after its result, give <think>…</think> and the number.")
+
+
+def calc_question(seed: int, index: int) -> tuple[str, str]:
+    """The ``index``-th question of the ``calc`` set for ``seed`` and its expression: two
+    small integers and one operator. Deterministic in ``(seed, index)``."""
+    rng = random.Random(f"calc-{seed}-{index}")
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    op = rng.choice(["+", "-", "*"])
+    expression = f"{a} {op} {b}"
+    return f"What is {expression}?", expression
+
+
+def calc_task(seed: int, index: int) -> Task:
+    """The task ``calc-<seed>-<index>`` (see :func:`calc_tasks`)."""
+    question, expression = calc_question(seed, index)
+    from workers.rollout.sandbox import PythonTool
+
+    return Task(
+        task_id=f"calc-{seed}-{index}",
+        messages=({"role": "system", "content": CALC_SYSTEM},
+                  {"role": "user", "content": question}),
+        tools=(PythonTool.schema, Calculator.schema),
+        ground_truth=format_number(evaluate_expression(expression)),
+        reward="tool_answer",
+        max_turns=3,
+    )
+
+
+def calc_tasks(count: int, *, seed: int = 0) -> list[Task]:
+    """``count`` generated tool-use questions (``What is 37 * 12?``) with the ``python`` and
+    ``calculator`` tools and the strict binary ``tool_answer`` reward, at most 3 turns.
+    Deterministic in ``seed``. Raises ValueError when ``count`` is not a positive integer."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    return [calc_task(seed, index) for index in range(count)]
+
+
 _WEATHER = function_schema(
     "get_weather", description="Current weather for a city.",
     properties={"city": {"type": "string"},
@@ -290,7 +333,7 @@ def function_call_tasks(count: int, *, seed: int = 0) -> list[Task]:
 
 #: Largest ``<index>`` of a built-in task id (the set is generated up to it).
 MAX_BUILTIN_INDEX = 99_999
-_BUILTIN_ID = re.compile(r"^(arith|fc)-(\d+)-(\d+)$")
+_BUILTIN_ID = re.compile(r"^(arith|fc|calc)-(\d+)-(\d+)$")
 
 
 #: The demo's task: write digits (reward ``digit_share``), with the calculator on offer, so
@@ -307,7 +350,7 @@ DIGITS_TASK = Task(
 
 
 def builtin_task(task_id: str) -> Task | None:
-    """The built-in task ``digits``, ``arith-<seed>-<index>`` or ``fc-<seed>-<index>``, or
+    """The built-in task ``digits``, ``arith-``, ``fc-`` or ``calc-<seed>-<index>``, or
     None when ``task_id`` has none of these forms. Raises ValueError for an index above
     :data:`MAX_BUILTIN_INDEX`."""
     if task_id == DIGITS_TASK.task_id:
@@ -318,6 +361,8 @@ def builtin_task(task_id: str) -> Task | None:
     kind, seed, index = match.group(1), int(match.group(2)), int(match.group(3))
     if index > MAX_BUILTIN_INDEX:
         raise ValueError(f"task id {task_id!r}: index {index} is above {MAX_BUILTIN_INDEX}")
+    if kind == "calc":
+        return calc_task(seed, index)
     generate = arithmetic_tasks if kind == "arith" else function_call_tasks
     return generate(index + 1, seed=seed)[index]
 
@@ -340,5 +385,5 @@ def resolve_task(task_id: str, *, tasks_dir: str | os.PathLike[str] | None = Non
                 if candidate.task_id == task_id:
                     return candidate
     raise ValueError(f"unknown task_id {task_id!r}: not a built-in id (digits, "
-                     f"arith-<seed>-<index>, "
+                     f"arith-<seed>-<index>, calc-<seed>-<index>, "
                      f"fc-<seed>-<index>) nor in the JSONL files of {folder}")

@@ -12,6 +12,11 @@ Built in:
 - ``final_answer``: 1 when the last number in the final assistant message equals the ground
   truth number (relative tolerance 1e-9); components ``correct`` and ``used_tools`` (whether
   any tool result is in the final context).
+- ``tool_answer`` (EGPO's strict binary reward for multi-turn tool use): 1 only when every
+  kept assistant turn starts with a closed, non-empty ``<think>…</think>`` block and has no
+  format error, at least one tool result that is not an error is in the final context, and the
+  last assistant turn makes no tool call and its last number equals the ground truth.
+  Components ``format``, ``used_tool`` and ``correct`` (each 0 or 1).
 - ``unscored``: 0 with source ``unscored``, for episodes whose reward is computed elsewhere
   (remote rollouts: the caller scores ``final_messages``); the ground truth must be None.
 """
@@ -41,6 +46,7 @@ __all__ = [
     "get_reward",
     "normalize_call",
     "register_reward",
+    "tool_answer_reward",
     "unscored_reward",
     "digit_share_reward",
 ]
@@ -221,6 +227,36 @@ def final_answer_reward(ground_truth: Any, transcript: Transcript) -> Reward:
                   {"correct": float(correct), "used_tools": float(used_tools)},
                   source="final_answer")
 
+
+_TOOL_ERROR_LINE = re.compile(r"^(?:\w+(?:Error|Exception)\b|tool call format is wrong)")
+
+
+def _tool_result_ok(message: Mapping[str, Any]) -> bool:
+    """A tool message whose text is non-empty and has no line naming an error."""
+    content = str(message.get("content") or "")
+    return bool(content.strip()) and not any(
+        _TOOL_ERROR_LINE.match(line.strip()) for line in content.splitlines())
+
+
+@register_reward("tool_answer", check_ground_truth=_numeric_ground_truth)
+def tool_answer_reward(ground_truth: Any, transcript: Transcript) -> Reward:
+    """EGPO's strict binary reward for tool use (module docstring); raises ValueError when
+    ``ground_truth`` is not numeric."""
+    target = _numeric_ground_truth(ground_truth)
+    zero = Reward(0.0, {"format": 0.0, "used_tool": 0.0, "correct": 0.0}, source="tool_answer")
+    if not transcript.assistant_texts:
+        return zero
+    parsed = [parse_response(text, call_id=f"r{i}")
+              for i, text in enumerate(transcript.assistant_texts)]
+    format_ok = all(p.reasoning_first and p.well_formed for p in parsed)
+    used_tool = any(m.get("role") == "tool" and _tool_result_ok(m)
+                    for m in transcript.messages)
+    last = parsed[-1]
+    answer = _last_number(last.content) if not last.tool_calls else None
+    correct = answer is not None and math.isclose(answer, target, rel_tol=1e-9, abs_tol=1e-9)
+    value = 1.0 if format_ok and used_tool and correct else 0.0
+    return Reward(value, {"format": float(format_ok), "used_tool": float(used_tool),
+                          "correct": float(correct)}, source="tool_answer")
 
 
 def _no_ground_truth(ground_truth: Any) -> None:

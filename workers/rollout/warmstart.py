@@ -1,0 +1,296 @@
+"""Warm start for the ``calc`` task family: supervised fine-tuning of the tiny Qwen3 model on
+transcripts of a scripted solver that makes mistakes at a set rate.
+
+A model from random weights never emits a tool call, so reinforcement learning has nothing to
+work with. :func:`solver_transcripts` plays ``calc`` tasks with a scripted solver: each answer
+is ``<think>…</think>`` then a ``<tool_call>`` to ``python`` or ``calculator``; with probability
+``error_rate`` the first call is wrong in one of the ways real agents fail (malformed JSON,
+``SyntaxError`` or ``NameError`` in the code, an unknown tool), followed by the loop's error
+feedback and a corrected retry, as the rollout loop's rollback presents it. After the tool
+result comes ``<think>…</think>`` and the number. :func:`warm_start_model` fine-tunes the tiny
+model on these (loss on the assistant tokens only), so the policy's own samples make real,
+recoverable errors at roughly that rate.
+
+:func:`warm_start_path` caches the result under the data directory in
+``warm-calc-v<version>-seed<seed>`` with a ``warmstart.json`` holding the SHA-256 of every
+file. A folder whose files do not match (a corrupt or half-written cache) is reported with a
+warning naming the file, removed and rebuilt; it is never loaded. Building is deterministic
+for a seed and takes well under a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.rollout.agent_tasks import calc_question, calc_task
+from workers.rollout.calculator import evaluate_expression, format_number
+from workers.rollout.rollback import format_error_feedback
+from workers.rollout.tinymodel import build_tiny_model
+
+__all__ = [
+    "MISTAKES",
+    "WARM_START_VERSION",
+    "WarmStartCacheError",
+    "WarmStartOptions",
+    "solver_transcripts",
+    "verify_warm_start",
+    "warm_start_model",
+    "warm_start_path",
+]
+
+log = logging.getLogger(__name__)
+
+#: Bump when the recipe changes, so that older cached folders are not reused.
+WARM_START_VERSION = 1
+#: The kinds of mistake the scripted solver makes.
+MISTAKES: tuple[str, ...] = ("malformed", "syntax", "name", "unknown_tool")
+_MANIFEST = "warmstart.json"
+
+
+class WarmStartCacheError(ValueError):
+    """A cached warm-start folder is corrupt; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class WarmStartOptions:
+    """The recipe: ``transcripts`` solver transcripts with ``error_rate`` first-call
+    mistakes, ``steps`` optimiser steps of ``batch_size`` at learning rate ``lr``."""
+
+    transcripts: int = 256
+    error_rate: float = 0.3
+    steps: int = 80
+    batch_size: int = 8
+    lr: float = 3e-3
+
+    def check(self) -> None:
+        """Raise ValueError naming the first field out of range."""
+        for name in ("transcripts", "steps", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"warm start {name} must be a positive integer, got {value!r}")
+        if not 0.0 <= self.error_rate <= 1.0:
+            raise ValueError(f"warm start error_rate must be in [0, 1], got {self.error_rate!r}")
+        if not self.lr > 0:
+            raise ValueError(f"warm start lr must be > 0, got {self.lr!r}")
+
+
+def _call(name: str, arguments: dict[str, Any]) -> str:
+    return ("<tool_call>\n" + json.dumps({"name": name, "arguments": arguments})
+            + "\n</tool_call>")
+
+
+def _think(text: str) -> str:
+    return f"<think>\n{text}\n</think>\n\n"
+
+
+def _good_call(rng: random.Random, expression: str) -> str:
+    if rng.random() < 0.5:
+        return _think("compute it with python") + _call("python",
+                                                        {"code": f"print({expression})"})
+    return _think("compute it with the calculator") + _call("calculator",
+                                                            {"expression": expression})
+
+
+def _bad_call(kind: str, expression: str) -> tuple[str, str]:
+    """A failing first turn of ``kind`` and the text of its tool error."""
+    if kind == "malformed":
+        text = _think("compute it with python") + (
+            '<tool_call>\n{"name": "python", "arguments": {"code": "print(' + expression
+            + ')"}\n</tool_call>')
+        return text, "tool call format is wrong: invalid JSON in <tool_call>"
+    if kind == "syntax":
+        text = _think("compute it with python") + _call("python",
+                                                        {"code": f"print({expression}"})
+        return text, "SyntaxError: '(' was never closed"
+    if kind == "name":
+        text = _think("compute it with python") + _call("python",
+                                                        {"code": "print(result)"})
+        return text, "NameError: name 'result' is not defined"
+    text = _think("compute it") + _call("calc", {"expression": expression})
+    return text, "ToolNotFoundError: no tool named 'calc'"
+
+
+def solver_transcripts(count: int, *, seed: int = 0, error_rate: float = 0.3
+                       ) -> list[list[dict[str, Any]]]:
+    """``count`` chat transcripts of the scripted solver on ``calc-<seed>-<i>`` tasks (module
+    docstring). Each is a list of messages (system, user, assistant, [feedback user,
+    assistant], tool, assistant) whose assistant ``content`` is the raw generated text.
+    Deterministic in ``(seed, error_rate)``. Raises ValueError for a bad count or rate."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"error_rate must be in [0, 1], got {error_rate!r}")
+    rng = random.Random(f"warm-{seed}")
+    transcripts = []
+    for index in range(count):
+        task = calc_task(seed, index)
+        _, expression = calc_question(seed, index)
+        answer = format_number(evaluate_expression(expression))
+        messages: list[dict[str, Any]] = [dict(m) for m in task.messages]
+        if rng.random() < error_rate:
+            bad, error = _bad_call(rng.choice(MISTAKES), expression)
+            messages.append({"role": "assistant", "content": bad})
+            messages.append({"role": "user", "content": format_error_feedback([error])})
+        messages.append({"role": "assistant", "content": _good_call(rng, expression)})
+        messages.append({"role": "tool", "content": answer})
+        messages.append({"role": "assistant", "content": _think("the tool says") + answer})
+        transcripts.append(messages)
+    return transcripts
+
+
+def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+            ) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered transcript and a mask (1 on assistant-generated tokens):
+    every assistant turn is rendered as the text after its generation prompt."""
+    ids: list[int] = []
+    mask: list[int] = []
+    rendered = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:index], tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[:index + 1], tools=tools,
+                                             tokenize=False)
+        context = prompt[len(rendered):]
+        generated = full[len(prompt):]
+        context_ids = tokenizer.encode(context, add_special_tokens=False)
+        generated_ids = tokenizer.encode(generated, add_special_tokens=False)
+        ids += context_ids + generated_ids
+        mask += [0] * len(context_ids) + [1] * len(generated_ids)
+        rendered = full
+    return ids, mask
+
+
+def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
+                     options: WarmStartOptions | None = None) -> Path:
+    """Build the tiny model for ``seed`` into ``directory`` and fine-tune it on
+    :func:`solver_transcripts`; writes the weights, the tokenizer and the manifest. Returns
+    the folder. Raises ValueError for a negative seed or bad options."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    options = options or WarmStartOptions()
+    options.check()
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    path = build_tiny_model(directory, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tools = [dict(t) for t in calc_task(seed, 0).tools]
+    data = [_encode(tokenizer, t, tools)
+            for t in solver_transcripts(options.transcripts, seed=seed,
+                                        error_rate=options.error_rate)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.0)
+        order = random.Random(seed)
+        pad = tokenizer.pad_token_id
+        for step in range(options.steps):
+            batch = order.sample(data, min(options.batch_size, len(data)))
+            width = max(len(ids) for ids, _ in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            labels = torch.full((len(batch), width), -100, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (ids, mask) in enumerate(batch):
+                input_ids[row, :len(ids)] = torch.tensor(ids)
+                attention[row, :len(ids)] = 1
+                labels[row, :len(ids)] = torch.tensor(
+                    [t if m else -100 for t, m in zip(ids, mask, strict=True)])
+            for group in optimizer.param_groups:
+                group["lr"] = options.lr * min(1.0, (options.steps - step) / (options.steps / 4))
+            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        log.info("warm start seed %d: final SFT loss %.3f", seed, float(loss.detach()))
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    manifest = {"version": WARM_START_VERSION, "seed": seed,
+                "options": options.__dict__, "final_loss": round(float(loss.detach()), 4),
+                "sha256": {f.name: _sha256(f) for f in sorted(path.iterdir())
+                           if f.is_file() and f.name != _MANIFEST}}
+    (path / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_warm_start(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check a cached warm-start folder against its manifest; returns the manifest. Raises
+    WarmStartCacheError naming the file when the manifest is missing or unreadable, a file
+    is missing, or a file's SHA-256 differs."""
+    folder = Path(path)
+    manifest_file = folder / _MANIFEST
+    try:
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+        hashes = manifest["sha256"]
+        if not isinstance(hashes, dict) or "model.safetensors" not in hashes:
+            raise KeyError("sha256")
+    except FileNotFoundError:
+        raise WarmStartCacheError(f"warm-start cache {folder}: {_MANIFEST} is missing") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WarmStartCacheError(f"warm-start cache {folder}: {_MANIFEST} is unreadable "
+                                  f"({exc})") from None
+    for name, expected in hashes.items():
+        file = folder / name
+        if not file.is_file():
+            raise WarmStartCacheError(f"warm-start cache {folder}: {name} is missing")
+        if _sha256(file) != expected:
+            raise WarmStartCacheError(f"warm-start cache {folder}: {name} does not match its "
+                                      f"checksum (corrupt)")
+    return manifest
+
+
+def warm_start_path(data_dir: str | os.PathLike[str], *, seed: int = 0,
+                    options: WarmStartOptions | None = None) -> Path:
+    """The warm-started model for ``seed`` under ``data_dir``, built once (module docstring).
+
+    A cached folder that fails :func:`verify_warm_start` is reported with a warning naming
+    the problem, removed and rebuilt. Building happens in a temporary sibling renamed into
+    place. Raises ValueError for a negative ``seed`` or bad options."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    options = options or WarmStartOptions()
+    options.check()
+    root = Path(data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    recipe = hashlib.sha256(json.dumps(options.__dict__, sort_keys=True).encode()).hexdigest()
+    target = root / f"warm-calc-v{WARM_START_VERSION}-seed{seed}-{recipe[:8]}"
+    if target.exists():
+        try:
+            verify_warm_start(target)
+            return target
+        except WarmStartCacheError as exc:
+            log.warning("%s; rebuilding it", exc)
+            shutil.rmtree(target, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=root))
+    try:
+        warm_start_model(staging, seed=seed, options=options)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.exists():
+                raise
+            verify_warm_start(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
