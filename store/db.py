@@ -9,11 +9,13 @@ privilege and trigger refusals become ``RefusedError``.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.types.json import set_json_loads
 from psycopg_pool import ConnectionPool
 
 from store import errors
@@ -65,6 +67,21 @@ def scalar(conn: psycopg.Connection, sql: Any, params: Any = None) -> Any:
     if row is None:
         raise errors.StoreError(f"expected a row from: {sql}")
     return row[0]
+
+
+def _loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """JSON from PostgreSQL, with U+FFFD in place of each NUL escape: a row stored before
+    appends refused NUL (``store.validation``) must still read, and what is read from it must
+    be writable to the projections (PostgreSQL text cannot hold NUL)."""
+    if isinstance(data, str):
+        return json.loads(data.replace("\\u0000", "\\ufffd") if "\\u0000" in data else data)
+    raw = bytes(data)
+    if b"\\u0000" in raw:
+        raw = raw.replace(b"\\u0000", b"\\ufffd")
+    return json.loads(raw)
+
+
+set_json_loads(_loads)
 
 
 def connect(url: str, **kwargs: Any) -> psycopg.Connection:

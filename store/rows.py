@@ -43,13 +43,13 @@ def safe_data(column: str) -> str:
             f" THEN replace({column}::text, '\\u0000', '\\ufffd')::json ELSE {column} END)")
 
 
-#: Columns selected by every reader, in this order (see ``Decoder.decode``). ``data`` goes
-#: through ``safe_data``: a row stored with a NUL escape before appends refused it reads with
-#: U+FFFD in its place, so that replay and projections can write it (every other row reads
-#: exactly as stored).
+#: Columns selected by every reader, in this order (see ``Decoder.decode``). ``data`` is read
+#: whole and parsed in Python, where ``store.db``'s JSON loader puts U+FFFD in place of a NUL
+#: escape (a row stored before appends refused NUL), so that replay and projections can write
+#: it; the scan for the escape runs in C over bytes, not in SQL over every row read.
 ROW_COLUMNS = (
     "position, tx_id::text::bigint AS tx_id, event_id, stream_id, stream_version, type,"
-    f" schema_version, run_id, group_id, agent, {safe_data('data')} AS data, prompt_ids,"
+    " schema_version, run_id, group_id, agent, data, prompt_ids,"
     " prompt_base_version, prompt_prefix_len, response_ids, logprobs, occurred_at, recorded_at"
 )
 
