@@ -18,7 +18,7 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.keys import ApiKey
 
-__all__ = ["AnyKey", "Ctx", "IngestKey", "ReadKey", "authenticate", "get_context"]
+__all__ = ["AdminKey", "AnyKey", "Ctx", "IngestKey", "ReadKey", "authenticate", "get_context"]
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer tsk_…`")
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="`X-API-Key: tsk_…`")
@@ -69,3 +69,4 @@ def _role(role: str):  # type: ignore[no-untyped-def]
 
 IngestKey = Annotated[ApiKey, Depends(_role("ingest"))]
 ReadKey = Annotated[ApiKey, Depends(_role("read"))]
+AdminKey = Annotated[ApiKey, Depends(_role("admin"))]

@@ -103,6 +103,9 @@ def _store_error(exc: store_errors.StoreError) -> JSONResponse:
             extra["field"] = exc.field
         return error_response(422, "invalid_event" if exc.event_index is not None
                               else "invalid_request", str(exc), **extra)
+    if isinstance(exc, store_errors.ClosedError):
+        return error_response(409, "episode_finished", str(exc), stream_id=exc.stream_id,
+                              current_version=exc.actual)
     if isinstance(exc, store_errors.ConflictError):
         return error_response(409, "version_conflict", str(exc), stream_id=exc.stream_id,
                               current_version=exc.actual)

@@ -38,6 +38,7 @@ from store.analytics_rows import (
 from store.db import Database
 
 __all__ = [
+    "csv_cell",
     "AnalyticsView",
     "Filters",
     "VIEWS",
@@ -301,15 +302,31 @@ def row_as_dict(row: Any) -> dict[str, Any]:
     return {f.name: getattr(row, f.name) for f in fields(row)}
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A value as a CSV cell: None empty, times in ISO 8601, and text that a spreadsheet
+    would run as a formula (starting with = + - @, a tab or a carriage return: an error type
+    or a tool name comes from the agent, so from whoever controls its input) prefixed with
+    ``'``, which spreadsheets show as text. Numbers are left as they are."""
+    if value is None:
+        return ""
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def rows_as_csv(spec: AnalyticsView, rows: list[Any]) -> str:
-    """``rows`` of ``spec`` as CSV with a header row: None as an empty field, times in ISO
-    8601, everything else as ``str``. Raises TypeError for a row that is not a row dataclass."""
+    """``rows`` of ``spec`` as CSV with a header row, each value through ``csv_cell``.
+    Raises TypeError for a row that is not a row dataclass."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(spec.columns)
     for r in rows:
-        writer.writerow(["" if v is None else v.isoformat() if isinstance(v, dt.datetime)
-                         else v for v in row_as_dict(r).values()])
+        writer.writerow([csv_cell(v) for v in row_as_dict(r).values()])
     return buffer.getvalue()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 __all__ = [
     "StoreError",
     "ValidationError",
+    "ClosedError",
     "ConflictError",
     "IdempotencyError",
     "NotFoundError",
@@ -46,6 +47,19 @@ class ConflictError(StoreError):
         super().__init__(
             f"stream {stream_id!r} is at version {actual}, the append expected {expected}"
         )
+
+
+class ClosedError(ConflictError):
+    """The episode is finished: no event may follow its ``episode_finished``. Nothing was
+    stored. (A ``ConflictError``: code that retries on a stale version stops here too.)"""
+
+    def __init__(self, stream_id: str, *, actual: int):
+        StoreError.__init__(
+            self, f"episode {stream_id!r} is finished (version {actual}); no event may follow "
+            "its episode_finished")
+        self.stream_id = stream_id
+        self.expected = "an open episode"
+        self.actual = actual
 
 
 class IdempotencyError(StoreError):

@@ -23,7 +23,7 @@ from psycopg.rows import dict_row
 
 from store import errors
 from store.db import Database, scalar
-from store.events import MAX_INT, EpisodeStarted, Event, LLMCalled, RunCreated
+from store.events import MAX_INT, EpisodeFinished, EpisodeStarted, Event, LLMCalled, RunCreated
 from store.metrics import observe_append
 from store.rows import (
     ROW_COLUMNS,
@@ -244,7 +244,8 @@ class EventStore:
                     (ids,),
                 )
                 version_cur = conn.execute(
-                    "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = %s",
+                    "SELECT coalesce(max(stream_version), 0),"
+                    " bool_or(type = 'episode_finished') FROM events WHERE stream_id = %s",
                     (stream_id,),
                 )
             stored = stored_cur.fetchall()
@@ -252,9 +253,14 @@ class EventStore:
                 return self._idempotent_result(conn, stream_id, events, stored)
             version_row = version_cur.fetchone()
             assert version_row is not None  # max() always returns a row
-            current = version_row[0]
+            current, finished = version_row[0], bool(version_row[1])
+            if finished:
+                # A finished episode is closed for good: an event after its finish would
+                # change what replay made of it, samples already trained included.
+                raise errors.ClosedError(stream_id, actual=current)
             if expected is not None and current != expected:
                 raise errors.ConflictError(stream_id, expected=expected, actual=current)
+            _check_order(stream_id, events, current)
 
             rows, calls = self._rows(conn, stream_id, current, events)
             # A unique violation here (the same event id committed meanwhile to another
@@ -702,3 +708,35 @@ def _columns(rows: list[EventRow]) -> tuple[list[Any], ...]:
         [r.logprobs for r in rows],
         [r.occurred_at for r in rows],
     )
+
+
+_RUN_EVENTS = ("run_created", "policy_updated")
+
+
+def _check_order(stream_id: str, events: list[Event], current: int) -> None:
+    """Where events may go: ``episode_started`` only as an episode's first event, nothing
+    after its ``episode_finished``, and runs' streams (``run-<run id>``) apart from episodes'
+    (only run events there, and a run's ``run_created`` only in its own stream), so that an
+    episode cannot take the stream of a run that does not exist yet. ValidationError naming
+    the event otherwise."""
+    run_stream = stream_id.startswith("run-")
+    for i, event in enumerate(events):
+        if run_stream != (event.type in _RUN_EVENTS):
+            raise errors.ValidationError(
+                f"{event.type} cannot go to stream {stream_id!r}: streams named 'run-…' hold "
+                "a run's own events (run_created, policy_updated) and nothing else",
+                event_index=i, field="type")
+        if isinstance(event, RunCreated) and stream_id != run_stream_id(event.run_id):
+            raise errors.ValidationError(
+                f"run {event.run_id!r} is created in its own stream "
+                f"{run_stream_id(event.run_id)!r}, not {stream_id!r}", event_index=i,
+                field="run_id")
+        if isinstance(event, EpisodeStarted) and current + i != 0:
+            raise errors.ValidationError(
+                "episode_started may only be an episode's first event (stream version 1), "
+                f"not version {current + i + 1}", event_index=i, field="type")
+        if isinstance(event, EpisodeFinished) and i != len(events) - 1:
+            raise errors.ValidationError(
+                "episode_finished must be the last event of its episode; "
+                f"{len(events) - 1 - i} event(s) follow it in this batch",
+                event_index=i + 1, field="type")

@@ -164,6 +164,11 @@ class Settings(BaseSettings):
         description="Seconds an API process trusts a key it checked, while it hears "
         "revocations (LISTEN); 0 checks the database on every request.",
     )
+    rollout_trainer_hosts: str = Field(
+        default="",
+        description="Hosts POST /rollout may call back as the trainer (server_url), comma "
+        "separated; empty: loopback only (127.0.0.0/8, ::1, localhost); '*': any host.",
+    )
     gateway_upstream_url: str | None = Field(
         default=None,
         description="OpenAI-compatible server (vLLM) the capture gateway forwards to, "

@@ -31,7 +31,7 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
     """(method, path, role needed, body factory) of every route that needs a key."""
     return [
         ("GET", "/v1/keys/me", "any", lambda: None),
-        ("GET", "/metrics", "any", lambda: None),
+        ("GET", "/metrics", "admin", lambda: None),
         ("POST", "/v1/runs", "ingest", lambda: {"run_id": f"r-{uuid.uuid4().hex[:8]}"}),
         ("GET", "/v1/runs", "read", lambda: None),
         ("GET", f"/v1/runs/{run}", "read", lambda: None),

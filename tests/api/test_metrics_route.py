@@ -7,7 +7,10 @@ from fastapi.testclient import TestClient
 
 def test_metrics_need_a_key_and_speak_prometheus(client: TestClient, project) -> None:
     assert client.get("/metrics").status_code == 401
-    response = client.get("/metrics", headers=project.headers("read"))
+    # The figures count every project's runs and samples: an admin key only.
+    for role in ("read", "ingest"):
+        assert client.get("/metrics", headers=project.headers(role)).status_code == 403
+    response = client.get("/metrics", headers=project.headers("admin"))
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     body = response.text

@@ -260,8 +260,8 @@ class RemoteTrainerBackend:
             category = ("rate_limited" if status == 429 else
                         "server_error" if status >= 500 else "client_error")
             raise RemoteTrainerError(
-                category, f"POST {self.path} returned HTTP {status}: {response.text[:300]}",
-                status_code=status)
+                category, f"POST {self.path} returned HTTP {status} "
+                f"({len(response.content)} bytes, not shown)", status_code=status)
         token_ids, logprobs, prompt_ids, finish = self._read_answer(response)
         self.calls += 1
         if len(prompt_ids) != len(prompt):
@@ -291,7 +291,7 @@ class RemoteTrainerBackend:
         try:
             data = response.json()
         except ValueError:
-            raise malformed(f"is not JSON: {response.text[:200]!r}") from None
+            raise malformed(f"is not JSON ({len(response.content)} bytes, not shown)") from None
         if not isinstance(data, Mapping):
             raise malformed(f"is not a JSON object but {type(data).__name__}")
         choices = data.get("choices")

@@ -48,8 +48,10 @@ Semantics:
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -173,6 +175,12 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
     if not re.match(r"^https?://[^/\s]+", server_url):
         raise ValueError(f"rollout request field 'server_url' must be an http(s) URL, "
                          f"got {server_url!r}")
+    parts = urllib.parse.urlsplit(server_url)
+    if parts.query or parts.fragment or "?" in server_url or "#" in server_url:
+        raise ValueError("rollout request field 'server_url' must be a base URL without a "
+                         "query string or fragment (/v1/completions is appended to it)")
+    if parts.username or parts.password:
+        raise ValueError("rollout request field 'server_url' must not carry credentials")
     tokenizer_name = _string(data, "tokenizer_name", limit=500, required=True)
     assert tokenizer_name is not None
     _string(data, "tokenizer_revision", limit=200, required=False)
@@ -196,6 +204,30 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
         max_tokens_total=_positive(data, "max_tokens_total", 8192),
         callback_api_key=api_key or None, run_id=run_id, group_id=group_id,
         extra_sampling=extra)
+
+
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def check_trainer_host(server_url: str, settings: Settings) -> None:
+    """Refuse a ``server_url`` whose host is not allowed to be called back (the setting
+    ``rollout_trainer_hosts``: empty means loopback only, ``*`` any host). ValueError naming
+    the field and the setting otherwise, so a caller cannot make this server request an
+    arbitrary address with a token of its choosing."""
+    host = (urllib.parse.urlsplit(server_url).hostname or "").lower()
+    allowed = [h.strip().lower() for h in settings.rollout_trainer_hosts.split(",") if h.strip()]
+    if "*" in allowed or host in allowed:
+        return
+    if not allowed:
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                return
+        except ValueError:
+            if host in _LOOPBACK:
+                return
+    raise ValueError(f"rollout request field 'server_url': host {host!r} is not an allowed "
+                     "trainer host (TRAJSTORE_ROLLOUT_TRAINER_HOSTS; empty allows loopback "
+                     "only)")
 
 
 def resolve_tokenizer(name: str, *, settings: Settings) -> Any:
@@ -242,6 +274,7 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
         tools = ToolRegistry([Calculator()])
     if not isinstance(tools, ToolRegistry):
         raise TypeError(f"tools must be a ToolRegistry, got {type(tools).__name__}")
+    check_trainer_host(parsed.server_url, settings)
     tokenizer = resolve_tokenizer(parsed.tokenizer_name, settings=settings)
     task = Task(task_id="remote", messages=parsed.messages, tools=tuple(tools.schemas()),
                 ground_truth=None, reward="unscored", max_turns=parsed.max_turns)
