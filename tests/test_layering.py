@@ -125,3 +125,9 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     assert ("store.sub.m", "api.cli") in got
     assert ("store.sub.m", "store.sub.n") in got
     assert ("store.sub", "store") in got
+
+
+def test_the_committed_picture_is_the_codes(found: list[depgraph.Import]) -> None:
+    """docs/img/dependencies.mmd is what ``python tools/depgraph.py`` draws from the code."""
+    assert depgraph.PICTURE.read_text(encoding="utf-8") == depgraph.mermaid(
+        depgraph.part_edges(found)), "stale picture: run python tools/depgraph.py"
