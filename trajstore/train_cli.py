@@ -41,6 +41,9 @@ def train(
                                                "available).")] = None,
     wait: Annotated[float, typer.Option(min=0.0, help="Seconds to wait for a ready batch "
                                         "before stopping early.")] = 0.0,
+    trackers: Annotated[str, typer.Option(
+        envvar="TRAJSTORE_TRACKERS", help="Metrics trackers, comma-separated: jsonl, "
+        "tensorboard, wandb (written under <data dir>/train/<run>).")] = "jsonl",
 ) -> None:
     """Train a run in the foreground: lease, update, checkpoint, record, for --steps steps."""
     from rich.console import Console
@@ -51,6 +54,7 @@ def train(
     from store.settings import get_settings
     from workers.trainer.config import TrainerConfig
     from workers.trainer.loop import StepResult, Trainer
+    from workers.trainer.trackers import make_trackers
 
     console = Console(soft_wrap=True)
     try:
@@ -60,7 +64,12 @@ def train(
                                temperature=temperature, kl_coef=kl_coef, device=device)
     except (TypeError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    store = EventStore.open(get_settings())
+    settings = get_settings()
+    try:
+        sinks = make_trackers(trackers, settings.data_dir / "train" / run)
+    except (ImportError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trackers") from None
+    store = EventStore.open(settings)
     try:
         try:
             trainer = Trainer.open(store, run, config=config, model=model)
@@ -74,6 +83,8 @@ def train(
 
             def show(result: StepResult) -> None:
                 metrics = result.metrics
+                for sink in sinks:
+                    sink.log(metrics, step=result.step)
                 progress.update(task, advance=1, status=(
                     f"v{result.version} samples={result.samples} "
                     f"reward={metrics.get('reward_mean', 0.0):.3f} "
@@ -91,3 +102,5 @@ def train(
                           + (f" within {wait:g}s" if wait else ""))
     finally:
         store.close()
+        for sink in sinks:
+            sink.close()

@@ -1,4 +1,4 @@
-"""Training metrics trackers: jsonl output, unknown trackers refused by name, TensorBoard when installed."""
+"""Training metrics trackers: jsonl output, unknown names refused, TensorBoard if installed."""
 
 from __future__ import annotations
 
@@ -30,3 +30,15 @@ def test_tensorboard_tracker_writes_events(tmp_path: Path) -> None:
     tracker.log({"loss": 1.0}, step=0)
     tracker.close()
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_train_cli_refuses_unknown_tracker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from trajstore.cli import app
+
+    monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["train", "--run", "r", "--trackers", "nope"])
+    assert result.exit_code == 2
+    assert "unknown tracker 'nope'" in result.output
+    assert not (tmp_path / "train" / "r" / "metrics.jsonl").exists()
