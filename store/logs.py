@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import os
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
 from store.settings import Settings
 
@@ -15,28 +17,22 @@ __all__ = ["NOISY_LIBRARIES", "JsonFormatter", "configure_logging"]
 # every pg_ctl call); the command line shows them only with ``-v``.
 NOISY_LIBRARIES = ("alembic", "pgserver", "httpx", "urllib3", "multipart")
 
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+class JsonFormatter(_LibraryJsonFormatter):
+    """One JSON object per record (python-json-logger): time, level, logger, message,
+    process, and any ``extra`` fields; the exception's traceback under ``exc_info``."""
 
+    def __init__(self) -> None:
+        super().__init__(json_default=str)
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, process, and any ``extra``
-    fields; the exception's traceback under ``exc_info``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-            "process": record.processName if record.processName != "MainProcess"
-            else os.getpid(),
-        }
-        for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
-                entry[key] = value
-        if record.exc_info:
-            entry["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+    def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord,
+                   message_dict: dict[str, Any]) -> None:
+        log_data["time"] = dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat()
+        log_data["level"] = record.levelname
+        log_data["logger"] = record.name
+        log_data["message"] = record.getMessage()
+        log_data["process"] = (record.processName if record.processName != "MainProcess"
+                               else os.getpid())
+        super().add_fields(log_data, record, message_dict)
 
 
 def configure_logging(settings: Settings, *, verbose: bool = True) -> None:

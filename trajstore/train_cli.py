@@ -43,6 +43,9 @@ def train(
                                         "before stopping early.")] = 0.0,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (FSDP2 ranks under torchrun); "
                                        "1 trains in this process.")] = 1,
+    trackers: Annotated[str, typer.Option(
+        envvar="TRAJSTORE_TRACKERS", help="Metrics trackers, comma-separated: jsonl, "
+        "tensorboard, wandb (written under <data dir>/train/<run>).")] = "jsonl",
 ) -> None:
     """Train a run in the foreground: lease, update, checkpoint, record, for --steps steps."""
     from rich.console import Console
@@ -53,6 +56,7 @@ def train(
     from store.settings import get_settings
     from workers.trainer.config import TrainerConfig
     from workers.trainer.loop import StepResult, Trainer
+    from workers.trainer.trackers import make_trackers
 
     console = Console(soft_wrap=True)
     try:
@@ -62,8 +66,15 @@ def train(
                                temperature=temperature, kl_coef=kl_coef, device=device)
     except (TypeError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    store = EventStore.open(get_settings())
+    settings = get_settings()
+    try:
+        sinks = make_trackers(trackers, settings.data_dir / "train" / run)
+    except (ImportError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trackers") from None
+    store = EventStore.open(settings)
     if nproc > 1:
+        for sink in sinks:  # the ranks' steps are recorded in policy_updated only
+            sink.close()
         try:
             code = _train_distributed(store, run, config, nproc=nproc, steps=steps,
                                       wait=wait, model=model)
@@ -86,6 +97,8 @@ def train(
 
             def show(result: StepResult) -> None:
                 metrics = result.metrics
+                for sink in sinks:
+                    sink.log(metrics, step=result.step)
                 progress.update(task, advance=1, status=(
                     f"v{result.version} samples={result.samples} "
                     f"reward={metrics.get('reward_mean', 0.0):.3f} "
@@ -103,6 +116,8 @@ def train(
                           + (f" within {wait:g}s" if wait else ""))
     finally:
         store.close()
+        for sink in sinks:
+            sink.close()
 
 
 def _train_distributed(store: Any, run: str, config: Any, *, nproc: int, steps: int,

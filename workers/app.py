@@ -4,6 +4,8 @@ Queues: ``replay`` (replay and the sweep), ``rollout``, ``train``. Tasks acknowl
 and prefetch one at a time, so a task whose worker dies is delivered again (tasks are
 idempotent); the broker's visibility timeout (``TRAJSTORE_VISIBILITY_TIMEOUT_S``) must stay
 longer than the longest task. No result backend: tasks never wait on each other's results.
+Task events are on, so ``celery -A workers.app inspect active`` and Flower work against a
+running ``trajstore up``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def configure(celery: Celery, settings: Any = None) -> None:
             "sweep": {"task": "trajstore.sweep", "schedule": settings.sweep_interval_s},
         },
         worker_hijack_root_logger=False,
+        # Task events on, so `celery -A workers.app inspect ...` and Flower can watch a
+        # running `trajstore up` (docs/deploy.md).
+        worker_send_task_events=True,
+        task_send_sent_event=True,
     )
     if celery is app:
         _configured = True
