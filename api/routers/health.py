@@ -19,8 +19,9 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health", response_model=Health)
 async def health() -> Health:
-    """The process is up."""
-    return Health(status="ok")
+    """The process is up: ``{"status": "healthy"}``, the form the remote-rollout protocol's
+    harness checks for."""
+    return Health(status="healthy")
 
 
 @router.get("/ready", response_model=Readiness,

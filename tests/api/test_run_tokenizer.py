@@ -45,3 +45,8 @@ def test_a_local_folder_is_accepted(tmp_path) -> None:
     load_tokenizer("qwen3").save_pretrained(tmp_path)
     assert tokenizer_problem(str(tmp_path)) is None
     assert tokenizer_problem(None) is not None and tokenizer_problem("") is not None
+
+
+def test_health_answers_in_the_remote_rollout_form(client: TestClient) -> None:
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "healthy"}
