@@ -82,7 +82,7 @@ DEFAULT_REMOTE_RUN_ID = "remote"
 _NAMESPACE = uuid.UUID("6f1b7a52-3c1e-4d0a-9a57-2f0c1f7e5b11")
 _FIELDS = ("rollout_id", "server_url", "messages", "sampling_params", "tokenizer_name",
            "tokenizer_revision", "max_turns", "max_tokens_total", "callback_api_key",
-           "run_id", "group_id")
+           "run_id", "group_id", "metadata", "tool_server_url")
 _REQUIRED = ("rollout_id", "server_url", "messages", "tokenizer_name")
 #: Sampling fields this loop understands (the rest of SamplingParams' are refused).
 _SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
@@ -166,6 +166,11 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
     if unknown:
         raise ValueError(f"rollout request field {unknown[0]!r} is unknown; known fields: "
                          f"{list(_FIELDS)}")
+    # fields of later protocol revisions: accepted (checked for type), not used here
+    if data.get("metadata") is not None and not isinstance(data["metadata"], Mapping):
+        raise ValueError("rollout request field 'metadata' must be an object")
+    if data.get("tool_server_url") is not None and not isinstance(data["tool_server_url"], str):
+        raise ValueError("rollout request field 'tool_server_url' must be a string")
     missing = [name for name in _REQUIRED if data.get(name) is None]
     if missing:
         raise ValueError(f"rollout request field {missing[0]!r} is required")
