@@ -84,10 +84,10 @@ def load_tokenizer(name: str | None) -> Any:
     ``TokenizerNotFound`` naming what was asked for when it cannot be found locally."""
     if not name:
         raise TokenizerNotFound("the run names no tokenizer (RunConfig.tokenizer or .model)")
-    with _lock:
-        if name in _cache:
-            return _cache[name]
     canonical = canonical_tokenizer(name)
+    with _lock:  # every spelling of one tokenizer shares one instance
+        if canonical in _cache:
+            return _cache[canonical]
     if canonical == "tiny":
         from workers.rollout.tinymodel import build_tiny_tokenizer
 
@@ -101,5 +101,5 @@ def load_tokenizer(name: str | None) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     with _lock:
-        _cache[name] = tokenizer
+        tokenizer = _cache.setdefault(canonical, tokenizer)
     return tokenizer

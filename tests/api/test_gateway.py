@@ -278,7 +278,7 @@ def test_finished_episode_takes_no_more_calls(client: TestClient, project: Proje
 
 
 def test_health_and_ready_on_a_live_server(engine_server: Server) -> None:
-    assert httpx.get(engine_server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(engine_server.url + "/health").json() == {"status": "healthy"}
     ready = httpx.get(engine_server.url + "/ready")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
     assert ready.json()["revision"] == ready.json()["head"]
