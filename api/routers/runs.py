@@ -17,6 +17,7 @@ from store import errors as store_errors
 from store import queries
 from store.eventlog import NO_STREAM, run_stream_id
 from store.events import RunCreated as RunCreatedEvent
+from store.validation import check_text
 from workers.tokenizers import tokenizer_problem
 
 __all__ = ["router", "run_out"]
@@ -55,7 +56,7 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
         raise ApiError(403, "forbidden", f"this key may create runs in project "
                                          f"{key.project!r} only, not {project!r}")
     named = body.config.tokenizer or body.config.model
-    problem = tokenizer_problem(named) if named else None
+    problem = tokenizer_problem(named) if named and check_text(named) is None else None
     if problem is not None:
         raise ApiError(422, "invalid", problem,
                        field="body.config.tokenizer" if body.config.tokenizer or not

@@ -62,8 +62,16 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
             "rollout_id": uuid.uuid4().hex, "server_url": "http://127.0.0.1:9",
             "messages": [{"role": "user", "content": "hi"}], "tokenizer_name": "qwen3",
             "run_id": run, "max_turns": 1}),
+        ("GET", "/v1/models", "ingest", lambda: None),
+        ("POST", f"/v1/runs/{run}/episodes/{episode}/chat/completions", "ingest", lambda: {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("POST", f"/v1/runs/{run}/episodes/{episode}/completions", "ingest", lambda: {
+            "prompt": "hi", "max_tokens": 2}),
+        ("POST", f"/v1/episodes/{episode}/reward", "ingest", lambda: {"value": 0.5}),
         *(("GET", f"/v1/runs/{run}/analytics/{name}", "read", lambda: None)
           for name in VIEWS),
+        # Last: it closes the episode the routes above write to.
+        ("POST", f"/v1/episodes/{episode}/finish", "ingest", lambda: {}),
     ]
 
 
