@@ -52,15 +52,23 @@ def _forget_dead_handles(directory: Path) -> None:
     server. pgserver stops PostgreSQL when the last listed process exits, so a killed process
     left on the list kept the server running for good."""
     handles = directory / ".handle_pids.json"
-    try:
-        pids = json.loads(handles.read_text())
-    except (OSError, ValueError):
+    if not handles.exists():
         return
-    if not isinstance(pids, list):
-        return
-    living = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
-    if living != pids:
-        handles.write_text(json.dumps(living))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from pgserver.postgres_server import PostgresServer
+    # The lock pgserver holds while it adds or removes a process: an update made beside it
+    # could drop a live process from the list, and the server would stop under it.
+    with PostgresServer._lock:
+        try:
+            pids = json.loads(handles.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(pids, list):
+            return
+        living = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
+        if living != pids:
+            handles.write_text(json.dumps(living))
 
 
 def embedded_redis(path: Path) -> Any:
