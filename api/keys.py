@@ -51,6 +51,7 @@ ROLES = ("ingest", "read", "admin")
 #: The notification channel revocations are announced on.
 REVOKED_CHANNEL = "trajstore_api_keys_revoked"
 KEY_PREFIX = "tsk_"
+SESSION_PREFIX = "tss1."
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 _SECRET = re.compile(r"^[A-Za-z0-9_-]{20,200}$")
 _PARAMS = re.compile(r"^scrypt\$(\d+)\$(\d+)\$(\d+)$")
@@ -217,6 +218,34 @@ class KeyStore:
                 while len(self._verified) > 10_000:
                     self._verified.popitem(last=False)
         return key
+
+    def session(self, key: ApiKey, *, ttl_s: float) -> str:
+        """A session token for the web page's cookie: ``tss1.<key id>.<expiry>.<mac>``, the
+        MAC keyed by the key's stored secret hash (which never leaves the database), so the
+        cookie does not hold the key, any API process can check it, and it dies with the key
+        (revocation) or at its expiry. Raises NotFoundError for an unknown key."""
+        row = table.key_secret_row(self.db, key.key_id)
+        if row is None:
+            raise errors.NotFoundError(f"no API key {key.key_id!r}")
+        payload = f"{key.key_id}.{int(time.time() + ttl_s)}"
+        mac = hmac.new(bytes(row[6]), payload.encode(), hashlib.sha256).hexdigest()
+        return f"{SESSION_PREFIX}{payload}.{mac}"
+
+    def verify_session(self, token: str) -> ApiKey | None:
+        """The live key of a ``session`` token, or None when it is malformed, expired, its
+        MAC is wrong, or its key is unknown or revoked."""
+        if not token.startswith(SESSION_PREFIX):
+            return None
+        parts = token[len(SESSION_PREFIX):].split(".")
+        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < time.time():
+            return None
+        key_id, expiry, mac = parts
+        row = table.key_secret_row(self.db, key_id)
+        if row is None or row[5] is not None:
+            return None
+        expected = hmac.new(bytes(row[6]), f"{key_id}.{expiry}".encode(),
+                            hashlib.sha256).hexdigest()
+        return _key(row[:6]) if hmac.compare_digest(expected, mac) else None
 
     def _forget(self, key_id: str) -> None:
         with self._lock:

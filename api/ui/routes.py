@@ -7,8 +7,13 @@ timelines token by token, coloured by loss mask with the logprob on hover; tool 
 errors inline; the rolled-back attempts as negative samples; the event log).
 
 A browser cannot send a bearer header on a link, so ``/ui/login`` takes a key once (any key
-with the ``read`` role, or ``admin``) and keeps it in an HttpOnly, SameSite=Strict cookie
-scoped to ``/ui``; a request may also carry the key as the REST API takes it. Without a
+with the ``read`` role, or ``admin``) and keeps a session in an HttpOnly, SameSite=Strict
+cookie scoped to ``/ui``: not the key, but a MAC over the key's id and an expiry keyed by its
+stored secret hash (``KeyStore.session``), good for eight hours or until the key is revoked.
+A sign-in or sign-out posted from another site (its Origin or Referer names another host) is
+refused. Every page is sent with a Content-Security-Policy that allows only this server's own
+scripts, and with frame, sniffing and referrer headers. A request may also carry the key as
+the REST API takes it. Without a
 valid key a page redirects to the login form; a key of the wrong role is refused there;
 another project's run or episode is a 403 page, an unknown one a 404 page. The page loads
 nothing from outside the server: the chart library is vendored under ``/ui/static``.
@@ -27,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import Ctx
 from api.errors import ApiError
-from api.keys import ApiKey
+from api.keys import SESSION_PREFIX, ApiKey
 from api.routers.runs import run_out
 from api.schemas.runs import RunOut
 from api.ui import data
@@ -36,6 +41,19 @@ from store import queries
 __all__ = ["COOKIE", "STATIC_DIR", "LoginRequired", "PageError", "install", "router"]
 
 COOKIE = "trajstore_key"
+# Sent with every page: only this server's own scripts and styles (Chart.js sets styles from
+# script, hence 'unsafe-inline' for styles only), never framed, no type sniffing, no referrer
+# sent off-site (a form post still carries its Origin, which sign-in checks).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self' "
+                               "'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+# How long a sign-in lasts; the key's revocation ends it sooner.
+SESSION_S = 8 * 3600.0
 HERE = Path(__file__).resolve().parent
 STATIC_DIR = HERE / "static"
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -73,7 +91,19 @@ def _token_of(request: Request) -> str | None:
 async def _check(ctx: Any, token: str | None) -> ApiKey | None:
     if not token:
         return None
+    if token.startswith(SESSION_PREFIX):
+        return await run_in_threadpool(ctx.keys.verify_session, token)
     return ctx.keys.trusted(token) or await run_in_threadpool(ctx.keys.verify, token)
+
+
+def _same_origin(request: Request) -> bool:
+    """Whether a form post comes from this site's own pages: its Origin (or, without one,
+    its Referer) names this host; a client that sends neither is not a browser."""
+    sent = request.headers.get("origin") or request.headers.get("referer")
+    if not sent:
+        return True
+    parts = urllib.parse.urlsplit(sent)
+    return (parts.scheme, parts.netloc) == (request.url.scheme, request.url.netloc)
 
 
 async def page_key(request: Request, ctx: Ctx) -> ApiKey:
@@ -107,6 +137,13 @@ def install(app: Any) -> None:
     app.include_router(router)
     app.mount("/ui/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
 
+    @app.middleware("http")
+    async def page_headers(request: Request, call_next: Any) -> Response:
+        response = await call_next(request)
+        if request.url.path.startswith("/ui"):
+            response.headers.update(PAGE_HEADERS)
+        return response
+
     @app.exception_handler(LoginRequired)
     async def login_required(request: Request, exc: LoginRequired) -> Response:
         target = "/ui/login?" + urllib.parse.urlencode({"next": exc.next_path})
@@ -135,6 +172,8 @@ async def login_form(request: Request, next: str = "/ui") -> HTMLResponse:
 @router.post("/login")
 async def login(request: Request, ctx: Ctx) -> Response:
     """Check the posted key; on success keep it in the cookie and go on to ``next``."""
+    if not _same_origin(request):
+        raise PageError(403, "A sign-in posted from another site is refused.")
     form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
     token = (form.get("key") or [""])[0].strip()
     target = _safe_next((form.get("next") or ["/ui"])[0])
@@ -147,14 +186,17 @@ async def login(request: Request, ctx: Ctx) -> Response:
                      error=f"That key has role {key.role!r}; the pages need 'read' or "
                            "'admin'.")
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui",
-                        secure=request.url.scheme == "https")
+    session = await run_in_threadpool(ctx.keys.session, key, ttl_s=SESSION_S)
+    response.set_cookie(COOKIE, session, httponly=True, samesite="strict", path="/ui",
+                        secure=request.url.scheme == "https", max_age=int(SESSION_S))
     return response
 
 
 @router.post("/logout")
-async def logout() -> Response:
-    """Forget the key."""
+async def logout(request: Request) -> Response:
+    """Forget the session."""
+    if not _same_origin(request):
+        raise PageError(403, "A sign-out posted from another site is refused.")
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
     return response

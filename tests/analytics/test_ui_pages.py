@@ -81,23 +81,73 @@ def test_login_refuses_bad_keys(ui: tuple[TestClient, dict[str, str]], key: str,
     assert r.status_code == 401
 
 
-def test_login_keeps_the_key_in_a_cookie(ui: tuple[TestClient, dict[str, str]]) -> None:
+def test_login_keeps_a_session_not_the_key(ui: tuple[TestClient, dict[str, str]],
+                                           seeded: Seeded) -> None:
     client, tokens = ui
     r = client.post("/ui/login", data={"key": tokens["admin"], "next": "https://evil.example/"},
                     follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/ui"  # never off-site
     cookie = r.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ui" in cookie
-    client.cookies.set(COOKIE, tokens["admin"], path="/ui")
+    session = r.cookies[COOKIE]
+    assert session.startswith("tss1.") and tokens["admin"] not in cookie
+    secret = tokens["admin"].rsplit("_", 1)[1]
+    assert secret not in session
+    client.cookies.clear()
+    client.cookies.set(COOKIE, session, path="/ui")
     try:
-        assert client.get("/ui", follow_redirects=False).status_code == 200
+        page_answer = client.get("/ui", follow_redirects=False)
+        assert page_answer.status_code == 200
+        # Every page: own scripts only, never framed, no sniffing.
+        assert "script-src 'self'" in page_answer.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in page_answer.headers["content-security-policy"]
+        assert page_answer.headers["x-frame-options"] == "DENY"
+        assert page_answer.headers["x-content-type-options"] == "nosniff"
+        # A tampered session is no session.
+        client.cookies.clear()
+        client.cookies.set(COOKIE, session[:-1] + ("0" if session[-1] != "0" else "1"),
+                           path="/ui")
+        assert client.get("/ui", follow_redirects=False).status_code == 303
+        client.cookies.clear()
+        client.cookies.set(COOKIE, session, path="/ui")
         out = client.post("/ui/logout", follow_redirects=False)
         assert out.status_code == 303 and f'{COOKIE}=""' in out.headers["set-cookie"]
     finally:
         client.cookies.clear()
     # The cookie is only good for the pages: the REST API still wants a header.
-    rest = client.get("/v1/runs", headers={"Cookie": f"{COOKIE}={tokens['admin']}"})
+    rest = client.get("/v1/runs", headers={"Cookie": f"{COOKIE}={session}"})
     assert rest.status_code == 401
+
+
+def test_a_session_ends_with_its_key(ui: tuple[TestClient, dict[str, str]],
+                                     seeded: Seeded) -> None:
+    client, _ = ui
+    keys = KeyStore(seeded.db, client.app.state.ctx.settings)
+    made = keys.create(project="default", role="read")
+    r = client.post("/ui/login", data={"key": made.token, "next": "/ui"},
+                    follow_redirects=False)
+    session = r.cookies[COOKIE]
+    client.cookies.clear()
+    client.cookies.set(COOKIE, session, path="/ui")
+    try:
+        assert client.get("/ui", follow_redirects=False).status_code == 200
+        keys.revoke(made.key.key_id)
+        assert client.get("/ui", follow_redirects=False).status_code == 303
+    finally:
+        client.cookies.clear()
+        keys.close()
+
+
+def test_a_sign_in_from_another_site_is_refused(ui: tuple[TestClient, dict[str, str]]) -> None:
+    client, tokens = ui
+    for header in ({"Origin": "https://evil.example"},
+                   {"Referer": "https://evil.example/form"}):
+        r = client.post("/ui/login", data={"key": tokens["read"], "next": "/ui"},
+                        headers=header, follow_redirects=False)
+        assert r.status_code == 403 and COOKIE not in r.cookies
+    same = client.post("/ui/login", data={"key": tokens["read"], "next": "/ui"},
+                       headers={"Origin": str(client.base_url)}, follow_redirects=False)
+    assert same.status_code == 303
 
 
 def test_runs_page_lists_the_projects_runs(ui: tuple[TestClient, dict[str, str]]) -> None:
