@@ -475,6 +475,36 @@ def up(
     raise typer.Exit(supervise(get_settings(), children))
 
 
+@app.command("app-role")
+def app_role(
+    role: Annotated[str, typer.Option("--role", help="Name of the role to create or grant.")]
+    = "trajstore_app",
+    password_stdin: Annotated[bool, typer.Option(
+        "--password-stdin", help="Read the role's password from standard input.")] = False,
+) -> None:
+    """Create (or grant again after a migration) the role the API and the workers should
+    connect as: it appends and reads, owns nothing, and so cannot switch the event log's
+    immutability off. Run it as the owner of the tables."""
+    from store import embedded
+    from store.app_role import grant_app_role
+    from store.db import Database
+
+    password = sys.stdin.readline().rstrip("\r\n") if password_stdin else None
+    db = Database(embedded.database_url(get_settings()), max_size=1)
+    try:
+        made = grant_app_role(db, role, password=password)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--role") from None
+    except errors.StoreError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    finally:
+        db.close()
+    console.print(f"role {made.role} {'created' if made.created else 'granted again'}: "
+                  f"INSERT and SELECT on events, reads and writes on {len(made.tables) - 1} "
+                  "other tables, owns nothing")
+
+
 @app.command()
 def stop() -> None:
     """Stop the embedded PostgreSQL and Redis of the data directory (a server named by the
