@@ -120,6 +120,40 @@ class Settings(BaseSettings):
         description="Generation engine of rollout workers: transformers, or vLLM's offline "
         "engine (needs the vllm package).",
     )
+    rollout_concurrency: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Most episodes in flight in one rollout worker process (all its groups "
+        "together); they share the process's engine, which batches their requests.",
+    )
+    rollout_groups: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="Most groups one rollout worker process plays at once (its Celery "
+        "thread pool); their episodes share rollout_concurrency.",
+    )
+    rollout_max_batch: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Most requests the transformers backend generates in one padded batch.",
+    )
+    rollout_tool_workers: int = Field(
+        default=4,
+        ge=1,
+        le=256,
+        description="Threads that run synchronous tool calls in a rollout process: the most "
+        "tool calls (and Python sandbox processes) at once.",
+    )
+    rollout_tool_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="Deadline of one tool call; a call still running then is recorded as a "
+        "TimeoutError outcome (the Python sandbox's own, lower limit kills its process).",
+    )
     fault_replay_delay_s: float = Field(
         default=0.0,
         ge=0,

@@ -355,9 +355,13 @@ app.command("sample", hidden=True)(example)
 def worker(
     queues: Annotated[str, typer.Option(help="Comma-separated queues: replay, rollout, train.")]
     = "replay",
-    concurrency: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 1,
+    concurrency: Annotated[int | None, typer.Option(
+        min=1, help="Worker processes (threads with --pool threads). Default: 1, or "
+        "TRAJSTORE_ROLLOUT_GROUPS for a rollout worker.")] = None,
     beat: Annotated[bool, typer.Option("--beat", help="Also run the periodic sweep.")] = False,
-    pool: Annotated[Pool, typer.Option(help="Celery pool.")] = Pool.prefork,
+    pool: Annotated[Pool | None, typer.Option(
+        help="Celery pool. Default: threads for a worker with the rollout queue (its groups "
+        "share one engine and one event loop), prefork otherwise.")] = None,
 ) -> None:
     """Run a Celery worker on the given queues (the broker is the configured Redis, or the
     embedded one)."""
@@ -369,6 +373,11 @@ def worker(
     if not names or unknown:
         raise typer.BadParameter(f"unknown queue(s) {unknown}; known: {', '.join(QUEUES)}",
                                  param_hint="--queues")
+    settings = get_settings()
+    if pool is None:
+        pool = Pool.threads if "rollout" in names else Pool.prefork
+    if concurrency is None:
+        concurrency = settings.rollout_groups if "rollout" in names else 1
     ensure_configured()
     # A replay worker also follows the log and queues the replay of every finished episode,
     # whichever process appended it.
@@ -529,11 +538,19 @@ _register_extensions()
 
 
 def main() -> None:  # pragma: no cover - console entry (`python -m trajstore`)
+    from pydantic import ValidationError
+
     try:
         app()
     except errors.StoreError as exc:
         console.print(f"[red]error:[/red] {exc}")
         sys.exit(1)
+    except ValidationError as exc:  # a setting out of range: name it, as it is spelled
+        for problem in exc.errors():
+            name = "TRAJSTORE_" + "_".join(str(part) for part in problem["loc"]).upper()
+            console.print(f"[red]error:[/red] setting {name}={problem.get('input')!r}: "
+                          f"{problem['msg']}")
+        sys.exit(2)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AsyncGenerationBackend",
     "FinishReason",
     "GenerationBackend",
     "GenerationRequest",
@@ -208,6 +209,16 @@ class GenerationBackend(Protocol):
     """Anything that turns a :class:`GenerationRequest` into a :class:`GenerationResult`."""
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one response; bad requests raise ValueError naming the problem."""
+        ...
+
+
+@runtime_checkable
+class AsyncGenerationBackend(Protocol):
+    """A backend that serves concurrent requests from one event loop, generating the requests
+    in flight together (continuous or padded batching)."""
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one response; bad requests raise ValueError naming the problem."""
         ...
 

@@ -23,6 +23,8 @@ The same client serves the remote-rollout protocol's trainer endpoint, which spe
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from typing import Any
 
 import numpy as np
@@ -45,8 +47,14 @@ class OpenAIServerBackend:
     """
 
     def __init__(self, base_url: str, *, model: str, timeout_s: float = 120.0,
-                 api_key: str | None = None, policy_version: int = 0) -> None:
+                 api_key: str | None = None, policy_version: int = 0,
+                 max_connections: int = 64) -> None:
         import httpx
+
+        if (isinstance(max_connections, bool) or not isinstance(max_connections, int)
+                or max_connections < 1):
+            raise ValueError(f"max_connections must be a positive integer, "
+                             f"got {max_connections!r}")
 
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
@@ -57,6 +65,12 @@ class OpenAIServerBackend:
         self.policy_version = policy_version
         self.client = httpx.Client(base_url=base_url.rstrip("/") + "/v1", timeout=timeout_s,
                                    headers=headers)
+        self._async_settings = {"base_url": base_url.rstrip("/") + "/v1", "timeout": timeout_s,
+                                "headers": headers,
+                                "limits": httpx.Limits(max_connections=max_connections,
+                                                       max_keepalive_connections=max_connections)}
+        self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
+            weakref.WeakKeyDictionary())
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -92,9 +106,27 @@ class OpenAIServerBackend:
         """Send one request and convert the answer (module docstring)."""
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
-        chat = request.messages is not None
-        path = "/chat/completions" if chat else "/completions"
-        response = self.client.post(path, json=self.request_body(request))
+        path = "/chat/completions" if request.messages is not None else "/completions"
+        return self._result(path, self.client.post(path, json=self.request_body(request)))
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult:
+        """Send one request without blocking the event loop; concurrent requests share a
+        pool of at most ``max_connections`` connections (one pool per event loop), and the
+        server batches them. Errors as :meth:`generate`."""
+        import httpx
+
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        loop = asyncio.get_running_loop()
+        client = self._async_clients.get(loop)
+        if client is None:
+            client = self._async_clients[loop] = httpx.AsyncClient(**self._async_settings)
+        path = "/chat/completions" if request.messages is not None else "/completions"
+        response = await client.post(path, json=self.request_body(request))
+        return self._result(path, response)
+
+    def _result(self, path: str, response: Any) -> GenerationResult:
+        chat = path == "/chat/completions"
         if response.status_code >= 400:
             raise ServerResponseError(f"POST {path} returned {response.status_code}: "
                                       f"{response.text[:500]}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
+from workers.rollout.batching import BatchScheduler
 from workers.rollout.logprobs import sampled_token_logprobs
 from workers.rollout.prompt import decode_response, end_of_turn_ids, render_prompt_ids
 
@@ -46,6 +48,15 @@ _NEUTRAL_PROCESSING: dict[str, Any] = {
 }
 
 
+def _batch_key(request: GenerationRequest) -> tuple[Any, ...]:
+    """Requests with equal keys can share a padded batch; a request with stop strings is
+    its own batch (its end is found by decoding, row by row)."""
+    params = request.sampling
+    if params.stop:
+        return ("alone", id(request))
+    return ("greedy",) if params.greedy else ("sample", params.temperature, params.top_p)
+
+
 @contextlib.contextmanager
 def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     """Seed torch's generators for the duration of the block without disturbing the caller's
@@ -64,8 +75,10 @@ class TransformersBackend:
 
     ``model`` is a folder path or an already loaded ``PreTrainedModel``; ``tokenizer`` defaults
     to the one saved beside a folder model (required when passing a loaded model). ``device``
-    is "cpu" or "cuda[:n]"; ``dtype`` the weight dtype when loading from a folder. One request at
-    a time (not thread-safe). Bad arguments raise ValueError/TypeError naming them.
+    is "cpu" or "cuda[:n]"; ``dtype`` the weight dtype when loading from a folder;
+    ``max_batch`` the most requests :meth:`agenerate` puts in one padded batch. ``generate``,
+    the batches and ``update_weights`` take turns on one lock, so weights never change under
+    a running batch. Bad arguments raise ValueError/TypeError naming them.
     """
 
     def __init__(
@@ -76,6 +89,7 @@ class TransformersBackend:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         policy_version: int = 0,
+        max_batch: int = 64,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -106,6 +120,12 @@ class TransformersBackend:
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id
                              is not None else self.stop_token_ids[0])
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.max_batch = max_batch
+        self._engine_lock = threading.RLock()
+        self._scheduler_lock = threading.Lock()
+        self._scheduler: BatchScheduler | None = None
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The token ids this backend feeds the model for ``request`` (see
@@ -145,7 +165,7 @@ class TransformersBackend:
             return_dict_in_generate=True,
         )
         input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        with torch.inference_mode(), _seeded(params.seed, self.device):
+        with self._engine_lock, torch.inference_mode(), _seeded(params.seed, self.device):
             output = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
@@ -169,6 +189,112 @@ class TransformersBackend:
             finish_reason=finish,
             policy_version=self.policy_version,
         )
+
+    def generate_batch(self, requests: Sequence[GenerationRequest]
+                       ) -> list[GenerationResult]:
+        """Sample one response per request with one padded ``generate`` call (prompts padded
+        on the left). The requests must share temperature and top-p and have no stop strings
+        (:meth:`agenerate` groups them so); each response is cut at its own end-of-turn token
+        and its own ``max_tokens``. With seeds, the batch is seeded with the first request's:
+        a batch's rows depend on its composition, so per-request reproducibility needs one
+        request at a time (:meth:`generate`). Raises ValueError when the requests cannot share
+        a batch or a prompt does not fit the model's context."""
+        from transformers import GenerationConfig
+
+        requests = list(requests)
+        if not requests:
+            return []
+        for request in requests:
+            if not isinstance(request, GenerationRequest):
+                raise TypeError(f"request must be a GenerationRequest, "
+                                f"got {type(request).__name__}")
+        if len(requests) == 1 or requests[0].sampling.stop:
+            return [self.generate(request) for request in requests]
+        keys = {_batch_key(request) for request in requests}
+        if len(keys) > 1:
+            raise ValueError(f"requests of one batch must share temperature and top_p and "
+                             f"have no stop strings, got {sorted(map(str, keys))}")
+        params = requests[0].sampling
+        prompts = [self.prompt_ids(request) for request in requests]
+        rooms = [self.max_positions - len(prompt) for prompt in prompts]
+        if min(rooms) < 1:
+            longest = max(len(prompt) for prompt in prompts)
+            raise ValueError(f"prompt of {longest} tokens leaves no room in the model "
+                             f"context of {self.max_positions}")
+        caps = [min(request.sampling.max_tokens, room)
+                for request, room in zip(requests, rooms, strict=True)]
+        width = max(len(prompt) for prompt in prompts)
+        max_new = min(max(caps), self.max_positions - width)
+        caps = [min(cap, max_new) for cap in caps]
+        sampling: dict[str, Any] = {}
+        if not params.greedy:
+            sampling = {"temperature": params.temperature, "top_p": params.top_p,
+                        **_NEUTRAL_WARPERS}
+        config = GenerationConfig(
+            do_sample=not params.greedy, **sampling, **_NEUTRAL_PROCESSING,
+            max_new_tokens=max_new, eos_token_id=self.stop_token_ids,
+            pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            attention[row, width - len(prompt):] = 1
+        seed = next((r.sampling.seed for r in requests if r.sampling.seed is not None), None)
+        with torch.inference_mode(), _seeded(seed, self.device):
+            output = self.model.generate(input_ids=input_ids.to(self.device),
+                                         attention_mask=attention.to(self.device),
+                                         generation_config=config)
+        generated = output.sequences[:, width:]
+        steps = len(output.scores)
+        logprobs_all = (torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
+                        .gather(-1, generated[:, :steps].unsqueeze(-1)).squeeze(-1))
+        results = []
+        stops = set(self.stop_token_ids)
+        for row, (prompt, cap) in enumerate(zip(prompts, caps, strict=True)):
+            tokens = generated[row, :steps].tolist()
+            end = next((i + 1 for i, token in enumerate(tokens) if token in stops),
+                       len(tokens))
+            end = min(end, cap)
+            response_ids = tokens[:end]
+            text, _ = decode_response(self.tokenizer, response_ids)
+            ended = bool(response_ids) and response_ids[-1] in stops
+            results.append(GenerationResult(
+                prompt_ids=np.asarray(prompt, dtype=np.int32),
+                response_ids=np.asarray(response_ids, dtype=np.int32),
+                logprobs=logprobs_all[row, :end].cpu().numpy().astype(np.float32),
+                text=text,
+                finish_reason="stop" if ended else "length",
+                policy_version=self.policy_version,
+            ))
+        return results
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate ``request`` together with the other requests in flight: a scheduler
+        thread runs them in padded batches of up to ``max_batch``
+        (:mod:`workers.rollout.batching`; requests with stop strings run alone)."""
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        return await self.scheduler().submit(request)
+
+    def scheduler(self) -> BatchScheduler:
+        """The backend's batch scheduler (started on first use)."""
+        with self._scheduler_lock:
+            if self._scheduler is None or not self._scheduler.alive:
+                self._scheduler = BatchScheduler(self._locked_batch, key=_batch_key,
+                                                 max_batch=self.max_batch,
+                                                 name="transformers")
+            return self._scheduler
+
+    def _locked_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        with self._engine_lock:
+            return self.generate_batch(requests)
+
+    def close(self) -> None:
+        """Stop the batch scheduler (requests waiting in it fail)."""
+        with self._scheduler_lock:
+            if self._scheduler is not None:
+                self._scheduler.close()
+                self._scheduler = None
 
     def score(
         self,
@@ -220,7 +346,7 @@ class TransformersBackend:
             if tuple(tensor.shape) != tuple(state[name].shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
                                  f"{tuple(state[name].shape)}")
-        with torch.no_grad():
+        with self._engine_lock, torch.no_grad():
             for name, tensor in pending:
                 state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
         self.policy_version = version

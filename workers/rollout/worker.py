@@ -3,7 +3,9 @@
 The log is the database (the worker process's store; replay workers follow the log and queue
 the replay of each finished episode) unless the settings name an ``api_url``: then events go
 through the HTTP API with ``api_key``. The engine is the process's
-:func:`~workers.rollout.engine.worker_engine`, brought to the run's newest policy. Tasks are
+:func:`~workers.rollout.engine.worker_engine`, brought to the run's newest policy; the group
+plays on the process's :mod:`~workers.rollout.runtime` event loop, its episodes concurrent with
+those of the other groups the worker's threads hand it. Tasks are
 resolved by id: built-in ids (``arith-<seed>-<index>``, ``fc-<seed>-<index>``) or the JSONL
 files of ``<data_dir>/tasks``.
 """
@@ -14,8 +16,9 @@ import threading
 
 from store.settings import Settings
 from workers.rollout.agent_tasks import resolve_task
-from workers.rollout.group import GroupResult, play_group
+from workers.rollout.group import GroupResult, aplay_group
 from workers.rollout.group_log import ApiGroupLog, GroupLog, StoreGroupLog
+from workers.rollout.runtime import worker_runtime
 from workers.rollout.tools import ToolRegistry
 
 __all__ = ["run_rollout_group", "worker_log"]
@@ -70,7 +73,14 @@ def run_rollout_group(run_id: str, task_id: str, n: int, *, settings: Settings,
     task = resolve_task(task_id, tasks_dir=settings.data_dir / "tasks", registry=tools)
     policy = log.policy(run_id)
     engine = worker_engine(config, settings=settings)
-    engine.ensure(run_id, policy)
-    return play_group(log=log, run_id=run_id, task=task, n=n, backend=engine.backend,
-                      tools=tools, policy_version=policy.version, group_index=group_index,
-                      run_config=config)
+    runtime = worker_runtime(settings.rollout_concurrency)
+
+    async def play() -> GroupResult:
+        async with runtime.weights.hold((id(engine), run_id, policy.version),
+                                        lambda: engine.ensure(run_id, policy)):
+            return await aplay_group(
+                log=log, run_id=run_id, task=task, n=n, backend=engine.backend, tools=tools,
+                policy_version=policy.version, group_index=group_index, run_config=config,
+                gate=runtime.episodes)
+
+    return runtime.call(play)
