@@ -1,97 +1,172 @@
-"""Benchmark: rollout generation with vLLM's offline engine against plain transformers.
+"""Benchmark: the agent loop, sequential against concurrent, against the engine's ceiling.
 
-Both backends serve the same tiny Qwen3 model (built locally from a seed) in this process, with
-the same torch thread count. Measured, for each backend:
+One process, one tiny Qwen3 model (built locally from a seed), the same torch thread count
+for every measurement and, per engine, the same engine object throughout. For each engine
+(vLLM's async engine on the CPU, and transformers with its padded-batch scheduler):
 
-- generated tokens/s over R single requests in sequence (arithmetic prompts with the
-  calculator schema, temperature 1, ``max_tokens`` M);
-- for vLLM also over the same R requests in one batch (continuous batching);
-- episodes/s of :func:`workers.rollout.loop.run_episode` on E arithmetic tasks.
+1. the sequential loop: E arithmetic episodes played one after the other (one episode in
+   flight), with an in-memory sink;
+2. the concurrent loop: the same E episodes (same tasks, same per-episode seeds) with at most
+   1, 8, 32 and 64 episodes in flight at once;
+3. the ceiling: the engine alone, the E first-turn prompts generated in one batch with
+   ``max_tokens`` M, no loop, no tools, no store;
+4. recording: the concurrent loop at the highest concurrency writing to the real
+   ``EventStore`` (a scratch database on the configured server, or the embedded one) against
+   the in-memory sink.
 
-Ratios are vLLM over transformers. Without an importable ``vllm`` only transformers is
-measured and the script says so.
+Throughput is generated tokens per second. Ratios: concurrent at the highest concurrency over
+the sequential loop, and over the ceiling; the recording overhead is
+``1 - tokens/s(store) / tokens/s(memory)``. Repeats (``--repeats``) alternate the two sinks
+and keep each one's best, because this machine is shared and noisy. The last line is
+machine-readable, for the first engine measured (vLLM when importable):
 
-    python bench/rollout.py                       # R=16, M=64, E=16
-    python bench/rollout.py --requests 8 --max-tokens 32 --episodes 4 --no-vllm
+    RESULT concurrent_vs_sequential=<x> concurrent_vs_engine=<x> recording_overhead=<f>
+
+    python bench/rollout.py                               # E=64, M=64, both engines
+    python bench/rollout.py --episodes 8 --concurrency 1,8 --no-vllm --max-tokens 16
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from store.events import RunConfig, RunCreated  # noqa: E402
 from workers.rollout.agent_tasks import arithmetic_tasks  # noqa: E402
+from workers.rollout.aio import generate_async  # noqa: E402
 from workers.rollout.backend import GenerationRequest, SamplingParams  # noqa: E402
 from workers.rollout.builtin_tools import default_tool_registry  # noqa: E402
-from workers.rollout.loop import run_episode  # noqa: E402
+from workers.rollout.loop import arun_episode  # noqa: E402
 from workers.rollout.sink import ListSink  # noqa: E402
 from workers.rollout.tinymodel import tiny_model_path  # noqa: E402
+from workers.rollout.tool_runner import ToolRunner  # noqa: E402
 
 __all__ = ["main"]
 
 
-def _requests(count: int, max_tokens: int) -> list[GenerationRequest]:
-    tasks = arithmetic_tasks(count, seed=1)
-    return [GenerationRequest(sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens,
-                                                      seed=index),
-                              messages=task.messages, tools=task.tools)
-            for index, task in enumerate(tasks)]
+def _sampling(max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed)
 
 
-def _sequential(backend: Any, requests: list[GenerationRequest]) -> dict[str, float]:
-    backend.generate(requests[0])  # warm-up
-    started = time.perf_counter()
-    tokens = sum(int(backend.generate(r).response_ids.shape[0]) for r in requests)
-    seconds = time.perf_counter() - started
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-
-
-def _batched(backend: Any, requests: list[GenerationRequest]) -> dict[str, float]:
-    backend.generate_batch(requests[:2])  # warm-up
-    started = time.perf_counter()
-    tokens = sum(int(r.response_ids.shape[0]) for r in backend.generate_batch(requests))
-    seconds = time.perf_counter() - started
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-
-
-def _episodes(backend: Any, count: int, max_tokens: int) -> dict[str, float]:
+async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_tokens: int,
+                run_id: str, runner: ToolRunner) -> dict[str, float]:
+    """Play the benchmark's episodes with at most ``in_flight`` at once."""
     tools = default_tool_registry()
-    tasks = arithmetic_tasks(count, seed=2)
+    tasks = arithmetic_tasks(episodes, seed=2)
+    gate = asyncio.Semaphore(in_flight)
+    results = []
+
+    async def one(index: int) -> None:
+        async with gate:
+            results.append(await arun_episode(
+                task=tasks[index], backend=backend, tools=tools, sink=sink, run_id=run_id,
+                sampling=_sampling(max_tokens, index), episode_id=str(uuid.uuid4()),
+                max_turns=4, tool_runner=runner))
+
     started = time.perf_counter()
-    calls = 0
-    for index, task in enumerate(tasks):
-        result = run_episode(task=task, backend=backend, tools=tools, sink=ListSink(),
-                             run_id="bench",
-                             sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens,
-                                                     seed=index))
-        calls += result.llm_calls
+    await asyncio.gather(*(one(i) for i in range(episodes)))
     seconds = time.perf_counter() - started
-    return {"episodes": count, "llm_calls": calls, "seconds": seconds,
-            "episodes_per_s": count / seconds}
+    tokens = sum(r.generated_tokens for r in results)
+    return {"in_flight": in_flight, "episodes": episodes, "seconds": seconds,
+            "tokens": tokens, "llm_calls": sum(r.llm_calls for r in results),
+            "errors": sum(1 for r in results if r.status == "error"),
+            "tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds}
+
+
+async def _ceiling(backend: Any, *, episodes: int, max_tokens: int) -> dict[str, float]:
+    """The engine alone: the first-turn prompts in one batch."""
+    tasks = arithmetic_tasks(episodes, seed=2)
+    requests = [GenerationRequest(sampling=_sampling(max_tokens, i), messages=task.messages,
+                                  tools=task.tools) for i, task in enumerate(tasks)]
+    started = time.perf_counter()
+    results = await asyncio.gather(*(generate_async(backend, r) for r in requests))
+    seconds = time.perf_counter() - started
+    tokens = sum(int(r.response_ids.shape[0]) for r in results)
+    return {"requests": episodes, "seconds": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds}
+
+
+def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> dict[str, Any]:
+    runner = ToolRunner(workers=4, timeout_s=60)
+    play = dict(episodes=args.episodes, max_tokens=args.max_tokens, runner=runner)
+    asyncio.run(_play(backend, ListSink(), episodes=2, in_flight=2, max_tokens=4,
+                      run_id="warm-up", runner=runner))
+    report: dict[str, Any] = {
+        "sequential": asyncio.run(_play(backend, ListSink(), in_flight=1, run_id="bench",
+                                        **play)),
+        "concurrent": [asyncio.run(_play(backend, ListSink(), in_flight=c, run_id="bench",
+                                         **play)) for c in args.concurrency],
+        "ceiling": asyncio.run(_ceiling(backend, episodes=args.episodes,
+                                        max_tokens=args.max_tokens)),
+    }
+    top = report["concurrent"][-1]
+    report["ratios"] = {
+        "concurrent_vs_sequential": top["tokens_per_s"] / report["sequential"]["tokens_per_s"],
+        "concurrent_vs_engine": top["tokens_per_s"] / report["ceiling"]["tokens_per_s"],
+    }
+    if store is not None:
+        memory, stored = [], []
+        for _ in range(args.repeats):
+            memory.append(asyncio.run(_play(backend, ListSink(), in_flight=top["in_flight"],
+                                            run_id="bench", **play)))
+            run_id = f"bench-{uuid.uuid4().hex[:8]}"
+            store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
+            stored.append(asyncio.run(_play(backend, store, in_flight=top["in_flight"],
+                                            run_id=run_id, **play)))
+        best_memory = max(m["tokens_per_s"] for m in memory)
+        best_store = max(s["tokens_per_s"] for s in stored)
+        report["recording"] = {"memory": memory, "store": stored,
+                               "overhead": 1.0 - best_store / best_memory}
+    runner.close()
+    seq, ceiling = report["sequential"], report["ceiling"]
+    print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
+          f"{seq['episodes_per_s']:6.2f} episodes/s")
+    for row in report["concurrent"]:
+        print(f"{name:12s} {row['in_flight']:3d} in flight      {row['tokens_per_s']:8.1f} "
+              f"tokens/s  {row['episodes_per_s']:6.2f} episodes/s  "
+              f"(x{row['tokens_per_s'] / seq['tokens_per_s']:.2f})")
+    print(f"{name:12s} engine alone      {ceiling['tokens_per_s']:8.1f} tokens/s")
+    if "recording" in report:
+        print(f"{name:12s} recording overhead {report['recording']['overhead']:+.3f} "
+              f"(EventStore against memory, {top['in_flight']} in flight)")
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark and print (and return) its numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--episodes", type=int, default=16)
+    parser.add_argument("--concurrency", default="1,8,32,64",
+                        help="episodes in flight, comma separated (the last is compared)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the tiny model is cached (a temporary folder by default)")
     parser.add_argument("--no-vllm", action="store_true", help="measure transformers only")
+    parser.add_argument("--no-store", action="store_true",
+                        help="skip the recording measurement (no database)")
     args = parser.parse_args(argv)
-    for name in ("requests", "max_tokens", "episodes", "threads"):
+    for name in ("episodes", "max_tokens", "threads", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        parser.error(f"--concurrency must be integers separated by commas, "
+                     f"got {args.concurrency!r}")
+    if not args.concurrency or min(args.concurrency) < 1:
+        parser.error("--concurrency values must be >= 1")
 
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     model_dir = tiny_model_path(data_dir)
@@ -100,53 +175,68 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from workers.rollout.backend_transformers import TransformersBackend
     from workers.rollout.backend_vllm import cpu_engine_environment, vllm_available
 
-    requests = _requests(args.requests, args.max_tokens)
-    report: dict[str, Any] = {"requests": args.requests, "max_tokens": args.max_tokens,
-                              "episodes": args.episodes, "threads": args.threads}
-    hf = TransformersBackend(model_dir)
-    torch.set_num_threads(args.threads)
-    report["transformers"] = {"sequential": _sequential(hf, requests),
-                              "episodes": _episodes(hf, args.episodes, args.max_tokens)}
-    if not args.no_vllm:  # before vllm is first imported: an in-process CPU engine
+    report: dict[str, Any] = {"episodes": args.episodes, "max_tokens": args.max_tokens,
+                              "threads": args.threads, "engines": {}}
+    if not args.no_vllm:  # before vllm is first imported: a CPU engine with a bounded cache
         os.environ.update(cpu_engine_environment(data_dir / "vllm-cache"))
     use_vllm = not args.no_vllm and vllm_available()
-    if use_vllm:
-        from workers.rollout.backend_vllm import VLLMBackend
+    print(f"tiny Qwen3, {args.episodes} arithmetic episodes, max_tokens {args.max_tokens}, "
+          f"{args.threads} torch threads")
+    with _store(args) as store:
+        if use_vllm:
+            from workers.rollout.backend_vllm import AsyncVLLMBackend
 
-        engine = VLLMBackend(model_dir, distributed_executor_backend="uni", enforce_eager=True,
-                             dtype="float32", max_model_len=2048, seed=0)
-        torch.set_num_threads(args.threads)  # the engine lowers it; keep the comparison fair
-        report["vllm"] = {"sequential": _sequential(engine, requests),
-                          "batched": _batched(engine, requests),
-                          "episodes": _episodes(engine, args.episodes, args.max_tokens)}
-        base = report["transformers"]
-        report["ratios"] = {
-            "tokens_per_s_sequential": report["vllm"]["sequential"]["tokens_per_s"]
-            / base["sequential"]["tokens_per_s"],
-            "tokens_per_s_batched": report["vllm"]["batched"]["tokens_per_s"]
-            / base["sequential"]["tokens_per_s"],
-            "episodes_per_s": report["vllm"]["episodes"]["episodes_per_s"]
-            / base["episodes"]["episodes_per_s"],
-        }
-    hf_seq, hf_ep = report["transformers"]["sequential"], report["transformers"]["episodes"]
-    print(f"tiny Qwen3, {args.requests} requests x {args.max_tokens} tokens, "
-          f"{args.episodes} episodes, {args.threads} torch threads")
-    print(f"transformers  sequential {hf_seq['tokens_per_s']:8.1f} tokens/s   "
-          f"episodes {hf_ep['episodes_per_s']:6.2f}/s")
-    if use_vllm:
-        vllm = report["vllm"]
-        ratios = report["ratios"]
-        print(f"vLLM          sequential {vllm['sequential']['tokens_per_s']:8.1f} tokens/s "
-              f"(x{ratios['tokens_per_s_sequential']:.2f})   "
-              f"episodes {vllm['episodes']['episodes_per_s']:6.2f}/s "
-              f"(x{ratios['episodes_per_s']:.2f})")
-        print(f"vLLM          batched    {vllm['batched']['tokens_per_s']:8.1f} tokens/s "
-              f"(x{ratios['tokens_per_s_batched']:.2f})")
-    else:
-        reason = "--no-vllm given" if args.no_vllm else "vllm is not importable"
-        print(f"vLLM not measured ({reason}): transformers numbers only, no ratio")
+            engine = AsyncVLLMBackend(model_dir, distributed_executor_backend="uni",
+                                      enforce_eager=True, dtype="float32", max_model_len=2048,
+                                      seed=0)
+            try:
+                report["engines"]["vllm"] = _measure("vLLM", engine, args, store)
+            finally:
+                engine.close()
+        else:
+            reason = "--no-vllm given" if args.no_vllm else "vllm is not importable"
+            print(f"vLLM not measured ({reason})")
+        torch.set_num_threads(args.threads)
+        hf = TransformersBackend(model_dir, max_batch=max(args.concurrency))
+        try:
+            report["engines"]["transformers"] = _measure("transformers", hf, args, store)
+        finally:
+            hf.close()
+    first = next(iter(report["engines"].values()))
+    ratios = first["ratios"]
+    overhead = first.get("recording", {}).get("overhead", float("nan"))
     print(json.dumps(report, indent=2))
+    print(f"RESULT concurrent_vs_sequential={ratios['concurrent_vs_sequential']:.2f} "
+          f"concurrent_vs_engine={ratios['concurrent_vs_engine']:.2f} "
+          f"recording_overhead={overhead:.3f}")
     return report
+
+
+class _store:
+    """The EventStore over a scratch database (None with ``--no-store``)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.scratch: Any = None
+        self.store: Any = None
+
+    def __enter__(self) -> Any:
+        if self.args.no_store:
+            return None
+        from bench.common import scratch_database
+        from store.eventlog import EventStore
+        from store.settings import Settings
+
+        self.scratch = scratch_database()
+        url = self.scratch.__enter__()
+        self.store = EventStore.open(Settings(database_url=url), migrate=False)
+        return self.store
+
+    def __exit__(self, *exc: object) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self.scratch is not None:
+            self.scratch.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The rollout benchmark runs end to end at tiny sizes (numbers are not checked)."""
+"""The rollout benchmark runs end to end at tiny sizes (numbers are not checked), and its
+last line is the machine-readable RESULT line."""
 
 from __future__ import annotations
 
@@ -16,11 +17,19 @@ def test_benchmark_runs_with_tiny_sizes(tiny_model_dir: Path,
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    report = module.main(["--requests", "2", "--max-tokens", "4", "--episodes", "2",
-                          "--no-vllm", "--data-dir", str(tiny_model_dir.parent)])
-    sequential = report["transformers"]["sequential"]
-    assert sequential["tokens"] == 8 and sequential["tokens_per_s"] > 0
-    assert report["transformers"]["episodes"]["episodes"] == 2
-    assert "vllm" not in report and "--no-vllm given" in capsys.readouterr().out
+    report = module.main(["--episodes", "4", "--max-tokens", "4", "--concurrency", "1,4",
+                          "--repeats", "1", "--no-vllm", "--no-store",
+                          "--data-dir", str(tiny_model_dir.parent)])
+    engine = report["engines"]["transformers"]
+    assert engine["sequential"]["episodes"] == 4 and engine["sequential"]["tokens"] > 0
+    assert [row["in_flight"] for row in engine["concurrent"]] == [1, 4]
+    assert engine["ceiling"]["tokens"] > 0 and "vllm" not in report["engines"]
+    out = capsys.readouterr().out
+    assert "--no-vllm given" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("RESULT concurrent_vs_sequential=")
+    assert "concurrent_vs_engine=" in last and "recording_overhead=nan" in last
     with pytest.raises(SystemExit):
-        module.main(["--requests", "0"])
+        module.main(["--episodes", "0"])
+    with pytest.raises(SystemExit):
+        module.main(["--concurrency", "1,x"])
