@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             engine = AsyncVLLMBackend(model_dir, distributed_executor_backend="uni",
                                       enforce_eager=True, dtype="float32", max_model_len=2048,
-                                      seed=0)
+                                      seed=0, enable_chunked_prefill=False)
             try:
                 report["engines"]["vllm"] = _measure("vLLM", engine, args, store)
             finally:

@@ -309,8 +309,11 @@ class AsyncVLLMBackend:
 
     def close(self) -> None:
         """Shut the engine down and stop its loop."""
+        engine, self.engine = self.engine, None
         try:
-            self.engine.shutdown()
+            if engine is not None:
+                engine.shutdown()
+                del engine  # collected now, while the interpreter is whole
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
