@@ -390,3 +390,59 @@ def test_cli_refuses_bad_input(cli: Any, dataset: Dataset, tmp_path: Path) -> No
                  "--pad-token-id", "0")
     assert result.exit_code == 1 and "has no samples" in result.output
     assert not out.exists() and not list(tmp_path.glob(".x.*"))
+
+
+def test_verl_reads_the_prompts_and_the_batch(client: TestClient, dataset: Dataset, qwen3: Any,
+                                              tmp_path: Path) -> None:
+    """verl's own classes load both exports: ``RLHFDataset`` the prompt dataset, ``DataProto``
+    the batch, and verl's GRPO advantage reads its scores, mask and uids."""
+    pytest.importorskip("verl")
+    import torch
+    from omegaconf import OmegaConf
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    prompts = tmp_path / "prompts.parquet"
+    prompts.write_bytes(_export(client, dataset, "verl-prompts").content)
+    data = RLHFDataset(str(prompts), qwen3, OmegaConf.create({
+        "max_prompt_length": 1024, "filter_overlong_prompts": True,
+        "filter_overlong_prompts_workers": 1, "cache_dir": str(tmp_path / "cache")}))
+    assert len(data) == 3
+    for index in range(3):
+        item = data[index]
+        assert item["index"] == index
+        assert item["data_source"] == dataset.run_id
+        assert item["raw_prompt"][0]["role"] == "user"
+        assert "plus" in item["raw_prompt"][0]["content"]
+        assert json.loads(item["extra_info"]["tools"]) == [ADD_TOOL]
+
+    path = tmp_path / "batch.safetensors"
+    path.write_bytes(_export(client, dataset, "verl-batch").content)
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        uids = json.loads(f.metadata()["uids"])
+    names = ("input_ids", "attention_mask", "position_ids", "prompts", "responses",
+             "response_mask", "rollout_log_probs", "token_level_scores")
+    batch = DataProto.from_dict(
+        tensors={k: tensors[k] for k in names},
+        non_tensors={"uid": np.array([uids[i] for i in tensors["uid"].tolist()],
+                                     dtype=object)})
+    assert len(batch) == tensors["input_ids"].shape[0]
+    advantages, _ = compute_grpo_outcome_advantage(
+        token_level_rewards=batch.batch["token_level_scores"],
+        response_mask=batch.batch["response_mask"], index=batch.non_tensor_batch["uid"])
+    scores = tensors["token_level_scores"].sum(-1)
+    groups = batch.non_tensor_batch["uid"]
+    for i in range(len(batch)):
+        same = torch.tensor([g == groups[i] for g in groups])
+        if same.sum() > 1:
+            expected = (scores[i] - scores[same].mean()) / (scores[same].std() + 1e-6)
+        else:
+            expected = scores[i]
+        mask = batch.batch["response_mask"][i].bool()
+        assert torch.allclose(advantages[i][mask], expected.expand(int(mask.sum())),
+                              atol=1e-5)
+        assert (advantages[i][~mask] == 0).all()
