@@ -60,7 +60,9 @@ __all__ = [
     "PROMPTS_SCHEMA",
     "atif_trajectory",
     "prepare",
+    "prompt_row",
     "verl_batch",
+    "verl_batch_tensors",
 ]
 
 ExportFormat = Literal["samples", "verl-prompts", "verl-batch", "atif", "sft"]
@@ -230,6 +232,24 @@ def _ground_truth_text(value: Any) -> str | None:
                                                            sort_keys=True)
 
 
+def prompt_row(data: dict[str, Any], *, index: int, group_id: str, episode_id: str,
+               data_source: str, ground_truth: Any = None) -> dict[str, Any]:
+    """One row of the ``verl-prompts`` dataset (:data:`PROMPTS_SCHEMA`) from the data of an
+    ``episode_started``; ``ground_truth`` (None when unknown) is written as text, JSON when
+    it is not a string."""
+    truth = _ground_truth_text(ground_truth)
+    return {
+        "prompt": [{"role": str(m.get("role", "")), "content": _content(m.get("content"))}
+                   for m in data.get("messages", []) if isinstance(m, dict)],
+        "data_source": data_source,
+        "reward_model": ({"style": "rule", "ground_truth": truth} if truth is not None
+                         else None),
+        "extra_info": {"index": index, "task_id": data.get("task_id"),
+                       "group_id": group_id, "episode_id": episode_id,
+                       "tools": json.dumps(data.get("tools") or [], ensure_ascii=False)},
+    }
+
+
 def _prompt_rows(store: EventStore, run_id: str, *, data_source: str,
                  ground_truth: Callable[[str], Any] | None) -> Iterator[dict[str, Any]]:
     seen: set[str] = set()
@@ -242,18 +262,9 @@ def _prompt_rows(store: EventStore, run_id: str, *, data_source: str,
             seen.add(key)
             task_id = data.get("task_id")
             answer = ground_truth(task_id) if ground_truth is not None and task_id else None
-            truth = _ground_truth_text(answer)
-            yield {
-                "prompt": [{"role": str(m.get("role", "")), "content": _content(m.get("content"))}
-                           for m in data.get("messages", []) if isinstance(m, dict)],
-                "data_source": data_source,
-                "reward_model": ({"style": "rule", "ground_truth": truth} if truth is not None
-                                 else None),
-                "extra_info": {"index": len(seen) - 1, "task_id": task_id,
-                               "group_id": row["group_id"], "episode_id": row["episode_id"],
-                               "tools": json.dumps(data.get("tools") or [],
-                                                   ensure_ascii=False)},
-            }
+            yield prompt_row(data, index=len(seen) - 1, group_id=row["group_id"],
+                             episode_id=row["episode_id"], data_source=data_source,
+                             ground_truth=answer)
 
 
 def _prompt_batches(store: EventStore, run_id: str, *, data_source: str,
