@@ -39,6 +39,11 @@ class SampleStatus(enum.StrEnum):
     skipped = "skipped"
 
 
+_FLAGS = {"min_reward": "--min-reward", "group_id": "--group", "kind": "--kind",
+          "status": "--status", "data_source": "--data-source",
+          "pad_token_id": "--pad-token-id"}
+
+
 def _ground_truths(tasks_dir: Path) -> Any:
     """Task id → the task's ground truth (None when no built-in task and no task of
     ``tasks_dir`` has that id), as the rollout worker resolves tasks."""
@@ -130,12 +135,13 @@ def export(
                        ground_truth=truths)
         size = _write(made.chunks, output)
     except ApiError as exc:
-        option = {"min_reward": "--min-reward", "group_id": "--group", "kind": "--kind",
-                  "status": "--status", "data_source": "--data-source",
-                  "pad_token_id": "--pad-token-id"}.get(exc.extra.get("field", ""))
+        message = exc.message
+        for name, flag in _FLAGS.items():  # the API's names as this command's options
+            message = message.replace(name, flag)
+        option = _FLAGS.get(exc.extra.get("field", ""))
         if exc.status == 422 and option:
-            raise typer.BadParameter(exc.message, param_hint=option) from None
-        typer.echo(f"error: {exc.message}", err=True)
+            raise typer.BadParameter(message, param_hint=option) from None
+        typer.echo(f"error: {message}", err=True)
         raise typer.Exit(1) from None
     except (ValueError, errors.StoreError) as exc:
         typer.echo(f"error: {exc}", err=True)

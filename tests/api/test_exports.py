@@ -254,6 +254,18 @@ def test_atif_one_trajectory_per_finished_episode(client: TestClient,
         e.episode_id for e in finished if e.reward is not None and e.reward >= 1.0]
 
 
+def test_atif_is_valid_for_harbor(client: TestClient, dataset: Dataset) -> None:
+    """Harbor's own ATIF models accept every trajectory (skipped without ``harbor``)."""
+    pytest.importorskip("harbor.models.trajectories")
+    from harbor.models.trajectories import Trajectory
+
+    for line in _export(client, dataset, "atif").text.splitlines():
+        trajectory = Trajectory.model_validate(json.loads(line))
+        assert trajectory.schema_version == "ATIF-v1.7"
+        assert trajectory.final_metrics is not None
+        assert trajectory.final_metrics.total_steps == len(trajectory.steps)
+
+
 def test_sft_lines_above_the_reward_threshold(client: TestClient, dataset: Dataset) -> None:
     r = _export(client, dataset, "sft", min_reward=0.5)
     lines = [json.loads(line) for line in r.text.splitlines()]
@@ -382,7 +394,9 @@ def test_cli_refuses_bad_input(cli: Any, dataset: Dataset, tmp_path: Path) -> No
     assert result.exit_code == 1 and "no run 'no-such-run'" in result.output
     result = cli("--run", dataset.run_id, "--format", "samples", "-o", str(out),
                  "--min-reward", "1")
-    assert result.exit_code == 2 and "does not take min_reward" in result.output
+    assert result.exit_code == 2
+    assert "format 'samples' does not take --min-reward (it takes: --group, --kind, --status)" \
+        in " ".join(result.output.replace("│", " ").split())
     result = cli("--run", dataset.run_id, "--format", "atif", "-o",
                  str(tmp_path / "missing" / "x"))
     assert result.exit_code == 2 and "does not exist" in result.output
