@@ -55,7 +55,7 @@ def list_samples(
     })
 
 
-_EXPORT_CONTENT = {
+_EXPORT_CONTENT: dict[str, dict[str, object]] = {
     PARQUET_MEDIA_TYPE: {}, exports.SAFETENSORS_MEDIA_TYPE: {}, exports.JSONL_MEDIA_TYPE: {}}
 
 
