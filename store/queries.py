@@ -34,6 +34,7 @@ __all__ = [
     "episode_finished",
     "episode_row",
     "episode_run",
+    "iter_episode_starts",
     "iter_samples",
     "lease_run",
     "list_episodes",
@@ -314,6 +315,38 @@ def iter_samples(store: EventStore, filters: SampleFilters, *, chunk: int = 256
         while rows := cur.fetchmany(chunk):
             yield rows
         cur.close()
+
+
+def iter_episode_starts(store: EventStore, run_id: str, *, finished_only: bool = False,
+                        min_reward: float | None = None, chunk: int = 256
+                        ) -> Iterator[list[dict[str, Any]]]:
+    """The episodes of a run in start order, ``chunk`` at a time: ``episode_id``,
+    ``group_id``, ``data`` (the ``episode_started`` data: task_id, messages, tools, …),
+    ``started_at``, ``status`` and ``reward`` (as in the episode listing). With
+    ``finished_only`` running episodes are left out; with ``min_reward`` so is every episode
+    whose reward is unknown or below it (inclusive bound)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    where = ["s.run_id = %(run)s", "s.type = 'episode_started'", "s.position > %(after)s"]
+    params: dict[str, Any] = {"run": run_id, "limit": chunk}
+    if finished_only:
+        where.append(f"{_STATUS} <> 'running'")
+    if min_reward is not None:
+        where.append(f"{_REWARD} >= %(rmin)s")
+        params["rmin"] = min_reward
+    sql = (f"SELECT s.position, s.stream_id AS episode_id, s.group_id, {_S_DATA} AS data,"
+           f" s.recorded_at AS started_at, {_STATUS} AS status, {_REWARD} AS reward"
+           " FROM events s LEFT JOIN episodes p ON p.episode_id = s.stream_id"
+           f" WHERE {' AND '.join(where)} ORDER BY s.position LIMIT %(limit)s")
+    after = 0
+    while True:
+        with store.db.connection() as conn:
+            rows = conn.cursor(row_factory=dict_row).execute(
+                sql, {**params, "after": after}).fetchall()
+        if not rows:
+            return
+        yield rows
+        after = rows[-1]["position"]
 
 
 def episode_finished(store: EventStore, episode_id: str) -> bool:

@@ -1,8 +1,8 @@
 """The ``trajstore`` command line.
 
-The commands of the store live here; ``api_cli``, ``train_cli`` and ``analytics_cli`` add
-theirs. Heavy imports (torch, FastAPI) happen inside the commands, so that ``trajstore status``
-never pays for them.
+The commands of the store live here; ``api_cli``, ``train_cli``, ``analytics_cli`` and
+``export_cli`` add theirs. Heavy imports (torch, FastAPI) happen inside the commands, so
+that ``trajstore status`` never pays for them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.table import Table
 
 from store import errors
 from store.settings import Settings, get_settings
-from trajstore import analytics_cli, api_cli, train_cli
+from trajstore import analytics_cli, api_cli, export_cli, train_cli
 
 __all__ = ["app"]
 
@@ -530,7 +530,7 @@ def stop() -> None:
 
 def _register_extensions() -> None:
     """The commands of the other modules of this package (each has ``register(app)``)."""
-    for extension in (api_cli, train_cli, analytics_cli):
+    for extension in (api_cli, train_cli, analytics_cli, export_cli):
         extension.register(app)
 
 

@@ -46,6 +46,7 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("GET", f"/v1/episodes/{episode}/timelines", "read", lambda: None),
         ("GET", f"/v1/runs/{run}/samples", "read", lambda: None),
         ("GET", f"/v1/runs/{run}/export.parquet", "read", lambda: None),
+        ("GET", f"/v1/runs/{run}/export?format=atif", "read", lambda: None),
         ("POST", f"/v1/runs/{run}/leases", "read", lambda: {"groups": 1}),
         ("POST", f"/v1/leases/{lease}/renew", "read", lambda: {"lease_seconds": 60}),
         ("POST", f"/v1/leases/{lease}/ack", "read", lambda: {"policy_version": 1}),
