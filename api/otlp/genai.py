@@ -486,8 +486,15 @@ def _tools(span: Span) -> list[dict[str, Any]]:
 # --- spans to events ------------------------------------------------------------------------
 
 
+_MAX_NS = int(dt.datetime(9999, 12, 31, tzinfo=dt.UTC).timestamp()) * 10**9
+
+
 def _time(ns: int) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC) if ns > 0 else None
+    """A span time as a datetime (None when unset); a time past the year 9999 (only JSON
+    can say so) is clamped to it, where datetimes end."""
+    if ns <= 0:
+        return None
+    return dt.datetime.fromtimestamp(min(ns, _MAX_NS) / 1e9, dt.UTC)
 
 
 def _duration_ms(span: Span) -> float | None:
@@ -600,14 +607,16 @@ def _tool_call_event(batch: _Batch, span: Span) -> ToolReturned:
     name = a.get("gen_ai.tool.name", a.get("tool.name"))
     if name in (None, ""):
         name = span.name.removeprefix("execute_tool ").strip() or "tool"
-    raw = _json_attr(span, "gen_ai.tool.call.arguments")
+    raw = a.get("gen_ai.tool.call.arguments")
     if raw is None:
         raw = a.get("tool.parameters") if "input.value" not in a else a.get("input.value")
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except ValueError:
-                pass
+    if isinstance(raw, str):
+        # A model's malformed arguments are a failure to record, not a request to refuse:
+        # kept as text under "input".
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            pass
     arguments = dict(raw) if isinstance(raw, Mapping) else (
         {} if raw is None else {"input": raw})
     output = a.get("gen_ai.tool.call.result", a.get("output.value"))

@@ -272,6 +272,18 @@ def test_spans_for_a_finished_episode_are_reported_as_rejected(
     assert len(stored(api_store, episode)) == 4
 
 
+def test_a_models_malformed_tool_arguments_are_kept_as_text(
+        client: TestClient, project: Project, api_store: EventStore) -> None:
+    episode = f"conv-{uuid.uuid4().hex[:10]}"
+    data = json_episode(episode)
+    tool = data["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    tool["attributes"][2] = _attr("gen_ai.tool.call.arguments", '{"expr": 2+')
+    answer = post(client, project, json.dumps(data).encode(), content_type="application/json")
+    assert answer.status_code == 200, answer.text
+    ran = next(r.event for r in stored(api_store, episode) if r.type == "tool_returned")
+    assert ran.arguments == {"input": '{"expr": 2+'}
+
+
 def test_protobuf_answer_and_run_header(client: TestClient, project: Project,
                                         api_store: EventStore) -> None:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
