@@ -681,12 +681,12 @@ def _rewards(span: Span) -> list[tuple[int, RewardAssigned]]:
     out = []
     for at, what, value, attrs in found:
         score = _score(span, "gen_ai.evaluation.score.value", value)
-        name = attrs.get("gen_ai.evaluation.name")
+        label = attrs.get("gen_ai.evaluation.name")
         try:
             out.append((at, RewardAssigned(
                 event_id=event_id(span.trace_id, span.span_id, what), occurred_at=_time(at),
-                value=score, components={str(name): score} if name else {},
-                source=f"otlp:{name}" if name else "otlp")))
+                value=score, components={str(label): score} if label else {},
+                source=f"otlp:{label}" if label else "otlp")))
         except ValueError as exc:
             raise OtlpError(f"the evaluation does not make a reward_assigned event: "
                             f"{_first(exc)}", where=span.where) from None

@@ -10,7 +10,7 @@ project's episode or run a 403, storing nothing. Errors are JSON, as on every ro
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
 from starlette.concurrency import run_in_threadpool
@@ -62,7 +62,7 @@ async def export_traces(
             store_spans, ctx.store, ctx.settings, ctx.access, ctx.gateway.capture, key,
             spans, header_run=x_trajstore_run)
     except OtlpError as exc:
-        extra = {"field": exc.where} if exc.where else {}
+        extra: dict[str, Any] = {"field": exc.where} if exc.where else {}
         raise ApiError(exc.status, _CODES.get(exc.status, "invalid_otlp"), str(exc),
                        **extra) from None
     return Response(encode_response(kind, rejected=outcome.rejected_spans,
