@@ -484,3 +484,49 @@ def test_episode_ids_follow_the_conversation_then_the_trace() -> None:
     assert [p.episode_id for p in plans] == ["c-1", spans[1].trace_id]
     again = episode_events(spans)
     assert [e.event_id for e in again[0].events] == [e.event_id for e in plans[0].events]
+
+
+# --- spans with token ids train ----------------------------------------------------------------
+
+
+def test_spans_with_token_ids_become_training_samples(
+        client: TestClient, project: Project, api_store: EventStore) -> None:
+    """A chat span with trajstore's token attributes, as an engine-side tracer writes them,
+    replays into a sample whose trained tokens are exactly the generated ids."""
+    from workers.tokenizers import load_tokenizer
+
+    qwen3 = load_tokenizer("qwen3")
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    answer = {"role": "assistant", "content": "5"}
+    prompt = qwen3.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    full = qwen3.apply_chat_template([*question, answer], tokenize=False)
+    prompt_ids = qwen3(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = qwen3(full[len(prompt):].rstrip(), add_special_tokens=False)["input_ids"]
+    logprobs = [-0.125] * len(response_ids)
+    episode, trace = f"conv-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    root, chat = uuid.uuid4().hex[:16], uuid.uuid4().hex[:16]
+    body = export(
+        json_span(trace, root, "invoke_agent", T0, {
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": episode},
+            end=T0 + 5_000_000,
+            events=[{"name": "gen_ai.evaluation.result", "timeUnixNano": str(T0 + 4_000_000),
+                     "attributes": [_attr("gen_ai.evaluation.score.value", 1.0)]}]),
+        json_span(trace, chat, "chat", T0 + 1_000_000, {
+            "gen_ai.operation.name": "chat", "gen_ai.request.model": "Qwen/Qwen3-0.6B",
+            "gen_ai.input.messages": _messages("user", {"type": "text",
+                                                        "content": "What is 2+3?"}),
+            "gen_ai.output.messages": _messages("assistant", {"type": "text",
+                                                              "content": "5"}),
+            "prompt_token_ids": prompt_ids, "response_token_ids": response_ids,
+            "trajstore.logprobs": logprobs}, parent=root))
+    reply = post(client, project, json.dumps(body).encode(), content_type="application/json",
+                 **{"X-Trajstore-Run": f"trained-{uuid.uuid4().hex[:8]}"})
+    assert reply.status_code == 200, reply.text
+    outcome = project_episode(api_store, episode)
+    assert (outcome.outcome, outcome.status, outcome.reason) == ("written", "completed", None)
+    timelines = client.get(f"/v1/episodes/{episode}/timelines",
+                           headers=project.headers("read")).json()
+    [timeline] = timelines["timelines"]
+    assert timeline["token_ids"] == prompt_ids + response_ids
+    assert timeline["loss_mask"] == [0] * len(prompt_ids) + [1] * len(response_ids)
+    assert timelines["reward"] == 1.0
