@@ -530,3 +530,42 @@ def test_spans_with_token_ids_become_training_samples(
     assert timeline["token_ids"] == prompt_ids + response_ids
     assert timeline["loss_mask"] == [0] * len(prompt_ids) + [1] * len(response_ids)
     assert timelines["reward"] == 1.0
+
+
+def _one_call(*spans: dict[str, Any]) -> Any:
+    plans = episode_events(decode_request(json.dumps(export(*spans)).encode(),
+                                          "application/json"))
+    [plan] = plans
+    [call] = [e for e in plan.events if e.type == "llm_called"]
+    return call
+
+
+def test_the_older_event_convention_and_openllmetry_attributes() -> None:
+    trace = uuid.uuid4().hex
+    events = [
+        {"name": "gen_ai.system.message", "timeUnixNano": str(T0),
+         "attributes": [_attr("content", "Be brief.")]},
+        {"name": "gen_ai.user.message", "timeUnixNano": str(T0),
+         "attributes": [_attr("content", "Weather in Paris?")]},
+        {"name": "gen_ai.choice", "timeUnixNano": str(T0), "attributes": [
+            _attr("index", 0), _attr("finish_reason", "tool_calls"),
+            _attr("message", json.dumps({"role": "assistant", "tool_calls": [
+                {"id": "c9", "type": "function", "function": {
+                    "name": "weather", "arguments": '{"city": "Paris"}'}}]}))]}]
+    call = _one_call(json_span(trace, "a" * 16, "chat gpt", T0, {
+        "gen_ai.operation.name": "chat"}, events=events))
+    assert call.messages == [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Weather in Paris?"}]
+    assert call.response["tool_calls"] == [{"type": "function", "id": "c9", "function": {
+        "name": "weather", "arguments": '{"city": "Paris"}'}}]
+    assert call.finish_reason == "tool_calls"
+
+    call = _one_call(json_span(trace, "b" * 16, "openai.chat", T0, {
+        "llm.request.type": "chat",
+        "gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "Hi",
+        "gen_ai.prompt.1.role": "assistant", "gen_ai.prompt.1.content": "Hello",
+        "gen_ai.prompt.10.role": "user", "gen_ai.prompt.10.content": "later",
+        "gen_ai.completion.0.role": "assistant", "gen_ai.completion.0.content": "Bye",
+        "gen_ai.completion.0.finish_reason": "stop"}))
+    assert [m["content"] for m in call.messages] == ["Hi", "Hello", "later"]
+    assert (call.response["content"], call.finish_reason) == ("Bye", "stop")
