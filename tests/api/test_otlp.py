@@ -152,6 +152,49 @@ def test_the_sdk_exporter_records_an_episode_shown_by_the_api_and_the_page(
     exporter.shutdown()
 
 
+def test_an_openai_client_instrumented_by_openinference(
+        start_server: Any, tiny_model_dir: Any, project: Project,
+        api_store: EventStore) -> None:
+    """The official ``openai`` client, instrumented by OpenInference, calls the gateway's
+    engine (plain serving: the gateway records nothing itself); its spans, exported to
+    ``/v1/traces``, make the episode."""
+    pytest.importorskip("openinference.instrumentation.openai")
+    from openai import OpenAI
+    from openinference.instrumentation import using_session
+    from openinference.instrumentation.openai import OpenAIInstrumentor
+
+    server = start_server(TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tiny_model_dir),
+                          TRAJSTORE_GATEWAY_MAX_TOKENS="64")
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    instrumentor = OpenAIInstrumentor()
+    instrumentor.instrument(tracer_provider=provider)
+    session = f"sess-{uuid.uuid4().hex[:10]}"
+    messages = [{"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": "What is 2 + 3?"}]
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key=project.ingest)
+        with using_session(session):
+            answer = client.chat.completions.create(model="trajstore", messages=messages,
+                                                    max_tokens=8, seed=1)
+    finally:
+        instrumentor.uninstrument()
+    assert stored(api_store, session) == []
+    exporter = OTLPSpanExporter(endpoint=server.url + "/v1/traces",
+                                headers={"Authorization": f"Bearer {project.ingest}"})
+    assert exporter.export(memory.get_finished_spans()) == SpanExportResult.SUCCESS
+    exporter.shutdown()
+    records = stored(api_store, session)
+    assert [r.type for r in records] == ["episode_started", "llm_called"]
+    call = records[1].event
+    assert call.messages == messages and records[0].event.messages == messages
+    assert call.response["content"] == answer.choices[0].message.content
+    assert call.usage == {"prompt_tokens": answer.usage.prompt_tokens,
+                          "completion_tokens": answer.usage.completion_tokens}
+    assert len(call.prompt_ids) == 0  # a client sees no token ids: analysed, not trained
+
+
 # --- JSON, gzip, retries ---------------------------------------------------------------------
 
 
