@@ -84,6 +84,9 @@ def store_spans(store: EventStore, settings: Settings, access: Access, capture: 
     for plan in plans:
         _check_id(plan.episode_id, f"episode ({A_EPISODE}, gen_ai.conversation.id or the "
                   "trace id)", plan.where)
+        if plan.episode_id.startswith("run-"):
+            raise OtlpError(f"episode {plan.episode_id[:60]!r}: ids beginning with 'run-' "
+                            "name runs' own streams", where=plan.where)
         if plan.group_id is not None:
             _check_id(plan.group_id, f"group ({A_GROUP})", plan.where)
         runs[plan.episode_id] = _plan_run(plan, key, header_run)

@@ -409,6 +409,12 @@ def test_one_bad_span_refuses_the_whole_export(client: TestClient, project: Proj
                   content_type="application/json")
     assert answer.status_code == 400
     assert "gen_ai.input.messages" in answer.json()["error"]["message"]
+    # A conversation id that names a run's stream, or is no id at all.
+    for conversation in ("run-abc", "a conversation"):
+        answer = post(client, project, json.dumps(json_episode(conversation)).encode(),
+                      content_type="application/json")
+        assert answer.status_code == 400, answer.text
+        assert repr(conversation) in answer.json()["error"]["message"]
     assert _count_events(api_store) == before
 
 
