@@ -107,30 +107,45 @@ def store_spans(store: EventStore, settings: Settings, access: Access, capture: 
     problems: list[str] = []
     written = 0
     for plan in plans:
-        stored = queries.stored_event_ids(store, [e.event_id for e in plan.events
-                                                  if e.event_id is not None])
-        fresh = [e for e in plan.events if e.event_id not in stored]
-        duplicates += len(plan.events) - len(fresh)
-        if not fresh:
-            continue
         new = NewEpisode(run_id=runs[plan.episode_id], group_id=plan.group_id,
                          task_id=plan.task_id, messages=plan.messages, tools=plan.tools,
                          model=plan.model, where=f"attribute {A_RUN}")
-        try:
-            target = capture.target_or_create(key, plan.episode_id, new)
-            fresh = [e.model_copy(update={"policy_version": target.policy_version})
-                     if e.event_id in plan.unversioned else e for e in fresh]
-            store.append(plan.episode_id, fresh, ANY)
-        except (ApiError, store_errors.ClosedError, store_errors.IdempotencyError) as exc:
-            if isinstance(exc, ApiError) and exc.status != 409:
+        for attempt in range(3):
+            stored = queries.stored_event_ids(store, [e.event_id for e in plan.events
+                                                      if e.event_id is not None])
+            fresh = [e for e in plan.events if e.event_id not in stored]
+            if not fresh:
+                break
+            try:
+                target = capture.target_or_create(key, plan.episode_id, new)
+                fresh = [e.model_copy(update={"policy_version": target.policy_version})
+                         if e.event_id in plan.unversioned else e for e in fresh]
+                store.append(plan.episode_id, fresh, ANY)
+            except store_errors.ValidationError as exc:
+                # The same spans, sent concurrently, were stored meanwhile (the log refuses
+                # a batch mixing stored and new ids): look again.
+                if exc.field == "event_id" and attempt < 2:
+                    continue
                 raise
-            rejected += len({w for e, w in zip(plan.events, plan.wheres, strict=True)
-                             if e.event_id not in stored})
-            problems.append(f"episode {plan.episode_id!r}: {exc}")
-            log.info("OTLP spans of episode %s rejected: %s", plan.episode_id, exc)
-            continue
-        appended += len(fresh)
-        written += 1
+            except (ApiError, store_errors.ClosedError, store_errors.IdempotencyError) as exc:
+                if isinstance(exc, ApiError) and exc.status != 409:
+                    raise
+                # The same spans, sent concurrently, may have stored and closed the episode
+                # meanwhile: only events still missing are rejected.
+                stored = queries.stored_event_ids(store, [e.event_id for e in plan.events
+                                                          if e.event_id is not None])
+                missing = {w for e, w in zip(plan.events, plan.wheres, strict=True)
+                           if e.event_id not in stored}
+                if not missing:
+                    break
+                rejected += len(missing)
+                problems.append(f"episode {plan.episode_id!r}: {exc}")
+                log.info("OTLP spans of episode %s rejected: %s", plan.episode_id, exc)
+                break
+            appended += len(fresh)
+            written += 1
+            break
+        duplicates += len(stored)
     message = "; ".join(problems)
     if len(message) > 2000:
         message = message[:2000] + "…"

@@ -293,6 +293,44 @@ def test_a_batch_sent_twice_is_stored_once(client: TestClient, project: Project,
         assert answer.status_code == 200, answer.text
         assert answer.json() == {}
     assert len(stored(api_store, episode)) == 4
+    # Spans of an open episode sent again beside a new one: the new one is stored.
+    open_episode = f"conv-{uuid.uuid4().hex[:10]}"
+    first = json_episode(open_episode)
+    spans = first["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    del spans[2]  # no agent span: the episode stays open
+    for span in spans:
+        span["attributes"].append(_attr("gen_ai.conversation.id", open_episode))
+    assert post(client, project, json.dumps(first).encode(),
+                content_type="application/json").status_code == 200
+    spans.append(json_span(spans[0]["traceId"], uuid.uuid4().hex[:16], "execute_tool calc",
+                           T0 + 5_000_000, {"gen_ai.operation.name": "execute_tool",
+                                            "gen_ai.tool.name": "calc",
+                                            "gen_ai.conversation.id": open_episode}))
+    answer = post(client, project, json.dumps(first).encode(), content_type="application/json")
+    assert answer.status_code == 200 and answer.json() == {}
+    assert [r.type for r in stored(api_store, open_episode)] == [
+        "episode_started", "llm_called", "tool_returned", "tool_returned"]
+
+
+def test_the_same_export_sent_concurrently_is_stored_once(
+        start_server: Any, project: Project, api_store: EventStore) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = start_server()
+    episode = f"conv-{uuid.uuid4().hex[:10]}"
+    body = gzip.compress(json.dumps(json_episode(episode)).encode())
+    head = {**project.headers("ingest"), "Content-Type": "application/json",
+            "Content-Encoding": "gzip"}
+
+    def send(_: int) -> httpx.Response:
+        return httpx.post(server.url + "/v1/traces", content=body, headers=head, timeout=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, range(8)))
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+    assert [a.json() for a in answers] == [{}] * 8
+    assert [r.type for r in stored(api_store, episode)] == [
+        "episode_started", "llm_called", "tool_returned", "episode_finished"]
 
 
 def test_spans_for_a_finished_episode_are_reported_as_rejected(
