@@ -219,6 +219,8 @@ def _int_list(span: Span, name: str) -> list[int] | None:
     if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise _bad(span, name, "must be an array of integers")
+    if any(not 0 <= v <= 2**31 - 1 for v in value):
+        raise _bad(span, name, "token ids must lie in 0..2147483647 (int32)")
     return value
 
 
@@ -559,6 +561,11 @@ def _llm_call(batch: _Batch, span: Span) -> tuple[LLMCalled, list[dict[str, Any]
     response = dict(response or {"role": "assistant", "content": ""})
     response["role"] = "assistant"
     response["otlp"] = {"trace_id": span.trace_id, "span_id": span.span_id}
+    if span.status_code == STATUS_ERROR or a.get("error.type") is not None:
+        # The request failed (refused, timed out, rate-limited): recorded with its error.
+        response["error"] = {"type": _text(a.get("error.type") or "error"),
+                             "message": span.status_message}
+        finish = finish or "error"
     tools = _tools(span)
     prompt_ids = _int_list(span, A_PROMPT_IDS) or []
     response_ids = _int_list(span, A_RESPONSE_IDS) or []

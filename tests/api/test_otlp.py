@@ -647,6 +647,17 @@ def test_the_older_event_convention_and_openllmetry_attributes() -> None:
         "name": "weather", "arguments": '{"city": "Paris"}'}}]
     assert call.finish_reason == "tool_calls"
 
+    call = _one_call(json_span(trace, "c" * 16, "chat gpt", T0, {
+        "gen_ai.operation.name": "chat", "error.type": "RateLimitError"},
+        status={"code": 2, "message": "429 Too Many Requests"}))
+    assert call.response["error"] == {"type": "RateLimitError",
+                                      "message": "429 Too Many Requests"}
+    assert call.finish_reason == "error"
+    with pytest.raises(OtlpError, match="int32"):
+        _one_call(json_span(trace, "d" * 16, "chat", T0, {
+            "gen_ai.operation.name": "chat", "prompt_token_ids": [2**40],
+            "response_token_ids": [1], "trajstore.logprobs": [-1.0]}))
+
     call = _one_call(json_span(trace, "b" * 16, "openai.chat", T0, {
         "llm.request.type": "chat",
         "gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "Hi",
