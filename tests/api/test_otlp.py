@@ -195,6 +195,27 @@ def test_an_openai_client_instrumented_by_openinference(
     assert len(call.prompt_ids) == 0  # a client sees no token ids: analysed, not trained
 
 
+def test_the_documented_example_runs(start_server: Any, project: Project,
+                                     api_store: EventStore) -> None:
+    """docs/otlp.md's example, as written (a BatchSpanProcessor flushed at shutdown), against
+    a running server."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    server = start_server()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "otlp.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", doc, re.S)
+    code = code.replace("http://127.0.0.1:8000", server.url).replace("tsk_...", project.ingest)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    records = stored(api_store, "conv-42")
+    assert [r.type for r in records] == ["episode_started", "llm_called", "reward_assigned",
+                                         "episode_finished"]
+    assert records[0].event.run_id == "support-bot-v3"
+    assert records[1].event.agent == "helper"
+
+
 # --- JSON, gzip, retries ---------------------------------------------------------------------
 
 
