@@ -36,6 +36,7 @@ __all__ = [
     "episode_run",
     "iter_episode_starts",
     "iter_samples",
+    "stored_event_ids",
     "lease_run",
     "list_episodes",
     "list_runs",
@@ -372,6 +373,16 @@ def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]
             " ORDER BY stream_version",
             (stream_id,),
         ).fetchall()
+
+
+def stored_event_ids(store: EventStore, event_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+    """Which of ``event_ids`` the log holds already (in any stream)."""
+    if not event_ids:
+        return set()
+    with store.db.connection() as conn:
+        rows = conn.execute("SELECT event_id FROM events WHERE event_id = ANY(%s)",
+                            (list(event_ids),)).fetchall()
+    return {row[0] for row in rows}
 
 
 def ping(store: EventStore) -> None:

@@ -45,10 +45,12 @@ _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 @dataclass(frozen=True)
 class NewEpisode:
     """What creates an episode on first use: its run (created too when missing), its GRPO
-    group (default: the episode id) and the call's messages, tools and model name."""
+    group (default: the episode id), its task, and the call's messages, tools and model
+    name. ``where`` names the run's source in errors (a header, an OTLP attribute)."""
 
     run_id: str
     group_id: str | None = None
+    task_id: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
     model: str | None = None
@@ -114,7 +116,7 @@ class Capture:
             self._create_run(key, new)
         self.access.check_run(key, new.run_id)
         started = EpisodeStarted(run_id=new.run_id, group_id=new.group_id or episode_id,
-                                 messages=new.messages, tools=new.tools)
+                                 task_id=new.task_id, messages=new.messages, tools=new.tools)
         try:
             self.store.append(episode_id, [started], NO_STREAM)
         except store_errors.ConflictError:
