@@ -465,11 +465,12 @@ def failures_by_version(store: EventStore, run_id: str) -> dict[int, dict[str, i
     return out
 
 
-def episodes_done(store: EventStore, run_id: str, version: int) -> int:
-    """Replayed episodes of ``run_id`` at policy ``version`` (aborted and invalid ones left
-    out)."""
+def episodes_done(store: EventStore, run_id: str, version: int | None = None) -> int:
+    """Replayed episodes of ``run_id`` at policy ``version`` (every version when None;
+    aborted and invalid ones left out)."""
     with store.db.connection() as conn:
         row = conn.execute(
-            "SELECT count(*) FROM episodes WHERE run_id = %s AND policy_version = %s"
-            " AND status NOT IN ('aborted', 'invalid')", (run_id, version)).fetchone()
+            "SELECT count(*) FROM episodes WHERE run_id = %s"
+            " AND (%s::int IS NULL OR policy_version = %s)"
+            " AND status NOT IN ('aborted', 'invalid')", (run_id, version, version)).fetchone()
     return int(row[0]) if row else 0

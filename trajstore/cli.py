@@ -260,6 +260,10 @@ def demo(
                                       "warm-started policy).")] = "digits",
     json_out: Annotated[bool, typer.Option("--json", help="Also print the final summary as "
                                            "one JSON line.")] = False,
+    overlap: Annotated[bool, typer.Option(help="Roll out the next version's groups while "
+                                          "the trainer trains (off-policy by at most 2 "
+                                          "versions, corrected by importance sampling).")
+                       ] = True,
 ) -> None:
     """The main job: roll out groups with a tiny model through Celery workers, replay them,
     train with EGPO, push each new policy to the rollout engine, and chart the result."""
@@ -270,7 +274,8 @@ def demo(
 
     settings = get_settings()
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
-                          backend=backend.value, seed=seed, resume=resume, task=task)
+                          backend=backend.value, seed=seed, resume=resume, task=task,
+                          overlap=overlap)
     try:
         options.check()
     except ValueError as exc:

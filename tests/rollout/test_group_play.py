@@ -111,6 +111,13 @@ class CrashingLog(StoreGroupLog):
             raise KeyboardInterrupt("worker killed")
         return super().append(stream_id, events, expected_version)
 
+    async def aappend(self, stream_id: str, events: Sequence[Event],
+                      expected_version: Any = "any") -> Any:
+        self.appends += 1
+        if self.appends >= self.stop_at:
+            raise KeyboardInterrupt("worker killed")
+        return await super().aappend(stream_id, events, expected_version)
+
 
 def test_abandoned_episode_is_aborted_and_replaced(
         store: EventStore, hf_backend: TransformersBackend, registry: ToolRegistry) -> None:
