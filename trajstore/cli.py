@@ -412,18 +412,57 @@ def replay(
                 raise typer.Exit(1)
             return
         projections = Projections(store)
+        before = projections.conflict_count()
         kept = projections.rebuild() if rebuild else 0
         total = 0
         while n := sweep_unprojected(store, limit=500 * jobs, pool=pool):
             total += n
-        restored = projections.restore_kept_state() if rebuild else 0
+        if rebuild:
+            projections.restore_kept_state()
+        found = projections.conflict_count() - before
         console.print(f"projected {total} episodes"
-                      + (f"; sample lease state kept for {restored} of {kept}" if rebuild
-                         else ""))
+                      + (f"; {kept} leased, trained, stale or skipped samples kept as they were"
+                         if rebuild else "")
+                      + (f"; {found} projection conflicts recorded (trajstore conflicts)"
+                         if found else ""))
     finally:
         if pool is not None:
             pool.close()
         store.close()
+
+
+@app.command()
+def conflicts(
+    episode: Annotated[str | None, typer.Option("--episode", help="Only this episode.")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="Rows to print.")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Projection conflicts, newest first: samples a trainer had leased or trained that a
+    re-projection of their episode (a rebuild, a replay after a code change) wanted to change
+    or delete. The samples were left as they were; each row says what the projection wanted
+    (``change`` with the columns, or ``delete``)."""
+    from store.projections import Projections
+
+    store = _open_store(get_settings())
+    try:
+        rows = Projections(store).conflicts(episode_id=episode, run_id=run, limit=limit)
+    finally:
+        store.close()
+    if as_json:
+        for r in rows:
+            print(json.dumps({**r, "recorded_at": r["recorded_at"].isoformat()}))
+        return
+    if not rows:
+        console.print("no projection conflicts")
+        return
+    table = Table("recorded", "episode", "sample", "status", "wanted", "columns", "version")
+    for r in rows:
+        table.add_row(r["recorded_at"].isoformat(timespec="seconds"), r["episode_id"],
+                      f"{r['kind']}/{r['timeline_index']} (#{r['sample_id']})",
+                      r["sample_status"], r["action"], ", ".join(r["columns"]),
+                      str(r["projected_version"]))
+    console.print(table)
 
 
 @app.command()
