@@ -232,12 +232,14 @@ class KeyStore:
         return f"{SESSION_PREFIX}{payload}.{mac}"
 
     def verify_session(self, token: str) -> ApiKey | None:
-        """The live key of a ``session`` token, or None when it is malformed, expired, its
+        """The live key of a ``session`` token, or None when it is malformed (a key id that
+        is not 16 hex digits included: nothing malformed reaches the database), expired, its
         MAC is wrong, or its key is unknown or revoked."""
         if not token.startswith(SESSION_PREFIX):
             return None
         parts = token[len(SESSION_PREFIX):].split(".")
-        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < time.time():
+        if (len(parts) != 3 or not _KEY_ID.match(parts[0]) or not parts[1].isdigit()
+                or int(parts[1]) < time.time()):
             return None
         key_id, expiry, mac = parts
         row = table.key_secret_row(self.db, key_id)
