@@ -70,9 +70,9 @@ def translate_errors() -> Iterator[None]:
 
 #: Our words for the SQLSTATEs of class 22 (data exception) a caller's value can cause.
 _DATA_ERRORS = {
-    "22003": "a number is out of the range the database holds",
-    "22008": "a time or duration is out of the range the database holds",
-    "22015": "a duration is out of the range the database holds",
+    "22003": "a number is out of range for the database",
+    "22008": "a time or duration is out of range for the database",
+    "22015": "a duration is out of range for the database",
     "22007": "a time is not in a form the database reads",
     "22P02": "a value is not in the form its column takes",
     "22021": "a string holds a character the database cannot store",
