@@ -48,6 +48,7 @@ _STATUS_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
+    429: "too_many_requests",
     501: "not_implemented",
     502: "upstream_error",
     503: "unavailable",
@@ -211,6 +212,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: _error_schema("The key lacks the role, or the resource is another project's."),
     413: _error_schema("The request body is over the size limit."),
     422: _error_schema("The request is invalid; `field` (and `event_index`) say where."),
+    429: _error_schema("Too many wrong secrets for this key id lately; retry after "
+                       "`Retry-After` seconds."),
 }
 
 
