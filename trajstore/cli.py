@@ -520,15 +520,39 @@ def app_role(
     = "trajstore_app",
     password_stdin: Annotated[bool, typer.Option(
         "--password-stdin", help="Read the role's password from standard input.")] = False,
+    password_env: Annotated[str | None, typer.Option(
+        "--password-env", metavar="NAME",
+        help="Take the role's password from the environment variable NAME (a container's "
+        "Secret), never from the command line.")] = None,
 ) -> None:
     """Create (or grant again after a migration) the role the API and the workers should
     connect as: it appends and reads, owns nothing, and so cannot switch the event log's
-    immutability off. Run it as the owner of the tables."""
+    immutability off. Run it as the owner of the tables (TRAJSTORE_DATABASE_URL the owner's).
+    The password, when given, is set each time; --password-stdin and --password-env are
+    exclusive, and an unset or empty variable is refused before anything is changed."""
+    import os
+
     from store import embedded
     from store.app_role import grant_app_role
     from store.db import Database
 
+    if password_stdin and password_env is not None:
+        raise typer.BadParameter("give the password one way: --password-stdin or "
+                                 "--password-env, not both", param_hint="--password-env")
     password = sys.stdin.readline().rstrip("\r\n") if password_stdin else None
+    if password_env is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", password_env):
+            raise typer.BadParameter(f"{password_env!r} is not an environment variable name",
+                                     param_hint="--password-env")
+        password = os.environ.get(password_env)
+        if not password:
+            raise typer.BadParameter(f"the environment variable {password_env} is "
+                                     f"{'empty' if password == '' else 'not set'}",
+                                     param_hint="--password-env")
+    if password is not None and (not password or "\x00" in password):
+        raise typer.BadParameter("the password must be non-empty and hold no NUL character",
+                                 param_hint="--password-env" if password_env
+                                 else "--password-stdin")
     db = Database(embedded.database_url(get_settings()), max_size=1)
     try:
         made = grant_app_role(db, role, password=password)
