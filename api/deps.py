@@ -2,7 +2,8 @@
 
 ``Ctx`` is the process's :class:`~api.context.ApiContext`. ``AnyKey``, ``IngestKey`` and
 ``ReadKey`` authenticate the request (``Authorization: Bearer <key>`` or ``X-API-Key: <key>``)
-and answer 401 without a valid key, 403 when the key lacks the role (``admin`` has every
+and answer 401 without a valid key (429 with Retry-After while a key id has spent its budget
+of wrong secrets), 403 when the key lacks the role (``admin`` has every
 role). Project checks need the resource and happen in the routes, through ``ctx.access``.
 """
 
@@ -16,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.context import ApiContext
 from api.errors import ApiError
-from api.keys import ApiKey
+from api.keys import ApiKey, KeyFailureBudgetExceeded
 
 __all__ = ["AdminKey", "AnyKey", "Ctx", "IngestKey", "ReadKey", "authenticate", "get_context"]
 
@@ -38,15 +39,25 @@ async def authenticate(
     header: Annotated[str | None, Security(_header)],
 ) -> ApiKey:
     """The live key the request carries; ApiError 401 when it carries none, or an unknown,
-    malformed or revoked one. A key this process trusts is accepted without leaving the
-    event loop; any other is checked against the database in a worker thread."""
+    malformed or revoked one, or a wrong secret; 429 with Retry-After when its key id had too
+    many wrong secrets lately and this secret was not checked (``api.keys``). A key this
+    process trusts is accepted without leaving the event loop; any other is checked against
+    the database in a worker thread."""
     token = bearer.credentials if bearer is not None else header
     if not token:
         raise ApiError(401, "unauthorized",
                        "an API key is required: Authorization: Bearer <key> or X-API-Key",
                        headers={"WWW-Authenticate": "Bearer"})
     token = token.strip()
-    key = ctx.keys.trusted(token) or await run_in_threadpool(ctx.keys.verify, token)
+    try:
+        key = ctx.keys.trusted(token) or (
+            None if ctx.keys.refused(token)
+            else await run_in_threadpool(ctx.keys.verify, token))
+    except KeyFailureBudgetExceeded as exc:
+        raise ApiError(429, "too_many_requests",
+                       "too many wrong secrets for this API key id lately; this one was not "
+                       f"checked: retry after {exc.retry_after_s} s",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from None
     if key is None:
         raise ApiError(401, "unauthorized", "the API key is unknown, malformed or revoked",
                        headers={"WWW-Authenticate": "Bearer"})

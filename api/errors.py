@@ -2,9 +2,12 @@
 
 Store errors are translated here, once: validation → 422 (with ``event_index`` and
 ``field``), conflict → 409 (with ``current_version``), idempotency clash → 409, not found →
-404, transient → 503. Request validation by FastAPI becomes 422 with the field path; HTTP
-errors of Starlette (404 route, 405 method) keep their status. Anything unexpected is a 500
-with a generic message (the traceback goes to the log, not to the client).
+404, transient → 503. No body holds PostgreSQL's own text: a value the database refused is a
+422 in the store's words naming the field (or, when the database cannot say which value, the
+request's parameters it came from), and a 503 says only that the database is unavailable;
+the server's text goes to the log. Request validation by FastAPI becomes 422 with the field
+path; HTTP errors of Starlette (404 route, 405 method) keep their status. Anything unexpected
+is a 500 with a generic message (the traceback goes to the log, not to the client).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ _STATUS_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
+    429: "too_many_requests",
     501: "not_implemented",
     502: "upstream_error",
     503: "unavailable",
@@ -94,7 +98,40 @@ def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return out or "(request)"
 
 
-def _store_error(exc: store_errors.StoreError) -> JSONResponse:
+def _request_values(request: Request | None) -> list[str]:
+    """The names of the request's path and query parameters (what a value the database
+    refused may have come from), in the order given."""
+    if request is None:
+        return []
+    names = [str(n) for n in request.path_params]
+    names += [n for n in dict.fromkeys(request.query_params.keys()) if n not in names]
+    return names
+
+
+def _database_refusal(exc: store_errors.ValidationError, request: Request | None
+                      ) -> JSONResponse:
+    """A value the database refused: the store's words (``exc.reason``), naming the field
+    when the store knew it, else the request's parameters it may have come from; the
+    server's text is in the log only (``store.db``)."""
+    extra: dict[str, Any] = {}
+    if exc.event_index is not None:
+        extra["event_index"] = exc.event_index
+    if exc.field:
+        extra["field"] = exc.field
+        message = f"{exc.field}: {exc.reason}"
+    else:
+        names = _request_values(request)
+        extra["field"] = names[0] if len(names) == 1 else "(request)"
+        message = (f"{names[0]}: {exc.reason}" if len(names) == 1 else
+                   f"{exc.reason}; it is one of the request's values "
+                   f"({', '.join(names)} or the body)" if names else
+                   f"{exc.reason} (a value of the request body)")
+    return error_response(422, "invalid_request", message, **extra)
+
+
+def _store_error(exc: store_errors.StoreError, request: Request | None = None) -> JSONResponse:
+    if isinstance(exc, store_errors.ValidationError) and exc.from_database:
+        return _database_refusal(exc, request)
     if isinstance(exc, store_errors.ValidationError):
         extra: dict[str, Any] = {}
         if exc.event_index is not None:
@@ -115,7 +152,9 @@ def _store_error(exc: store_errors.StoreError) -> JSONResponse:
     if isinstance(exc, store_errors.NotFoundError):
         return error_response(404, "not_found", str(exc))
     if isinstance(exc, store_errors.TransientError):
-        return error_response(503, "unavailable", str(exc), headers={"Retry-After": "1"})
+        log.warning("database unavailable: %s", exc)
+        return error_response(503, "unavailable", "the database is unavailable; try again",
+                              headers={"Retry-After": "1"})
     if type(exc).__name__ == "LeaseExpired":
         return error_response(409, "lease_ended", str(exc))
     log.error("store error: %s", exc)
@@ -132,7 +171,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(store_errors.StoreError)
     async def _store(request: Request, exc: store_errors.StoreError) -> JSONResponse:
-        return _store_error(exc)
+        return _store_error(exc, request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -173,6 +212,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: _error_schema("The key lacks the role, or the resource is another project's."),
     413: _error_schema("The request body is over the size limit."),
     422: _error_schema("The request is invalid; `field` (and `event_index`) say where."),
+    429: _error_schema("Too many wrong secrets for this key id lately; retry after "
+                       "`Retry-After` seconds."),
 }
 
 

@@ -15,6 +15,20 @@ for revocations: ``revoke`` sends a PostgreSQL notification with the key id when
 commits, and every process listening drops the key at once. A process that cannot listen
 (the connection dropped) reads the row on every request until it listens again, so a
 revoked key never keeps working.
+
+Wrong secrets cost a full scrypt each, so a flood of them would starve every other request.
+Two guards keep that cost bounded, per API process:
+
+- a failure cache: a key refused once (unknown, revoked or wrong secret) is remembered by the
+  SHA-256 of the whole presented key for ``api_key_failure_cache_s`` seconds and refused
+  again (401) without reading its row or hashing;
+- a failure budget per key id: at most ``api_key_failure_budget`` wrong secrets of one key id
+  are hashed within ``api_key_failure_cache_s`` seconds; further secrets this process has not
+  seen right are answered 429 with ``Retry-After`` (``KeyFailureBudgetExceeded``), unhashed.
+  The right secret is never refused by the budget once this process has checked it: its
+  fingerprint is remembered (until the key is revoked) and skips the hash; and even while a
+  key id is over budget, one unknown secret per second is still checked, so a right secret
+  this process has not seen before gets in on a retry.
 """
 
 from __future__ import annotations
@@ -23,11 +37,12 @@ import datetime as dt
 import hashlib
 import hmac
 import logging
+import math
 import re
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from store import api_keys as table
@@ -41,6 +56,7 @@ __all__ = [
     "ApiKey",
     "NewKey",
     "KeyStore",
+    "KeyFailureBudgetExceeded",
     "hash_secret",
     "parse_key",
 ]
@@ -55,6 +71,24 @@ SESSION_PREFIX = "tss1."
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 _SECRET = re.compile(r"^[A-Za-z0-9_-]{20,200}$")
 _PARAMS = re.compile(r"^scrypt\$(\d+)\$(\d+)\$(\d+)$")
+
+
+#: Entries each in-memory table of a key store keeps at most (oldest dropped first).
+_MAX_ENTRIES = 10_000
+#: While a key id is over its failure budget, one unknown secret per this many seconds is
+#: still checked, so that a right secret never seen by this process gets in on a retry.
+_OVER_BUDGET_CHECK_S = 1.0
+
+
+class KeyFailureBudgetExceeded(Exception):
+    """Too many wrong secrets for one key id lately: this one was not checked. Retry after
+    ``retry_after_s`` seconds."""
+
+    def __init__(self, key_id: str, retry_after_s: int) -> None:
+        super().__init__(f"too many wrong secrets for API key {key_id} lately; retry after "
+                         f"{retry_after_s} s")
+        self.key_id = key_id
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -129,6 +163,15 @@ class KeyStore:
         self.settings = settings
         # key_id -> (fingerprint of the presented key, the key, when its row was read)
         self._verified: OrderedDict[str, tuple[bytes, ApiKey, float]] = OrderedDict()
+        # key_id -> fingerprint of the key whose secret scrypt accepted (skips the hash; the
+        # row, and so revocation, is still read); dropped when the key is revoked
+        self._right: OrderedDict[str, bytes] = OrderedDict()
+        # fingerprint of a refused key -> when it was refused
+        self._refused: OrderedDict[bytes, float] = OrderedDict()
+        # key_id -> times of its recent wrong secrets (at most the budget), and when an
+        # unknown secret was last checked while over budget
+        self._wrong: OrderedDict[str, deque[float]] = OrderedDict()
+        self._over_budget_checked: dict[str, float] = {}
         self._lock = threading.Lock()
         self._generation = 0  # bumped by every revocation heard
         self._listening = False
@@ -184,7 +227,9 @@ class KeyStore:
 
     def verify(self, token: str) -> ApiKey | None:
         """The live key ``token`` is, or None when it is malformed, unknown, revoked or its
-        secret is wrong."""
+        secret is wrong. Raises ``KeyFailureBudgetExceeded`` (nothing checked) when its key id
+        had too many wrong secrets lately and this secret is not one this process checked
+        right before (module docstring)."""
         key = self.trusted(token)
         if key is not None:
             return key
@@ -193,21 +238,29 @@ class KeyStore:
         except ValueError:
             return None
         fingerprint = hashlib.sha256(token.encode()).digest()
+        now = time.monotonic()
         with self._lock:
+            if self._refused_lately(fingerprint, now):
+                return None
             generation = self._generation
-            known = self._verified.get(key_id)
+            known = self._right.get(key_id)
+        right_before = known is not None and hmac.compare_digest(known, fingerprint)
+        if not right_before:
+            self._spend_budget(key_id, now)
         row = table.key_secret_row(self.db, key_id)
         if row is None or row[5] is not None:
             self._forget(key_id)
+            self._remember_refusal(fingerprint, now)
             return None
         key = _key(row[:6])
-        if known is None or not hmac.compare_digest(known[0], fingerprint):
+        if not right_before:
             match = _PARAMS.match(row[8])
             if match is None:
                 return None
             n, r, p = (int(g) for g in match.groups())
             if not hmac.compare_digest(hash_secret(secret, salt=bytes(row[7]), n=n, r=r, p=p),
                                        bytes(row[6])):
+                self._remember_refusal(fingerprint, time.monotonic(), key_id=key_id)
                 return None
         with self._lock:
             # A revocation heard while the row was being read may be about this key: do
@@ -215,9 +268,98 @@ class KeyStore:
             if self._generation == generation:
                 self._verified[key_id] = (fingerprint, key, time.monotonic())
                 self._verified.move_to_end(key_id)
-                while len(self._verified) > 10_000:
+                while len(self._verified) > _MAX_ENTRIES:
                     self._verified.popitem(last=False)
+            # That the secret is right holds whatever was heard meanwhile (only the hash is
+            # skipped next time; the row, and so revocation, is still read).
+            self._right[key_id] = fingerprint
+            self._right.move_to_end(key_id)
+            while len(self._right) > _MAX_ENTRIES:
+                self._right.popitem(last=False)
         return key
+
+    # --- wrong secrets -----------------------------------------------------------------------
+
+    def _refused_lately(self, fingerprint: bytes, now: float) -> bool:
+        """Whether this very key was refused within the failure cache time (lock held)."""
+        ttl = self.settings.api_key_failure_cache_s
+        when = self._refused.get(fingerprint)
+        if when is None:
+            return False
+        if ttl <= 0 or now - when >= ttl:
+            del self._refused[fingerprint]
+            return False
+        return True
+
+    def _remember_refusal(self, fingerprint: bytes, now: float, *,
+                          key_id: str | None = None) -> None:
+        """Remember a refused key; a wrong secret of an existing ``key_id`` also counts
+        against that key id's budget."""
+        s = self.settings
+        with self._lock:
+            if s.api_key_failure_cache_s > 0:
+                self._refused[fingerprint] = now
+                self._refused.move_to_end(fingerprint)
+                while len(self._refused) > _MAX_ENTRIES:
+                    self._refused.popitem(last=False)
+            if key_id is not None and s.api_key_failure_budget > 0:
+                times = self._wrong.get(key_id)
+                if times is None:
+                    times = self._wrong[key_id] = deque(maxlen=s.api_key_failure_budget)
+                times.append(now)
+                self._wrong.move_to_end(key_id)
+                while len(self._wrong) > _MAX_ENTRIES:
+                    self._wrong.popitem(last=False)
+
+    def _over_budget(self, key_id: str, now: float) -> int | None:
+        """Seconds until ``key_id`` is back within its budget of wrong secrets, or None when
+        it is within it (lock held)."""
+        s = self.settings
+        budget, window = s.api_key_failure_budget, s.api_key_failure_cache_s
+        if budget <= 0 or window <= 0:
+            return None
+        times = self._wrong.get(key_id)
+        if times is None or len(times) < budget or now - times[0] >= window:
+            return None
+        return max(1, math.ceil(window - (now - times[0])))
+
+    def _spend_budget(self, key_id: str, now: float) -> None:
+        """Raise ``KeyFailureBudgetExceeded`` when ``key_id`` is over its budget of wrong
+        secrets and an over-budget check was made less than a second ago; otherwise take
+        that check (when over budget) and return."""
+        with self._lock:
+            wait = self._over_budget(key_id, now)
+            if wait is None:
+                return
+            if now - self._over_budget_checked.get(key_id, -math.inf) >= _OVER_BUDGET_CHECK_S:
+                self._over_budget_checked[key_id] = now
+                if len(self._over_budget_checked) > _MAX_ENTRIES:
+                    self._over_budget_checked.clear()
+                return
+        raise KeyFailureBudgetExceeded(key_id, wait)
+
+    def refused(self, token: str) -> bool:
+        """Whether ``token`` is refused from memory: True when this very key was refused
+        within ``api_key_failure_cache_s``. Raises ``KeyFailureBudgetExceeded`` when its key
+        id is over its budget, the secret is not one this process checked right, and no
+        check is due. Does no I/O and no hashing (the API calls it on its event loop); False
+        leaves the decision to ``verify``."""
+        if not token.startswith(KEY_PREFIX):
+            return False
+        key_id = token[len(KEY_PREFIX):len(KEY_PREFIX) + 16]
+        fingerprint = hashlib.sha256(token.encode()).digest()
+        now = time.monotonic()
+        with self._lock:
+            if self._refused_lately(fingerprint, now):
+                return True
+            known = self._right.get(key_id)
+            if known is not None and hmac.compare_digest(known, fingerprint):
+                return False
+            wait = self._over_budget(key_id, now)
+            due = now - self._over_budget_checked.get(key_id, -math.inf) >= _OVER_BUDGET_CHECK_S
+        if wait is not None and not due:
+            raise KeyFailureBudgetExceeded(key_id, wait)
+        return False
 
     def session(self, key: ApiKey, *, ttl_s: float) -> str:
         """A session token for the web page's cookie: ``tss1.<key id>.<expiry>.<mac>``, the
@@ -232,12 +374,14 @@ class KeyStore:
         return f"{SESSION_PREFIX}{payload}.{mac}"
 
     def verify_session(self, token: str) -> ApiKey | None:
-        """The live key of a ``session`` token, or None when it is malformed, expired, its
+        """The live key of a ``session`` token, or None when it is malformed (a key id that
+        is not 16 hex digits included: nothing malformed reaches the database), expired, its
         MAC is wrong, or its key is unknown or revoked."""
         if not token.startswith(SESSION_PREFIX):
             return None
         parts = token[len(SESSION_PREFIX):].split(".")
-        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < time.time():
+        if (len(parts) != 3 or not _KEY_ID.match(parts[0]) or not parts[1].isdigit()
+                or int(parts[1]) < time.time()):
             return None
         key_id, expiry, mac = parts
         row = table.key_secret_row(self.db, key_id)
@@ -250,6 +394,7 @@ class KeyStore:
     def _forget(self, key_id: str) -> None:
         with self._lock:
             self._verified.pop(key_id, None)
+            self._right.pop(key_id, None)
             self._generation += 1
 
     # --- hearing revocations ---------------------------------------------------------------

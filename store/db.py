@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,9 @@ from psycopg_pool import ConnectionPool
 
 from store import errors
 
-__all__ = ["Database", "translate_errors", "connect", "scalar"]
+__all__ = ["Database", "data_error_message", "translate_errors", "connect", "scalar"]
+
+log = logging.getLogger(__name__)
 
 _TRANSIENT = (
     psycopg.OperationalError,
@@ -37,7 +40,8 @@ def translate_errors() -> Iterator[None]:
     """Re-raise psycopg errors raised inside the block as ``store.errors``: unique
     violations as ``DuplicateKeyError``, refused writes as ``RefusedError``, lost connections
     as ``TransientError``, values PostgreSQL cannot hold (``DataError``) as
-    ``ValidationError``, anything else as ``StoreError``."""
+    ``ValidationError`` with a message of the store's own (``from_database`` set; the
+    server's text is logged, never put in the error), anything else as ``StoreError``."""
     try:
         yield
     except errors.StoreError:
@@ -51,14 +55,43 @@ def translate_errors() -> Iterator[None]:
         raise errors.TransientError(f"database unavailable: {str(exc).strip()}") from exc
     except psycopg.DataError as exc:
         # A value PostgreSQL cannot hold (a NUL character in a text column, a number out of
-        # range): the caller's input is wrong, not the database.
-        raise errors.ValidationError(str(exc).strip()) from exc
+        # range): the caller's input is wrong, not the database. The server's text (which
+        # quotes SQL and internals) goes to the log only; the error says it in our words.
+        log.warning("the database refused a value (SQLSTATE %s): %s", exc.sqlstate,
+                    str(exc).strip())
+        raise errors.ValidationError(data_error_message(exc), from_database=True) from exc
     except pg_errors.UndefinedTable as exc:
         raise errors.StoreError(
             f"{str(exc).strip()} (is the schema migrated? run `trajstore migrate`)"
         ) from exc
     except psycopg.Error as exc:
         raise errors.StoreError(str(exc).strip()) from exc
+
+
+#: Our words for the SQLSTATEs of class 22 (data exception) a caller's value can cause.
+_DATA_ERRORS = {
+    "22003": "a number is out of range for the database",
+    "22008": "a time or duration is out of range for the database",
+    "22015": "a duration is out of range for the database",
+    "22007": "a time is not in a form the database reads",
+    "22P02": "a value is not in the form its column takes",
+    "22021": "a string holds a character the database cannot store",
+    "22P05": "a string holds a character the database cannot store",
+    "22001": "a string is longer than the database holds",
+    "22012": "a value divides by zero",
+    "2201E": "a value is outside what a logarithm takes",
+    "22023": "a value is not one the database takes",
+}
+
+
+def data_error_message(exc: psycopg.DataError) -> str:
+    """What a ``DataError`` means for the caller, in the store's words (never the server's
+    text, which quotes SQL)."""
+    if exc.sqlstate in _DATA_ERRORS:
+        return _DATA_ERRORS[exc.sqlstate]
+    if exc.sqlstate is None and "NUL" in str(exc):  # refused by psycopg before sending
+        return "a string holds a NUL character, which the database cannot store"
+    return "a value is one the database cannot hold"
 
 
 def scalar(conn: psycopg.Connection, sql: Any, params: Any = None) -> Any:

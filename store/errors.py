@@ -25,10 +25,14 @@ class StoreError(Exception):
 class ValidationError(StoreError, ValueError):
     """An event or argument is invalid. ``event_index`` and ``field`` name what is wrong."""
 
-    def __init__(self, message: str, *, event_index: int | None = None, field: str | None = None):
+    def __init__(self, message: str, *, event_index: int | None = None, field: str | None = None,
+                 from_database: bool = False):
         self.event_index = event_index
         self.field = field
         self.reason = message
+        # The database refused a value (``store.db.translate_errors``): it does not say
+        # which, so ``field`` is None unless the caller knew it.
+        self.from_database = from_database
         where = []
         if event_index is not None:
             where.append(f"event {event_index}")

@@ -7,7 +7,9 @@ version it was replayed at, ``episodes.projected_version``), alone or in a batch
 twice changes nothing, and an episode already projected at its final version is skipped, so
 a redelivered replay task does no harm. ``rebuild`` empties every projection so that they can
 be replayed from the log alone; samples keep their lease state across a rebuild so that
-nothing already trained is trained again.
+nothing already trained is trained again. A sample a trainer leased or consumed is never
+changed or deleted by a later projection of its episode: the projection records what it
+wanted in ``projection_conflicts`` instead (``Projections.conflicts`` lists them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import psycopg
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from store.codec import pack_ids, pack_logprobs, pack_mask
@@ -241,6 +244,70 @@ _SAMPLE_COLUMNS = (
     " failed_at, failure_version, position_key, retry_index, error_types, error_messages"
 )
 
+#: Sample states a trainer holds: a re-projection never changes or deletes such a sample.
+_PROTECTED = "('leased', 'consumed')"
+#: The sample columns a re-projection may want to change (all but the key).
+_SAMPLE_VALUE_COLUMNS = [c.strip() for c in _SAMPLE_COLUMNS.split(",")
+                         if c.strip() not in ("episode_id", "kind", "timeline_index")]
+#: An episode row written again replaces the earlier one in place, so that the samples that
+#: reference it (leased and consumed ones stay) are not deleted with it.
+_EPISODE_UPSERT = (_EPISODE_INSERT + " ON CONFLICT (episode_id) DO UPDATE SET "
+                   + ", ".join(f"{c} = excluded.{c}" for c in _EPISODE_TYPES
+                               if c != "episode_id")
+                   + ", projected_at = now()")
+_NEW_SAMPLES = (
+    "SELECT r AS run_id, g AS group_id, e AS episode_id, a AS agent, k AS kind,"
+    " ti AS timeline_index, rw AS reward, pv AS policy_version, pl AS prompt_length,"
+    " nt AS num_tokens, ntr AS num_trainable, nd AS num_drifted, ids AS token_ids,"
+    " mask AS loss_mask, lp AS logprobs, fa AS failed_at, fv AS failure_version,"
+    " pk AS position_key, ri AS retry_index,"
+    " CASE WHEN et IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
+    " jsonb_array_elements_text(et) WITH ORDINALITY AS t(x, n) ORDER BY n) END AS error_types,"
+    " CASE WHEN em IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
+    " jsonb_array_elements_text(em) WITH ORDINALITY AS t(x, n) ORDER BY n) END"
+    " AS error_messages"
+    " FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], %b::text[],"
+    " %b::int[], %b::float8[], %b::int[], %b::int[], %b::int[], %b::int[],"
+    " %b::int[], %b::bytea[], %b::bytea[], %b::bytea[], %b::timestamptz[],"
+    " %b::int[], %b::text[], %b::int[], %b::jsonb[], %b::jsonb[])"
+    " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv, pk, ri, et, em)"
+)
+_CONFLICT_COLUMNS = ("episode_id, run_id, kind, timeline_index, sample_id, sample_status,"
+                     " action, columns, projected_version")
+#: New samples of episodes never projected.
+_SAMPLE_INSERT = f"INSERT INTO samples ({_SAMPLE_COLUMNS}) SELECT * FROM ({_NEW_SAMPLES}) s"
+#: New samples of episodes projected before: where a leased or consumed sample has the key,
+#: it stays as it is, and a conflict names the columns the new one would have changed.
+_SAMPLE_INSERT_KEEPING = (
+    f"WITH s AS MATERIALIZED ({_NEW_SAMPLES}),"
+    f" conflicts AS (INSERT INTO projection_conflicts ({_CONFLICT_COLUMNS})"
+    " SELECT o.episode_id, o.run_id, o.kind, o.timeline_index, o.sample_id, o.status,"
+    " 'change', d.columns, ep.projected_version"
+    " FROM s JOIN samples o ON o.episode_id = s.episode_id AND o.kind = s.kind"
+    " AND o.timeline_index = s.timeline_index"
+    " JOIN episodes ep ON ep.episode_id = s.episode_id"
+    " CROSS JOIN LATERAL (SELECT ARRAY(SELECT c FROM unnest("
+    "ARRAY[" + ", ".join(f"'{c}'" for c in _SAMPLE_VALUE_COLUMNS) + "]::text[], "
+    "ARRAY[" + ", ".join(f"o.{c} IS DISTINCT FROM s.{c}" for c in _SAMPLE_VALUE_COLUMNS)
+    + "]) AS x(c, differs) WHERE differs) AS columns) d"
+    f" WHERE o.status IN {_PROTECTED} AND cardinality(d.columns) > 0"
+    " ON CONFLICT ON CONSTRAINT projection_conflicts_once DO NOTHING)"
+    f" INSERT INTO samples ({_SAMPLE_COLUMNS}) SELECT * FROM s"
+    " ON CONFLICT ON CONSTRAINT samples_key DO NOTHING"
+)
+#: Leased and consumed samples of episodes projected again that the new projection does not
+#: make (parameters: the episodes, then the keys of the samples it makes).
+_DELETE_CONFLICTS = (
+    f"INSERT INTO projection_conflicts ({_CONFLICT_COLUMNS})"
+    " SELECT o.episode_id, o.run_id, o.kind, o.timeline_index, o.sample_id, o.status,"
+    " 'delete', '{}', ep.projected_version"
+    " FROM samples o JOIN episodes ep ON ep.episode_id = o.episode_id"
+    f" WHERE o.episode_id = ANY(%s::text[]) AND o.status IN {_PROTECTED}"
+    " AND NOT EXISTS (SELECT 1 FROM unnest(%s::text[], %s::text[], %s::int[]) AS m(e, k, ti)"
+    " WHERE m.e = o.episode_id AND m.k = o.kind AND m.ti = o.timeline_index)"
+    " ON CONFLICT ON CONSTRAINT projection_conflicts_once DO NOTHING"
+)
+
 
 class Projections:
     """Reads and writes the projection tables of one store."""
@@ -283,8 +350,11 @@ class Projections:
 
         Returns False (and writes nothing) when the episode is already projected at this
         stream version or a later one. Rows of an earlier projection of the episode are
-        replaced; samples already leased or consumed keep that state. ``before_commit`` runs
-        inside the transaction after every row is written (fault-injection tests use it).
+        replaced, except samples a trainer leased or consumed: those stay exactly as they
+        are, and where the new projection would change one (or make none with its key) a row
+        in ``projection_conflicts`` records it; stale and skipped samples keep that state.
+        ``before_commit`` runs inside the transaction after every row is written
+        (fault-injection tests use it).
         """
         return self.write_many([projection], before_commit=before_commit)[0]
 
@@ -339,36 +409,31 @@ class Projections:
                               for r in runs.values()], 7),
                 )
                 again = [p.episode.episode_id for p in todo if p.episode.episode_id in done]
+                samples = [_sample_values(s) for p in todo for s in p.samples]
                 kept: list[tuple[Any, ...]] = []
                 if again:
+                    # Stale and skipped samples are made again with their state; leased and
+                    # consumed ones stay exactly as they are (a trainer has them).
                     kept = cur.execute(
                         "SELECT episode_id, kind, timeline_index, status, lease_id, leased_until,"
                         " consumed_version FROM samples WHERE episode_id = ANY(%b::text[])"
-                        " AND status <> 'ready'",
+                        f" AND status <> 'ready' AND status NOT IN {_PROTECTED}",
                         (again,),
                     ).fetchall()
-                    cur.execute("DELETE FROM episodes WHERE episode_id = ANY(%b::text[])",
-                                 (again,))
-                cur.execute(_EPISODE_INSERT,
+                    for table in ("timeline_forks", "failures", "tool_calls"):
+                        cur.execute(f"DELETE FROM {table} WHERE episode_id = ANY(%b::text[])",
+                                    (again,))
+                    cur.execute("DELETE FROM samples WHERE episode_id = ANY(%b::text[])"
+                                f" AND status NOT IN {_PROTECTED}", (again,))
+                cur.execute(_EPISODE_UPSERT,
                             _row_columns([p.episode for p in todo], _EPISODE_TYPES))
-                samples = [_sample_values(s) for p in todo for s in p.samples]
+                if again:
+                    made = [(s.episode_id, s.kind, s.timeline_index)
+                            for p in todo if p.episode.episode_id in done for s in p.samples]
+                    cur.execute(_DELETE_CONFLICTS, [again, *_columns(made, 3)])
                 if samples:
-                    cur.execute(
-                        f"INSERT INTO samples ({_SAMPLE_COLUMNS})"
-                        " SELECT r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
-                        " pk, ri,"
-                        " CASE WHEN et IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
-                        " jsonb_array_elements_text(et) WITH ORDINALITY AS t(x, n) ORDER BY n) END,"
-                        " CASE WHEN em IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
-                        " jsonb_array_elements_text(em) WITH ORDINALITY AS t(x, n) ORDER BY n) END"
-                        " FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], %b::text[],"
-                        " %b::int[], %b::float8[], %b::int[], %b::int[], %b::int[], %b::int[],"
-                        " %b::int[], %b::bytea[], %b::bytea[], %b::bytea[], %b::timestamptz[],"
-                        " %b::int[], %b::text[], %b::int[], %b::jsonb[], %b::jsonb[])"
-                        " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv,"
-                        " pk, ri, et, em)",
-                        _columns(samples, 21),
-                    )
+                    cur.execute(_SAMPLE_INSERT_KEEPING if again else _SAMPLE_INSERT,
+                                _columns(samples, 21))
                 if kept:
                     cur.execute(
                         "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
@@ -430,25 +495,52 @@ class Projections:
             )
 
     def rebuild(self) -> int:
-        """Empty every projection (keeping sample lease state aside) so that replaying the
-        log rebuilds them. Returns the number of samples whose state was kept."""
+        """Empty the projections so that replaying the log rebuilds them. Samples a trainer
+        leased, acknowledged, skipped or found stale are kept, with their episode rows (marked
+        unprojected: ``projected_version`` 0), so that the replay keeps their state, and never
+        changes or deletes a leased or consumed one (it records a conflict instead). Returns
+        the number of samples kept. Only DELETE is used, so the app's role may run it."""
         with self.db.transaction() as conn:
-            conn.execute("LOCK TABLE episodes, samples IN ACCESS EXCLUSIVE MODE")
-            conn.execute("CREATE TABLE IF NOT EXISTS sample_state_kept (episode_id text,"
-                         " kind text, timeline_index int, status text, lease_id uuid,"
-                         " leased_until timestamptz, consumed_version int,"
-                         " PRIMARY KEY (episode_id, kind, timeline_index))")
-            kept = conn.execute(
-                "INSERT INTO sample_state_kept SELECT episode_id, kind, timeline_index, status,"
-                " lease_id, leased_until, consumed_version FROM samples WHERE status <> 'ready'"
-                " ON CONFLICT DO NOTHING"
-            ).rowcount
-            conn.execute("TRUNCATE failures, tool_calls, timeline_forks, samples, episodes,"
-                         " runs, projection_checkpoints")
+            conn.execute("LOCK TABLE episodes, samples, timeline_forks, failures, tool_calls,"
+                         " runs, projection_checkpoints IN ACCESS EXCLUSIVE MODE")
+            for table in ("timeline_forks", "failures", "tool_calls"):
+                conn.execute(f"DELETE FROM {table}")
+            conn.execute("DELETE FROM samples WHERE status = 'ready'")
+            kept = int(scalar(conn, "SELECT count(*) FROM samples"))
+            conn.execute("DELETE FROM episodes e WHERE NOT EXISTS"
+                         " (SELECT 1 FROM samples s WHERE s.episode_id = e.episode_id)")
+            conn.execute("UPDATE episodes SET projected_version = 0")
+            conn.execute("DELETE FROM runs")
+            conn.execute("DELETE FROM projection_checkpoints")
         return kept
 
+    def conflict_count(self) -> int:
+        """How many projection conflicts are recorded."""
+        with self.db.connection() as conn:
+            return int(scalar(conn, "SELECT count(*) FROM projection_conflicts"))
+
+    def conflicts(self, *, episode_id: str | None = None, run_id: str | None = None,
+                  limit: int = 100) -> list[dict[str, Any]]:
+        """The latest projection conflicts, newest first (optionally of one episode or run):
+        what a re-projection wanted to do to a leased or consumed sample and did not do.
+        Raises ValueError when ``limit`` is not a positive integer."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, not {limit!r}")
+        with self.db.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(
+                "SELECT recorded_at, episode_id, run_id, kind, timeline_index, sample_id,"
+                " sample_status, action, columns, projected_version FROM projection_conflicts"
+                " WHERE (%(e)s::text IS NULL OR episode_id = %(e)s)"
+                " AND (%(r)s::text IS NULL OR run_id = %(r)s)"
+                " ORDER BY recorded_at DESC, conflict_id DESC LIMIT %(n)s",
+                {"e": episode_id, "r": run_id, "n": limit},
+            ).fetchall()
+
     def restore_kept_state(self) -> int:
-        """After a rebuild's replays: give samples back the lease state they had."""
+        """After a rebuild's replays: give samples back the lease state that a rebuild of an
+        earlier version set aside in ``sample_state_kept`` (today's ``rebuild`` keeps such
+        samples in place, and this finds nothing to do)."""
         with self.db.transaction() as conn:
             exists = scalar(conn, "SELECT to_regclass('sample_state_kept')")
             if exists is None:

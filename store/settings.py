@@ -199,6 +199,24 @@ class Settings(BaseSettings):
         description="Seconds an API process trusts a key it checked, while it hears "
         "revocations (LISTEN); 0 checks the database on every request.",
     )
+    api_key_failure_cache_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="Seconds an API process remembers a key it refused (by the SHA-256 of "
+        "the whole key) and refuses it again without reading its row or hashing its secret; "
+        "also the window of api_key_failure_budget. 0: remember nothing.",
+    )
+    api_key_failure_budget: int = Field(
+        default=20,
+        ge=0,
+        le=1_000_000,
+        description="Wrong secrets per key id an API process checks (scrypt) within "
+        "api_key_failure_cache_s; further unknown secrets for that key id are answered 429 "
+        "with Retry-After, unhashed (a secret this process checked right before is still "
+        "accepted). 0: no budget.",
+    )
     rollout_trainer_hosts: str = Field(
         default="",
         description="Hosts POST /rollout may call back as the trainer (server_url), comma "

@@ -426,18 +426,57 @@ def replay(
                 raise typer.Exit(1)
             return
         projections = Projections(store)
+        before = projections.conflict_count()
         kept = projections.rebuild() if rebuild else 0
         total = 0
         while n := sweep_unprojected(store, limit=500 * jobs, pool=pool):
             total += n
-        restored = projections.restore_kept_state() if rebuild else 0
+        if rebuild:
+            projections.restore_kept_state()
+        found = projections.conflict_count() - before
         console.print(f"projected {total} episodes"
-                      + (f"; sample lease state kept for {restored} of {kept}" if rebuild
-                         else ""))
+                      + (f"; {kept} leased, trained, stale or skipped samples kept as they were"
+                         if rebuild else "")
+                      + (f"; {found} projection conflicts recorded (trajstore conflicts)"
+                         if found else ""))
     finally:
         if pool is not None:
             pool.close()
         store.close()
+
+
+@app.command()
+def conflicts(
+    episode: Annotated[str | None, typer.Option("--episode", help="Only this episode.")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="Rows to print.")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Projection conflicts, newest first: samples a trainer had leased or trained that a
+    re-projection of their episode (a rebuild, a replay after a code change) wanted to change
+    or delete. The samples were left as they were; each row says what the projection wanted
+    (``change`` with the columns, or ``delete``)."""
+    from store.projections import Projections
+
+    store = _open_store(get_settings())
+    try:
+        rows = Projections(store).conflicts(episode_id=episode, run_id=run, limit=limit)
+    finally:
+        store.close()
+    if as_json:
+        for r in rows:
+            print(json.dumps({**r, "recorded_at": r["recorded_at"].isoformat()}))
+        return
+    if not rows:
+        console.print("no projection conflicts")
+        return
+    table = Table("recorded", "episode", "sample", "status", "wanted", "columns", "version")
+    for r in rows:
+        table.add_row(r["recorded_at"].isoformat(timespec="seconds"), r["episode_id"],
+                      f"{r['kind']}/{r['timeline_index']} (#{r['sample_id']})",
+                      r["sample_status"], r["action"], ", ".join(r["columns"]),
+                      str(r["projected_version"]))
+    console.print(table)
 
 
 @app.command()
@@ -495,15 +534,39 @@ def app_role(
     = "trajstore_app",
     password_stdin: Annotated[bool, typer.Option(
         "--password-stdin", help="Read the role's password from standard input.")] = False,
+    password_env: Annotated[str | None, typer.Option(
+        "--password-env", metavar="NAME",
+        help="Take the role's password from the environment variable NAME (a container's "
+        "Secret), never from the command line.")] = None,
 ) -> None:
     """Create (or grant again after a migration) the role the API and the workers should
     connect as: it appends and reads, owns nothing, and so cannot switch the event log's
-    immutability off. Run it as the owner of the tables."""
+    immutability off. Run it as the owner of the tables (TRAJSTORE_DATABASE_URL the owner's).
+    The password, when given, is set each time; --password-stdin and --password-env are
+    exclusive, and an unset or empty variable is refused before anything is changed."""
+    import os
+
     from store import embedded
     from store.app_role import grant_app_role
     from store.db import Database
 
+    if password_stdin and password_env is not None:
+        raise typer.BadParameter("give the password one way: --password-stdin or "
+                                 "--password-env, not both", param_hint="--password-env")
     password = sys.stdin.readline().rstrip("\r\n") if password_stdin else None
+    if password_env is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", password_env):
+            raise typer.BadParameter(f"{password_env!r} is not an environment variable name",
+                                     param_hint="--password-env")
+        password = os.environ.get(password_env)
+        if not password:
+            raise typer.BadParameter(f"the environment variable {password_env} is "
+                                     f"{'empty' if password == '' else 'not set'}",
+                                     param_hint="--password-env")
+    if password is not None and (not password or "\x00" in password):
+        raise typer.BadParameter("the password must be non-empty and hold no NUL character",
+                                 param_hint="--password-env" if password_env
+                                 else "--password-stdin")
     db = Database(embedded.database_url(get_settings()), max_size=1)
     try:
         made = grant_app_role(db, role, password=password)

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import Ctx
 from api.errors import ApiError
-from api.keys import SESSION_PREFIX, ApiKey
+from api.keys import SESSION_PREFIX, ApiKey, KeyFailureBudgetExceeded
 from api.routers.runs import run_out
 from api.schemas.runs import RunOut
 from api.ui import data
@@ -93,7 +93,13 @@ async def _check(ctx: Any, token: str | None) -> ApiKey | None:
         return None
     if token.startswith(SESSION_PREFIX):
         return await run_in_threadpool(ctx.keys.verify_session, token)
-    return ctx.keys.trusted(token) or await run_in_threadpool(ctx.keys.verify, token)
+    try:
+        return ctx.keys.trusted(token) or (
+            None if ctx.keys.refused(token)
+            else await run_in_threadpool(ctx.keys.verify, token))
+    except KeyFailureBudgetExceeded as exc:
+        raise PageError(429, f"Too many wrong keys lately; try again in {exc.retry_after_s} "
+                        "seconds.") from None
 
 
 def _same_origin(request: Request) -> bool:

@@ -1,9 +1,12 @@
-"""deploy/: the files parse, every setting they name exists, every command they run exists."""
+"""deploy/: the files parse, every setting they name exists, every command they run exists, and
+only the one-shot steps (migrations, the app role) connect as the owner of the tables: every
+service connects as the app role, with the password the app-role step sets."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +54,7 @@ def _commands() -> list[tuple[str, list[str]]]:
     found: list[tuple[str, list[str]]] = []
     for name, doc in _documents():
         for k, v in _walk(doc):
-            if k in ("services", "containers"):
+            if k in ("services", "containers", "initContainers"):
                 items = v.values() if isinstance(v, dict) else v
                 for item in items:
                     argv = item.get("command") or item.get("args")
@@ -103,3 +106,85 @@ def test_every_command_exists(where: str, argv: list[str]) -> None:
         command.make_context(name or argv[0], rest, parent=ctx)
     except click.UsageError as exc:  # an option the command does not have
         raise AssertionError(f"{where}: {shlex.join(argv)}: {exc}") from None
+
+
+APP_ROLE = "trajstore_app"
+OWNER = "trajstore"  # POSTGRES_USER of the compose file, the owner in the k8s Secret
+ONE_SHOT = {"migrate", "app-role"}
+
+
+def _user(url: str) -> str:
+    return urllib.parse.urlsplit(url).username or ""
+
+
+def _password(url: str) -> str:
+    return urllib.parse.urlsplit(url).password or ""
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def test_compose_services_connect_as_the_app_role_and_only_one_shots_as_the_owner() -> None:
+    services = _compose()["services"]
+    assert services["postgres"]["environment"]["POSTGRES_USER"] == OWNER
+    ours = {name: svc for name, svc in services.items()
+            if str(svc.get("image", "")).startswith("trajstore")}
+    assert ONE_SHOT <= set(ours) and len(ours) > len(ONE_SHOT)
+    for name, svc in ours.items():
+        url = svc["environment"]["TRAJSTORE_DATABASE_URL"]
+        if name in ONE_SHOT:
+            assert _user(url) == OWNER, name
+            assert svc.get("restart") == "no", name
+        else:
+            assert _user(url) == APP_ROLE, (name, url)
+            assert "${APP_DB_PASSWORD" in _password(url), (name, url)
+            # Nothing starts before the role exists with its grants.
+            assert svc["depends_on"]["app-role"] == {
+                "condition": "service_completed_successfully"}, name
+    role = ours["app-role"]
+    assert role["command"] == ["app-role", "--role", APP_ROLE, "--password-env",
+                               "APP_DB_PASSWORD"]
+    # The password the step sets is the one the services' URL holds (same variable, default).
+    app_password = _password(ours["api"]["environment"]["TRAJSTORE_DATABASE_URL"])
+    assert role["environment"]["APP_DB_PASSWORD"] == app_password
+    assert role["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    assert ours["migrate"]["command"] == ["migrate"]
+
+
+def _k8s() -> list[dict[str, Any]]:
+    return [d for name, d in _documents() if name != "compose.yaml"]
+
+
+def _secret_refs(pod_spec: dict[str, Any]) -> dict[str, set[str]]:
+    """Container name -> the Secrets its environment comes from."""
+    out: dict[str, set[str]] = {}
+    for c in pod_spec.get("initContainers", []) + pod_spec["containers"]:
+        out[c["name"]] = {e["secretRef"]["name"] for e in c.get("envFrom", [])
+                          if "secretRef" in e}
+        out[c["name"]] |= {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                           if "secretKeyRef" in e.get("valueFrom", {})}
+    return out
+
+
+def test_k8s_deployments_use_the_app_role_and_the_job_the_owner() -> None:
+    docs = _k8s()
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in docs if d["kind"] == "Secret"}
+    app_url = secrets["trajstore"]["TRAJSTORE_DATABASE_URL"]
+    owner = secrets["trajstore-owner"]
+    assert _user(app_url) == APP_ROLE and _user(owner["TRAJSTORE_DATABASE_URL"]) == OWNER
+    assert _password(app_url) == owner["APP_DB_PASSWORD"]
+    assert urllib.parse.urlsplit(app_url).netloc.split("@")[1] == \
+        urllib.parse.urlsplit(owner["TRAJSTORE_DATABASE_URL"]).netloc.split("@")[1]
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployments
+    for d in deployments:
+        for container, refs in _secret_refs(d["spec"]["template"]["spec"]).items():
+            assert refs == {"trajstore"}, (d["metadata"]["name"], container, refs)
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    spec = job["spec"]["template"]["spec"]
+    assert [c["args"] for c in spec["initContainers"]] == [["migrate"]]
+    assert [c["args"] for c in spec["containers"]] == [
+        ["app-role", "--role", APP_ROLE, "--password-env", "APP_DB_PASSWORD"]]
+    assert _secret_refs(spec) == {"migrate": {"trajstore-owner"},
+                                  "app-role": {"trajstore-owner"}}
