@@ -23,7 +23,7 @@ machine-readable, for the first engine measured (vLLM when importable):
 
     RESULT concurrent_vs_sequential=<x> concurrent_vs_engine=<x> recording_overhead=<f>
 
-    python bench/rollout.py                               # E=64, M=64, both engines
+    python bench/rollout.py                               # E=128, M=64, both engines
     python bench/rollout.py --episodes 8 --concurrency 1,8 --no-vllm --max-tokens 16
 """
 
@@ -151,7 +151,7 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark and print (and return) its numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--episodes", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,8,32,64",
                         help="episodes in flight, comma separated (the last is compared)")

@@ -7,6 +7,8 @@ they report are exactly the ids the engine consumed.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +33,28 @@ def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
             raise ValueError(f"prompt_ids contains id {bad[0]} outside the vocabulary of size "
                              f"{len(tokenizer)}")
         return ids
-    return prompt_ids(tokenizer, request.messages or (), tools=request.tools)
+    key = (id(tokenizer), id(request.messages), id(request.tools))
+    with _rendered_lock:
+        hit = _rendered.get(key)
+    # The entry holds the very objects it was made from, so their ids cannot be reused
+    # while it lives: identity means the same (immutable) request content.
+    if (hit is not None and hit[0] is tokenizer and hit[1] is request.messages
+            and hit[2] is request.tools):
+        return list(hit[3])
+    ids = prompt_ids(tokenizer, request.messages or (), tools=request.tools)
+    with _rendered_lock:
+        _rendered[key] = (tokenizer, request.messages, request.tools, tuple(ids))
+        while len(_rendered) > _RENDERED_KEPT:
+            _rendered.popitem(last=False)
+    return ids
+
+
+#: The agent loop renders a request to budget its tokens and the engine renders it again to
+#: generate: the last renderings are kept, keyed by the identity of the request's messages.
+_RENDERED_KEPT = 1024
+_rendered: OrderedDict[tuple[int, int, int], tuple[Any, Any, Any, tuple[int, ...]]] = (
+    OrderedDict())
+_rendered_lock = threading.Lock()
 
 
 def end_of_turn_ids(tokenizer: Any, extra: Sequence[int] | int | None = None) -> list[int]:
