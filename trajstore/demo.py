@@ -293,10 +293,13 @@ def run_demo(
 
 
 def _send_batch(app: Any, options: DemoOptions, run_id: str, index: int) -> None:
-    """Queue the rollout groups of batch ``index`` (the batch trained as version index+1)."""
+    """Queue the rollout groups of batch ``index`` (the batch trained as version index+1).
+    Group indexes run on across batches: with overlap two batches can be played at the same
+    policy version, and a group's id is made of its run, task, version and index."""
     for g in range(options.groups_per_step):
         app.send_task("trajstore.rollout_group",
-                      args=[run_id, options.task_id(index, g), options.group_size, g],
+                      args=[run_id, options.task_id(index, g), options.group_size,
+                            index * options.groups_per_step + g],
                       queue="rollout")
 
 
