@@ -16,9 +16,9 @@ for every measurement and, per engine, the same engine object throughout. For ea
 
 Throughput is generated tokens per second. Ratios: concurrent at the highest concurrency over
 the sequential loop, and over the ceiling; the recording overhead is
-``1 - tokens/s(store) / tokens/s(memory)``. Every measurement is repeated ``--repeats`` times
-and its best kept (the recording runs alternate the two sinks), because the machine is shared
-and noisy. The last line is
+``1 - tokens/s(store) / tokens/s(memory)``. Every round (``--repeats`` of them) measures every
+arm once, in turn, so the drift of a shared, noisy machine hits them all, and each arm keeps
+its best round. The last line is
 machine-readable, for the first engine measured (vLLM when importable):
 
     RESULT concurrent_vs_sequential=<x> concurrent_vs_engine=<x> recording_overhead=<f>
@@ -102,18 +102,35 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     play = dict(episodes=args.episodes, max_tokens=args.max_tokens, runner=runner)
     asyncio.run(_play(backend, ListSink(), episodes=2, in_flight=2, max_tokens=4,
                       run_id="warm-up", runner=runner))
-    def best(measure: Any) -> dict[str, float]:
-        runs = [asyncio.run(measure()) for _ in range(args.repeats)]
-        return max(runs, key=lambda run: run["tokens_per_s"])
+    top_in_flight = args.concurrency[-1]
+    arms: dict[str, Any] = {"sequential": lambda: _play(
+        backend, ListSink(), in_flight=1, run_id="bench", **play)}
+    for c in args.concurrency:
+        arms[f"concurrent-{c}"] = lambda c=c: _play(backend, ListSink(), in_flight=c,
+                                                    run_id="bench", **play)
+    arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
+                                       max_tokens=args.max_tokens)
+    if store is not None:
+        def stored() -> Any:
+            run_id = f"bench-{uuid.uuid4().hex[:8]}"
+            store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
+            return _play(backend, store, in_flight=top_in_flight, run_id=run_id, **play)
+
+        arms["store"] = stored
+    # Every round measures every arm, so the drift of a shared machine hits them all; each
+    # arm keeps its best round.
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+    for _ in range(args.repeats):
+        for name, measure in arms.items():
+            runs[name].append(asyncio.run(measure()))
+
+    def best(name: str) -> dict[str, float]:
+        return max(runs[name], key=lambda run: run["tokens_per_s"])
 
     report: dict[str, Any] = {
-        "sequential": best(lambda: _play(backend, ListSink(), in_flight=1, run_id="bench",
-                                         **play)),
-        "concurrent": [best(lambda c=c: _play(backend, ListSink(), in_flight=c,
-                                              run_id="bench", **play))
-                       for c in args.concurrency],
-        "ceiling": best(lambda: _ceiling(backend, episodes=args.episodes,
-                                         max_tokens=args.max_tokens)),
+        "sequential": best("sequential"),
+        "concurrent": [best(f"concurrent-{c}") for c in args.concurrency],
+        "ceiling": best("ceiling"),
     }
     top = report["concurrent"][-1]
     report["ratios"] = {
@@ -121,18 +138,9 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
         "concurrent_vs_engine": top["tokens_per_s"] / report["ceiling"]["tokens_per_s"],
     }
     if store is not None:
-        memory, stored = [], []
-        for _ in range(args.repeats):
-            memory.append(asyncio.run(_play(backend, ListSink(), in_flight=top["in_flight"],
-                                            run_id="bench", **play)))
-            run_id = f"bench-{uuid.uuid4().hex[:8]}"
-            store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
-            stored.append(asyncio.run(_play(backend, store, in_flight=top["in_flight"],
-                                            run_id=run_id, **play)))
-        best_memory = max(m["tokens_per_s"] for m in memory)
-        best_store = max(s["tokens_per_s"] for s in stored)
-        report["recording"] = {"memory": memory, "store": stored,
-                               "overhead": 1.0 - best_store / best_memory}
+        report["recording"] = {
+            "memory": runs[f"concurrent-{top_in_flight}"], "store": runs["store"],
+            "overhead": 1.0 - best("store")["tokens_per_s"] / top["tokens_per_s"]}
     runner.close()
     seq, ceiling = report["sequential"], report["ceiling"]
     print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", default="1,8,32,64",
                         help="episodes in flight, comma separated (the last is compared)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the tiny model is cached (a temporary folder by default)")
     parser.add_argument("--no-vllm", action="store_true", help="measure transformers only")
