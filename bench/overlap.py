@@ -1,14 +1,15 @@
 """Benchmark: the main job with rollouts overlapping training against strictly alternating.
 
-Runs ``trajstore``'s main job (:func:`trajstore.demo.run_demo`: real Celery workers on the
-configured servers or the embedded default, the tiny model, EGPO) twice with the same seed,
+Runs ``trajstore demo`` (real Celery workers on the embedded servers of a fresh data folder,
+the tiny model, EGPO) twice with the same seed,
 task, group sizes and number of policy versions: once with ``overlap`` (the next batch rolls
 out while the trainer trains; batches are one version behind and corrected by importance
 sampling) and once without (each batch waits for the policy just trained). Arms alternate
 over ``--rounds``, so load drifts hit both.
 
-Per arm it prints the wall time of the whole run, the reward per policy version, and the wall
-time until the mean reward of a version first reached the target: ``--target`` (default: 90%
+Per arm it prints the wall time of the whole run, the reward per policy version, and the time
+(from the run's creation to the last episode of that version) until the mean reward of a
+version first reached the target: ``--target`` (default: 90%
 of the lower of the two arms' best rewards, so both reach it). The ratio is
 ``overlap / alternating`` of the median times to the target. The last line is
 
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,32 +38,41 @@ __all__ = ["main"]
 
 
 def _arm(overlap: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """One run of the main job in a fresh data folder; the wall time of every version."""
+    """One ``trajstore demo`` in a fresh data folder (the embedded servers), run as a user
+    runs it; then, from its store, the mean reward of each policy version and when the
+    last of that version's episodes finished, counted from the run's creation."""
     from store.eventlog import EventStore
     from store.settings import Settings
-    from trajstore.demo import DemoOptions, run_demo
 
     data_dir = Path(tempfile.mkdtemp(prefix="bench-overlap-"))
-    settings = Settings(data_dir=data_dir)
-    store = EventStore.open(settings)
-    options = DemoOptions(steps=args.steps, group_size=args.group_size,
-                          groups_per_step=args.groups, seed=args.seed, task=args.task,
-                          overlap=overlap)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env["TRAJSTORE_DATA_DIR"] = str(data_dir)
+    command = [sys.executable, "-m", "trajstore", "demo", "--json", "--seed", str(args.seed),
+               "--steps", str(args.steps), "--group-size", str(args.group_size),
+               "--groups", str(args.groups), "--task", args.task,
+               "--overlap" if overlap else "--no-overlap"]
     started = time.perf_counter()
-    reached: dict[int, float] = {}
-
-    def on_version(rows: list[Any]) -> None:
-        for row in rows:
-            reached.setdefault(row.version, time.perf_counter() - started)
-
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    total = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the demo failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    store = EventStore.open(Settings(data_dir=data_dir))
     try:
-        run_id, rows = run_demo(store, settings, options, on_version=on_version)
+        with store.db.connection() as conn:
+            created = conn.execute(
+                "SELECT min(occurred_at) FROM events WHERE stream_id = %s",
+                (f"run-{summary['run_id']}",)).fetchone()[0]
+            rows = conn.execute(
+                "SELECT policy_version, avg(reward), max(finished_at) FROM episodes"
+                " WHERE run_id = %s AND status NOT IN ('aborted', 'invalid')"
+                " GROUP BY policy_version ORDER BY policy_version",
+                (summary["run_id"],)).fetchall()
     finally:
         store.close()
-    total = time.perf_counter() - started
-    return {"overlap": overlap, "run_id": run_id, "seconds": total,
-            "rewards": {row.version: row.reward_mean for row in rows},
-            "seen_at": {row.version: reached.get(row.version, total) for row in rows}}
+    return {"overlap": overlap, "run_id": summary["run_id"], "seconds": total,
+            "rewards": {int(v): float(r) for v, r, _ in rows},
+            "seen_at": {int(v): (at - created).total_seconds() for v, _, at in rows}}
 
 
 def _time_to(run: dict[str, Any], target: float) -> float:

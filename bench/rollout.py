@@ -16,7 +16,8 @@ for every measurement and, per engine, the same engine object throughout. For ea
 
 Throughput is generated tokens per second. Ratios: concurrent at the highest concurrency over
 the sequential loop, and over the ceiling; the recording overhead is
-``1 - tokens/s(store) / tokens/s(memory)``. Every round (``--repeats`` of them) measures every
+``1 - median over rounds of tokens/s(store) / tokens/s(memory)``, the store run right after
+the in-memory one in each round. Every round (``--repeats`` of them) measures every
 arm once, in turn, so the drift of a shared, noisy machine hits them all, and each arm keeps
 its best round. The last line is
 machine-readable, for the first engine measured (vLLM when importable):
@@ -33,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -108,21 +110,21 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     for c in args.concurrency:
         arms[f"concurrent-{c}"] = lambda c=c: _play(backend, ListSink(), in_flight=c,
                                                     run_id="bench", **play)
-    arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
-                                       max_tokens=args.max_tokens)
-    if store is not None:
+    if store is not None:  # right after the in-memory run it is compared with
         def stored() -> Any:
             run_id = f"bench-{uuid.uuid4().hex[:8]}"
             store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
             return _play(backend, store, in_flight=top_in_flight, run_id=run_id, **play)
 
         arms["store"] = stored
+    arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
+                                       max_tokens=args.max_tokens)
     # Every round measures every arm, so the drift of a shared machine hits them all; each
     # arm keeps its best round.
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for _ in range(args.repeats):
-        for name, measure in arms.items():
-            runs[name].append(asyncio.run(measure()))
+        for arm, measure in arms.items():
+            runs[arm].append(asyncio.run(measure()))
 
     def best(name: str) -> dict[str, float]:
         return max(runs[name], key=lambda run: run["tokens_per_s"])
@@ -138,9 +140,13 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
         "concurrent_vs_engine": top["tokens_per_s"] / report["ceiling"]["tokens_per_s"],
     }
     if store is not None:
-        report["recording"] = {
-            "memory": runs[f"concurrent-{top_in_flight}"], "store": runs["store"],
-            "overhead": 1.0 - best("store")["tokens_per_s"] / top["tokens_per_s"]}
+        # Paired within each round (the store run follows the in-memory one), the median
+        # of the rounds: one slow round of either arm does not decide it.
+        memory = runs[f"concurrent-{top_in_flight}"]
+        ratios = [s["tokens_per_s"] / m["tokens_per_s"]
+                  for s, m in zip(runs["store"], memory, strict=True)]
+        report["recording"] = {"memory": memory, "store": runs["store"],
+                               "overhead": 1.0 - statistics.median(ratios)}
     runner.close()
     seq, ceiling = report["sequential"], report["ceiling"]
     print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
