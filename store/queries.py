@@ -43,6 +43,7 @@ __all__ = [
     "run_groups",
     "run_ids_of",
     "run_record",
+    "stored_event_ids",
     "stream_event_rows",
 ]
 
@@ -325,6 +326,19 @@ def episode_finished(store: EventStore, episode_id: str) -> bool:
             (episode_id,),
         ).fetchone()
     return bool(row is not None and row[0])
+
+
+def stored_event_ids(store: EventStore, stream_id: str,
+                     event_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+    """Which of ``event_ids`` the stream ``stream_id`` holds."""
+    if not event_ids:
+        return set()
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            "SELECT event_id FROM events WHERE stream_id = %s AND event_id = ANY(%s)",
+            (stream_id, list(event_ids)),
+        ).fetchall()
+    return {r[0] for r in rows}
 
 
 def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]:

@@ -50,10 +50,12 @@ from api.gateway.openai_format import (
     strip_extensions,
 )
 from api.gateway.rollout_buffer import RolloutBuffers, check_mask
+from api.gateway.tool_facts import tool_results
 from api.gateway.upstream import Upstream
 from api.keys import ApiKey
 from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from store import errors as store_errors
+from store.events import Event
 from workers.replay.render import prompt_ids
 from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
 
@@ -164,6 +166,15 @@ class Gateway:
             new = replace(new, model=str(folder) if folder else None)
         return await run_in_threadpool(self.capture.target_or_create, key, episode, new)
 
+    # --- facts the history tells (api.gateway.tool_facts) -----------------------------------
+
+    async def _facts(self, target: EpisodeTarget | None, agent: str,
+                     messages: list[dict[str, Any]]) -> list[Event]:
+        """The tool results of the history, as ``tool_returned`` events with derived ids."""
+        if target is None or not messages:
+            return []
+        return tool_results(messages, episode_id=target.episode_id, agent=agent)
+
     async def _record(self, target: EpisodeTarget | None, captured: Captured, **kw: Any
                       ) -> None:
         if target is not None:
@@ -175,7 +186,9 @@ class Gateway:
                    agent: str, policy_version: int | None, run: str | None = None,
                    group: str | None = None) -> Response:
         """``POST /v1/chat/completions``. A value the store would refuse (a NUL or lone
-        surrogate, nesting past 64 levels, …) is answered 422 before anything is generated."""
+        surrogate, nesting past 64 levels, …) is answered 422 before anything is generated.
+        The tool results in the history are recorded before the call
+        (``api.gateway.tool_facts``)."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
@@ -184,8 +197,9 @@ class Gateway:
         new = NewEpisode(run_id=run, group_id=group, messages=messages, tools=tools or [],
                          model=body.model if self.has_upstream else None) if run else None
         target = await self._target(key, episode, new)
+        facts = await self._facts(target, agent, messages)
         record: dict[str, Any] = {"agent": agent, "messages": messages, "tools": tools,
-                  "policy_version": policy_version}
+                  "policy_version": policy_version, "facts": facts}
         if self.has_upstream:
             return await self._forward(body.model_dump(exclude_unset=True), chat=True,
                                        target=target, want_logprobs=bool(body.logprobs),
@@ -235,9 +249,10 @@ class Gateway:
         new = NewEpisode(run_id=run, group_id=group,
                          model=body.model if self.has_upstream else None) if run else None
         target = await self._target(key, episode, new)
+        facts: list[Event] = []
         want_logprobs = body.logprobs is not None and body.logprobs is not False
         record: dict[str, Any] = {"agent": agent, "messages": [], "tools": None,
-                  "policy_version": policy_version}
+                  "policy_version": policy_version, "facts": facts}
         if self.has_upstream:
             return await self._forward(body.model_dump(exclude_unset=True), chat=False,
                                        target=target, want_logprobs=want_logprobs,

@@ -9,7 +9,8 @@ in the path instead, as Agent Lightning's proxy takes them:
 needs only a base URL. ``GET /v1/models`` lists the model the gateway serves.
 ``X-Trajstore-Agent`` names the agent (default ``main``);
 ``X-Trajstore-Policy-Version`` the weights version that answered, when the caller knows it
-better than the episode does. A body with ``rollout_id`` is a remote-rollout call
+better than the episode does. Tool results in a chat history become ``tool_returned``
+facts (``api.gateway.tool_facts``). A body with ``rollout_id`` is a remote-rollout call
 (TrainGate): see ``api.gateway.service``.
 """
 

@@ -1,0 +1,135 @@
+"""Facts a gateway call's history tells about the agent's own steps between calls.
+
+**Tool results.** An agent that calls tools runs them between two LLM calls and sends their
+results back as ``tool`` messages answering the assistant message's ``tool_calls``. Each such
+result becomes one ``tool_returned`` event (tool call id, the call's name and arguments, the
+output), appended before the ``llm_called`` of the request that first carries it and never
+again for the same tool call id (its event id is derived from episode, agent and tool call
+id, and ids already stored are skipped). A tool message is matched to the call its
+``tool_call_id`` names among the preceding assistant messages' calls; without one, to the
+next unanswered call of the assistant message before it. Tool messages that answer no call
+are not recorded. Arguments are the call's JSON ``arguments`` (text that is not a JSON object
+is kept as ``{"raw": text}``).
+
+**Errors** (``is_error``, ``error_type``, ``error_message``), decided from the output text:
+
+- the last non-empty line is a Python exception line, ``XxxError: message`` or
+  ``XxxException: message`` (a traceback's last line, module prefixes allowed:
+  ``json.decoder.JSONDecodeError: …``); the type is the name without its module;
+- or the output is a JSON object with a non-empty ``"error"``: its ``type`` (when the error
+  is an object naming one) or ``ToolError``, and its ``message`` (or the error as text).
+
+Anything else is a success.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from store.events import ToolReturned
+
+__all__ = ["classify_output", "fact_id", "tool_results"]
+
+_NAMESPACE = uuid.UUID("5b0f3c52-6d0e-4d61-9c2b-8f1f2f7c1a19")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception))(?::\s?(.*))?$")
+
+
+def fact_id(episode_id: str, agent: str, kind: str, key: str) -> uuid.UUID:
+    """The event id of a fact the gateway derives (the same for every request carrying it)."""
+    return uuid.uuid5(_NAMESPACE, json.dumps([episode_id, agent, kind, key]))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return "".join(str(p.get("text", "")) for p in content
+                       if isinstance(p, Mapping) and p.get("type", "text") == "text")
+    return "" if content is None else json.dumps(content)
+
+
+def classify_output(output: str) -> tuple[bool, str | None, str | None]:
+    """``(is_error, error_type, error_message)`` of a tool's output (module docstring)."""
+    stripped = output.strip()
+    if stripped.startswith("{"):
+        try:
+            data = json.loads(stripped)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and data.get("error") not in (None, False, "", {}, []):
+            error = data["error"]
+            if isinstance(error, Mapping):
+                kind = error.get("type")
+                message = error.get("message")
+                return (True, str(kind) if isinstance(kind, str) and kind else "ToolError",
+                        str(message) if message is not None else json.dumps(error))
+            return True, "ToolError", error if isinstance(error, str) else json.dumps(error)
+    lines = [line.strip() for line in stripped.splitlines() if line.strip()]
+    if lines:
+        match = _EXCEPTION_LINE.match(lines[-1])
+        if match:
+            return True, match.group(1), (match.group(2) or "").strip() or None
+    return False, None, None
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return {"raw": raw}
+        return parsed if isinstance(parsed, dict) else {"raw": raw}
+    return {} if raw is None else {"raw": json.dumps(raw)}
+
+
+def tool_results(messages: Sequence[Mapping[str, Any]], *, episode_id: str, agent: str
+                 ) -> list[ToolReturned]:
+    """A ``tool_returned`` for every tool message of ``messages`` that answers a call of a
+    preceding assistant message, in message order, with its derived event id."""
+    calls: dict[str, tuple[str, dict[str, Any]]] = {}
+    pending: list[tuple[str, str, dict[str, Any]]] = []  # the last assistant's unanswered
+    out: list[ToolReturned] = []
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            pending = []
+            for k, call in enumerate(message.get("tool_calls") or []):
+                if not isinstance(call, Mapping):
+                    continue
+                function = call.get("function") if isinstance(call.get("function"),
+                                                              Mapping) else call
+                name = function.get("name")
+                if not isinstance(name, str) or not name or len(name) > 200:
+                    continue
+                call_id = call.get("id")
+                key = call_id if isinstance(call_id, str) and call_id else f"#{index}.{k}"
+                entry = (name, _arguments(function.get("arguments")))
+                calls[key] = entry
+                pending.append((key, *entry))
+        elif role == "tool":
+            wanted = message.get("tool_call_id")
+            if isinstance(wanted, str) and wanted:
+                if wanted not in calls:
+                    continue
+                key, (name, arguments) = wanted, calls.pop(wanted)
+                pending = [p for p in pending if p[0] != wanted]
+            elif pending:
+                key, name, arguments = pending.pop(0)
+                calls.pop(key, None)
+            else:
+                continue
+            output = _text(message.get("content"))
+            is_error, error_type, error_message = classify_output(output)
+            out.append(ToolReturned(
+                event_id=fact_id(episode_id, agent, "tool", key), agent=agent,
+                tool_call_id=None if key.startswith("#") else key, name=name,
+                arguments=arguments, output=output, is_error=is_error,
+                error_type=error_type, error_message=error_message))
+    return out

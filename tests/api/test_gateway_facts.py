@@ -1,0 +1,160 @@
+"""What a gateway call's history says beside the call: the agent's tool results become
+``tool_returned`` facts (once each, errors classified) that analytics count. A real
+``trajstore serve`` with the tiny model as its engine, driven by the ``openai`` client as an
+agent loop would drive it."""
+
+from __future__ import annotations
+
+import json
+import traceback
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from api.gateway.tool_facts import classify_output, tool_results
+from store.eventlog import EventStore
+from store.events import ToolReturned
+from store.settings import Settings
+from tests.api.conftest import Project, Server
+from trajstore.client import TrajstoreClient
+from workers.replay.jobs.project import project_episode
+
+pytestmark = [pytest.mark.timeout(600)]
+
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": f"the {name} tool",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}
+    for name in ("python", "search")]
+
+
+@pytest.fixture(scope="module")
+def module_settings(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return Settings(database_url=pg_url, data_dir=tmp_path_factory.mktemp("gateway-facts"),
+                    api_key_scrypt_n=1024)
+
+
+@pytest.fixture(scope="module")
+def server(module_settings: Settings, tiny_model_dir: Path) -> Iterator[Server]:
+    s = Server(module_settings, module_settings.data_dir / "engine.log",
+               TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tiny_model_dir),
+               TRAJSTORE_GATEWAY_MAX_TOKENS="16")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def run_python(code: str) -> str:
+    """The agent's python tool: what the code prints, or the traceback it raised."""
+    scope: dict[str, Any] = {}
+    try:
+        exec(code, scope)  # noqa: S102 - the agent's own tool, on the test's own code
+    except Exception:
+        return traceback.format_exc()
+    return str(scope.get("result", ""))
+
+
+def call(name: str, call_id: str, **arguments: Any) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def assistant(answer: Any, *calls: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "assistant", "content": answer.choices[0].message.content or "",
+            "tool_calls": list(calls)}
+
+
+def events(store: EventStore, episode: str) -> list[Any]:
+    return [r.event for r in store.read_stream(episode)]
+
+
+def test_classify_output_rule() -> None:
+    trace = run_python("result = 1 / 0")
+    assert classify_output(trace) == (True, "ZeroDivisionError", "division by zero")
+    assert classify_output("json.decoder.JSONDecodeError: Expecting value")[:2] == (
+        True, "JSONDecodeError")
+    assert classify_output('{"error": "rate limited"}') == (True, "ToolError", "rate limited")
+    assert classify_output('{"error": {"type": "Timeout", "message": "slow"}}') == (
+        True, "Timeout", "slow")
+    for fine in ("5", '{"error": null, "value": 3}', "no Error here", "Error: x", ""):
+        assert classify_output(fine) == (False, None, None), fine
+    # A tool message without an id answers the next call of the assistant before it; one
+    # that answers nothing is not a fact.
+    facts = tool_results([
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "a", "arguments": "not json"}},
+            {"function": {"name": "b", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"},
+        {"role": "tool", "content": "3"}, {"role": "tool", "tool_call_id": "zz",
+                                          "content": "4"}], episode_id="e", agent="main")
+    assert [(f.name, f.arguments, f.output, f.tool_call_id) for f in facts] == [
+        ("a", {"raw": "not json"}, "1", None), ("b", {"x": 1}, "2", None)]
+
+
+def test_tool_results_through_the_gateway_are_facts_analytics_count(
+        server: Server, project: Project, api_store: EventStore) -> None:
+    ts = TrajstoreClient(server.url, project.ingest)
+    episode = ts.episode(f"agent-{uuid.uuid4().hex[:8]}")
+    llm = OpenAI(**episode.openai_kwargs)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You solve tasks with tools."},
+        {"role": "user", "content": "What is 6 * 7, and what is 1 / 0?"}]
+    # Turn 1: the agent calls python twice; one call raises.
+    first = llm.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                        max_tokens=8, seed=1)
+    calls = [call("python", "c1", code="result = 6 * 7"),
+             call("python", "c2", code="result = 1 / 0")]
+    messages.append(assistant(first, *calls))
+    for c in calls:
+        code = json.loads(c["function"]["arguments"])["code"]
+        messages.append({"role": "tool", "tool_call_id": c["id"], "content": run_python(code)})
+    # Turn 2: a search that fails with a JSON error.
+    second = llm.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                         max_tokens=8, seed=2)
+    messages.append(assistant(second, call("search", "c3", code="6*7")))
+    messages.append({"role": "tool", "tool_call_id": "c3",
+                     "content": json.dumps({"error": {"type": "RateLimited",
+                                                      "message": "try later"}})})
+    # Turn 3: the answer, with the whole history sent again.
+    llm.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8,
+                                seed=3)
+    episode.finish(reward=1.0)
+
+    recorded = events(api_store, episode.episode_id)
+    assert [e.type for e in recorded] == [
+        "episode_started", "llm_called", "tool_returned", "tool_returned", "llm_called",
+        "tool_returned", "llm_called", "reward_assigned", "episode_finished"]
+    tools = [e for e in recorded if isinstance(e, ToolReturned)]
+    assert [(t.tool_call_id, t.name, t.arguments["code"], t.is_error, t.error_type)
+            for t in tools] == [
+        ("c1", "python", "result = 6 * 7", False, None),
+        ("c2", "python", "result = 1 / 0", True, "ZeroDivisionError"),
+        ("c3", "search", "6*7", True, "RateLimited")]
+    assert tools[0].output == "42" and "Traceback" in tools[1].output
+    assert tools[1].error_message == "division by zero"
+
+    outcome = project_episode(api_store, episode.episode_id)
+    assert outcome.outcome == "written", outcome
+    read = project.headers("read")
+    detail = httpx.get(f"{server.url}/v1/episodes/{episode.episode_id}", headers=read)
+    assert detail.status_code == 200, detail.text
+    summary = detail.json()
+    summary = summary["summary"]
+    assert (summary["tool_calls"], summary["tool_errors"]) == (3, 2)
+    rates = httpx.get(f"{server.url}/v1/runs/{episode.run_id}/analytics/tool-errors",
+                      headers=read)
+    assert rates.status_code == 200, rates.text
+    by_tool = {r["tool_name"]: r for r in rates.json()["rows"]}
+    assert (by_tool["python"]["calls"], by_tool["python"]["errors"]) == (2, 1)
+    assert (by_tool["search"]["calls"], by_tool["search"]["errors"]) == (1, 1)
+    failures = httpx.get(f"{server.url}/v1/runs/{episode.run_id}/analytics/failures",
+                         headers=read)
+    assert failures.status_code == 200, failures.text
+    assert {r["error_type"] for r in failures.json()["rows"]} == {
+        "ZeroDivisionError", "RateLimited"}
