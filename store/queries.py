@@ -23,6 +23,7 @@ from store.eventlog import EventStore, run_stream_id
 from store.rows import safe_data
 
 __all__ = [
+    "EpisodeCall",
     "EpisodeFilters",
     "SampleFilters",
     "VersionSummary",
@@ -32,6 +33,7 @@ __all__ = [
     "stale_episodes",
     "version_summaries",
     "episode_finished",
+    "episode_calls",
     "episode_row",
     "episode_run",
     "iter_samples",
@@ -326,6 +328,38 @@ def episode_finished(store: EventStore, episode_id: str) -> bool:
             (episode_id,),
         ).fetchone()
     return bool(row is not None and row[0])
+
+
+@dataclass(frozen=True)
+class EpisodeCall:
+    """One ``llm_called`` of an episode without its payloads: its call id, agent, the number
+    of assistant messages in its request (its turn) and whether a ``rolled_back`` discarded
+    it."""
+
+    call_id: str
+    agent: str
+    turn: int
+    discarded: bool
+
+
+def episode_calls(store: EventStore, episode_id: str) -> list[EpisodeCall]:
+    """The episode's LLM calls in recording order (see ``EpisodeCall``)."""
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            f"SELECT type, {_DATA}->>'call_id', {_DATA}->>'agent',"
+            f" (SELECT count(*) FROM json_array_elements("
+            f"   CASE WHEN json_typeof({_DATA}->'messages') = 'array'"
+            f"   THEN {_DATA}->'messages' ELSE '[]'::json END) m"
+            f"  WHERE m->>'role' = 'assistant'),"
+            f" CASE WHEN type = 'rolled_back' THEN {_DATA}->'discarded_call_ids' END"
+            " FROM events WHERE stream_id = %s AND type IN ('llm_called', 'rolled_back')"
+            " ORDER BY stream_version",
+            (episode_id,),
+        ).fetchall()
+    discarded = {str(c) for r in rows if r[0] == "rolled_back" for c in (r[4] or [])}
+    return [EpisodeCall(call_id=r[1], agent=r[2] or "main", turn=int(r[3]),
+                        discarded=r[1] in discarded)
+            for r in rows if r[0] == "llm_called"]
 
 
 def stored_event_ids(store: EventStore, stream_id: str,

@@ -50,11 +50,12 @@ from api.gateway.openai_format import (
     strip_extensions,
 )
 from api.gateway.rollout_buffer import RolloutBuffers, check_mask
-from api.gateway.tool_facts import tool_results
+from api.gateway.tool_facts import abandon_events, tool_results
 from api.gateway.upstream import Upstream
 from api.keys import ApiKey
 from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from store import errors as store_errors
+from store import queries
 from store.events import Event
 from workers.replay.render import prompt_ids
 from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
@@ -66,6 +67,7 @@ __all__ = ["Gateway", "sse"]
 
 log = logging.getLogger(__name__)
 
+_ABANDONED = "header.X-Trajstore-Abandoned"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -168,12 +170,56 @@ class Gateway:
 
     # --- facts the history tells (api.gateway.tool_facts) -----------------------------------
 
+    @staticmethod
+    def _no_abandon_for_remote(abandoned: str | None) -> None:
+        if abandoned is not None:
+            raise ApiError(422, "invalid_request", "remote-rollout calls cannot abandon "
+                           "attempts", field=_ABANDONED)
+
+    async def _check_abandoned(self, episode: str | None, abandoned: str | None) -> None:
+        """Refuse an abandonment that cannot name an earlier call, before anything (an
+        episode created on first use included) is written."""
+        if abandoned is None:
+            return
+        if not abandoned or len(abandoned) > 200:
+            raise ApiError(422, "invalid_request", "X-Trajstore-Abandoned must name a call id "
+                           "or 'previous'", field=_ABANDONED)
+        if episode is None:
+            raise ApiError(422, "invalid_request", "an abandoned attempt needs the episode it "
+                           "belongs to (X-Trajstore-Episode, or the path's episode)",
+                           field=_ABANDONED)
+        if await run_in_threadpool(queries.episode_run, self.ctx.store, episode) is None:
+            raise ApiError(422, "invalid_request", f"episode {episode!r} has no call to "
+                           "abandon yet", field=_ABANDONED)
+
     async def _facts(self, target: EpisodeTarget | None, agent: str,
-                     messages: list[dict[str, Any]]) -> list[Event]:
-        """The tool results of the history, as ``tool_returned`` events with derived ids."""
-        if target is None or not messages:
+                     messages: list[dict[str, Any]], abandoned: str | None) -> list[Event]:
+        if target is None:
             return []
-        return tool_results(messages, episode_id=target.episode_id, agent=agent)
+        return await run_in_threadpool(self._derive_facts, target, agent, messages, abandoned)
+
+    def _derive_facts(self, target: EpisodeTarget, agent: str,
+                      messages: list[dict[str, Any]], abandoned: str | None) -> list[Event]:
+        """The ``attempt_failed``/``rolled_back`` of the abandoned call, then the tool
+        results of the history. ApiError 422 when ``abandoned`` names no call of ``agent``
+        in the episode."""
+        events: list[Event] = []
+        if abandoned is not None:
+            calls = [c for c in queries.episode_calls(self.ctx.store, target.episode_id)
+                     if c.agent == agent]
+            chosen = (calls[-1] if calls else None) if abandoned == "previous" else next(
+                (c for c in calls if c.call_id == abandoned), None)
+            if chosen is None:
+                what = "no call yet" if abandoned == "previous" else f"no call {abandoned!r}"
+                raise ApiError(422, "invalid_request", f"agent {agent!r} of episode "
+                               f"{target.episode_id!r} made {what}", field=_ABANDONED)
+            if not chosen.discarded:
+                retry = sum(1 for c in calls if c.discarded and c.turn == chosen.turn)
+                events += abandon_events(target.episode_id, agent=agent,
+                                         call_id=chosen.call_id, turn=chosen.turn,
+                                         retry_index=retry)
+        events += tool_results(messages, episode_id=target.episode_id, agent=agent)
+        return events
 
     async def _record(self, target: EpisodeTarget | None, captured: Captured, **kw: Any
                       ) -> None:
@@ -184,20 +230,22 @@ class Gateway:
 
     async def chat(self, body: ChatCompletionRequest, *, key: ApiKey, episode: str | None,
                    agent: str, policy_version: int | None, run: str | None = None,
-                   group: str | None = None) -> Response:
+                   group: str | None = None, abandoned: str | None = None) -> Response:
         """``POST /v1/chat/completions``. A value the store would refuse (a NUL or lone
         surrogate, nesting past 64 levels, …) is answered 422 before anything is generated.
-        The tool results in the history are recorded before the call
-        (``api.gateway.tool_facts``)."""
+        The tool results in the history and the call ``abandoned`` names are recorded
+        before the call (``api.gateway.tool_facts``)."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
+            self._no_abandon_for_remote(abandoned)
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
         messages = normalize_messages(body.messages)
         tools = body.tools or None
         new = NewEpisode(run_id=run, group_id=group, messages=messages, tools=tools or [],
                          model=body.model if self.has_upstream else None) if run else None
+        await self._check_abandoned(episode, abandoned)
         target = await self._target(key, episode, new)
-        facts = await self._facts(target, agent, messages)
+        facts = await self._facts(target, agent, messages, abandoned)
         record: dict[str, Any] = {"agent": agent, "messages": messages, "tools": tools,
                   "policy_version": policy_version, "facts": facts}
         if self.has_upstream:
@@ -235,10 +283,11 @@ class Gateway:
 
     async def completion(self, body: CompletionRequest, *, key: ApiKey, episode: str | None,
                          agent: str, policy_version: int | None, run: str | None = None,
-                         group: str | None = None) -> Response:
+                         group: str | None = None, abandoned: str | None = None) -> Response:
         """``POST /v1/completions``; refuses what ``chat`` refuses."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
+            self._no_abandon_for_remote(abandoned)
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
         if body.messages is not None or body.prompt is None:
             raise ApiError(422, "invalid_request", "a completion needs a prompt (messages go "
@@ -248,8 +297,9 @@ class Gateway:
             raise ApiError(422, "invalid_request", "echo is not supported", field="body.echo")
         new = NewEpisode(run_id=run, group_id=group,
                          model=body.model if self.has_upstream else None) if run else None
+        await self._check_abandoned(episode, abandoned)
         target = await self._target(key, episode, new)
-        facts: list[Event] = []
+        facts = await self._facts(target, agent, [], abandoned)
         want_logprobs = body.logprobs is not None and body.logprobs is not False
         record: dict[str, Any] = {"agent": agent, "messages": [], "tools": None,
                   "policy_version": policy_version, "facts": facts}

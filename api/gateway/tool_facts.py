@@ -20,6 +20,11 @@ is kept as ``{"raw": text}``).
   is an object naming one) or ``ToolError``, and its ``message`` (or the error as text).
 
 Anything else is a success.
+
+**Abandoned attempts.** ``abandon_events`` marks an earlier call of the episode abandoned (a
+client-side retry that threw its answer away): an ``attempt_failed`` naming the call
+(error type ``Abandoned``) and a ``rolled_back`` discarding it, so that replay makes the
+abandoned branch a negative sample (``save_negative_samples``) and never a positive one.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from store.events import ToolReturned
+from store.events import AttemptFailed, Event, RolledBack, ToolReturned
 
-__all__ = ["classify_output", "fact_id", "tool_results"]
+__all__ = ["ABANDONED_TYPE", "abandon_events", "classify_output", "fact_id", "tool_results"]
+
+#: ``error_types`` of the ``attempt_failed`` an abandoned call gets.
+ABANDONED_TYPE = "Abandoned"
 
 _NAMESPACE = uuid.UUID("5b0f3c52-6d0e-4d61-9c2b-8f1f2f7c1a19")
 _EXCEPTION_LINE = re.compile(
@@ -133,3 +141,19 @@ def tool_results(messages: Sequence[Mapping[str, Any]], *, episode_id: str, agen
                 arguments=arguments, output=output, is_error=is_error,
                 error_type=error_type, error_message=error_message))
     return out
+
+
+def abandon_events(episode_id: str, *, agent: str, call_id: str, turn: int, retry_index: int
+                   ) -> list[Event]:
+    """The ``attempt_failed`` and ``rolled_back`` that mark call ``call_id`` (made at
+    assistant turn ``turn``) abandoned by the client."""
+    checkpoint = f"abandoned:{call_id}"[:200]
+    return [
+        AttemptFailed(event_id=fact_id(episode_id, agent, "abandoned", call_id), agent=agent,
+                      checkpoint_id=checkpoint, position_key=f"turn_{turn}",
+                      retry_index=retry_index,
+                      error_messages=["the client abandoned this attempt"],
+                      error_types=[ABANDONED_TYPE], failed_call_id=call_id),
+        RolledBack(event_id=fact_id(episode_id, agent, "rolled_back", call_id), agent=agent,
+                   checkpoint_id=checkpoint, discarded_call_ids=[call_id]),
+    ]

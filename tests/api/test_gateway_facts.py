@@ -1,7 +1,8 @@
 """What a gateway call's history says beside the call: the agent's tool results become
-``tool_returned`` facts (once each, errors classified) that analytics count. A real
-``trajstore serve`` with the tiny model as its engine, driven by the ``openai`` client as an
-agent loop would drive it."""
+``tool_returned`` facts (once each, errors classified) that analytics count, and a call the
+client abandoned (``X-Trajstore-Abandoned``) becomes a negative sample, never a positive one.
+A real ``trajstore serve`` with the tiny model as its engine, driven by the ``openai`` client
+as an agent loop would drive it."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
 from api.gateway.tool_facts import classify_output, tool_results
 from store.eventlog import EventStore
-from store.events import ToolReturned
+from store.events import AttemptFailed, LLMCalled, RolledBack, ToolReturned
 from store.settings import Settings
 from tests.api.conftest import Project, Server
 from trajstore.client import TrajstoreClient
@@ -158,3 +160,77 @@ def test_tool_results_through_the_gateway_are_facts_analytics_count(
     assert failures.status_code == 200, failures.text
     assert {r["error_type"] for r in failures.json()["rows"]} == {
         "ZeroDivisionError", "RateLimited"}
+
+
+def _samples(server: Server, project: Project, run_id: str) -> list[dict[str, Any]]:
+    got = httpx.get(f"{server.url}/v1/runs/{run_id}/samples",
+                    params={"tokens": "false"}, headers=project.headers("read"))
+    assert got.status_code == 200, got.text
+    return list(got.json()["samples"])
+
+
+@pytest.mark.parametrize("save_negatives", [True, False])
+def test_an_abandoned_retry_is_a_negative_sample_not_a_second_positive(
+        server: Server, project: Project, api_store: EventStore, tiny_model_dir: Path,
+        save_negatives: bool) -> None:
+    run_id = f"retry-{uuid.uuid4().hex[:8]}"
+    made = httpx.post(f"{server.url}/v1/runs", headers=project.headers("ingest"), json={
+        "run_id": run_id, "config": {
+            "group_size": 1, "tokenizer": str(tiny_model_dir),
+            "rollback": {"save_negative_samples": save_negatives}}})
+    assert made.status_code == 201, made.text
+    ts = TrajstoreClient(server.url, project.ingest)
+    episode = ts.episode(run_id)
+    llm = OpenAI(**episode.openai_kwargs)
+    prefix = [{"role": "user", "content": "Name a prime number."}]
+    # A LangChain-style retry: the same prefix sampled again, the first answer thrown away.
+    first = llm.chat.completions.create(model="tiny", messages=prefix, max_tokens=8, seed=11)
+    retry = llm.chat.completions.create(model="tiny", messages=prefix, max_tokens=8, seed=12,
+                                        extra_headers={"X-Trajstore-Abandoned": "previous"})
+    assert retry.id != first.id
+    # Naming it again (by id) is idempotent; an unknown call is a 422 naming the header.
+    follow = [*prefix, {"role": "assistant", "content": retry.choices[0].message.content},
+              {"role": "user", "content": "Another one?"}]
+    llm.chat.completions.create(model="tiny", messages=follow, max_tokens=8, seed=13,
+                                extra_headers={"X-Trajstore-Abandoned": first.id})
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        llm.chat.completions.create(model="tiny", messages=follow, max_tokens=8,
+                                    extra_headers={"X-Trajstore-Abandoned": "chatcmpl-nope"})
+    assert refused.value.body["field"] == "header.X-Trajstore-Abandoned"  # type: ignore[index]
+    episode.finish(reward=1.0)
+
+    recorded = events(api_store, episode.episode_id)
+    assert [e.type for e in recorded] == [
+        "episode_started", "llm_called", "attempt_failed", "rolled_back", "llm_called",
+        "llm_called", "reward_assigned", "episode_finished"]
+    failed = next(e for e in recorded if isinstance(e, AttemptFailed))
+    assert failed.failed_call_id == first.id and failed.error_types == ["Abandoned"]
+    assert next(e for e in recorded if isinstance(e, RolledBack)).discarded_call_ids == [
+        first.id]
+    calls = [e for e in recorded if isinstance(e, LLMCalled)]
+    assert [c.call_id for c in calls] == [first.id, retry.id, calls[2].call_id]
+
+    assert project_episode(api_store, episode.episode_id).outcome == "written"
+    samples = _samples(server, project, run_id)
+    positives = [s for s in samples if s["kind"] == "positive"]
+    negatives = [s for s in samples if s["kind"] == "negative"]
+    # The retry is a prefix of the follow-up: one positive, with the full reward.
+    assert len(positives) == 1 and positives[0]["reward"] == 1.0
+    if save_negatives:
+        assert len(negatives) == 1 and negatives[0]["reward"] == -1.0
+    else:
+        assert negatives == []
+
+
+def test_abandoning_needs_an_earlier_call(server: Server, project: Project,
+                                          api_store: EventStore) -> None:
+    ts = TrajstoreClient(server.url, project.ingest)
+    episode = ts.episode(f"agent-{uuid.uuid4().hex[:8]}")
+    llm = OpenAI(**episode.openai_kwargs)
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        llm.chat.completions.create(model="tiny", max_tokens=4,
+                                    messages=[{"role": "user", "content": "hi"}],
+                                    extra_headers={"X-Trajstore-Abandoned": "previous"})
+    assert refused.value.body["field"] == "header.X-Trajstore-Abandoned"  # type: ignore[index]
+    # Nothing was written: neither the run nor the episode exists.
+    assert api_store.read_stream(episode.episode_id) == []

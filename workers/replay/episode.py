@@ -19,6 +19,7 @@ from store.events import (
     Event,
     LLMCalled,
     RewardAssigned,
+    RolledBack,
     RunConfig,
 )
 from workers.replay.errors import ReplayError
@@ -42,7 +43,8 @@ class ReplayResult:
     ``timelines``: the initial timelines, one per ``llm_called`` in stream order, with
     ``call_ids`` beside them. ``absorber[i]``: index of the timeline that absorbed timeline
     ``i`` (``None`` for a survivor). ``survivors``: the merged surviving timelines in
-    recording order, ``survivor_indices`` their indices. ``samples``: one per survivor, with
+    recording order, ``survivor_indices`` their indices; a survivor whose call a
+    ``rolled_back`` discarded (an abandoned branch) is left out. ``samples``: one per survivor, with
     the episode reward. ``failures``: every failed attempt as a negative sample;
     ``negatives``: those kept under the run's cap for this episode (the cap holds per group,
     so callers combining episodes of one group apply ``select_negatives`` to their
@@ -139,6 +141,7 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
     attempts: list[tuple[int, AttemptFailed, int]] = []
     reward: float | None = None
     status: str | None = None
+    discarded: set[str] = set()
     for position, event in enumerate(items):
         if isinstance(event, LLMCalled):
             if event.call_id in call_index:
@@ -155,16 +158,21 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
         elif isinstance(event, AttemptFailed):
             attempts.append((position, event, _failed_call(event, call_index, call_ids,
                                                           timelines, position)))
+        elif isinstance(event, RolledBack):
+            discarded.update(event.discarded_call_ids)
         elif isinstance(event, RewardAssigned):
             reward = float(event.value)
         elif isinstance(event, EpisodeFinished):
             status = event.status
 
     outcome, forks = merge_and_detect_forks(timelines, policy)
+    # A call a rolled_back discarded that no later call absorbed is an abandoned branch: it
+    # never becomes a positive sample (its attempt_failed makes it a negative one).
+    survivors = [i for i in outcome.survivors if call_ids[i] not in discarded]
     samples = [
         build_sample(outcome.merged[i], timeline_index=i,
                      drifted_messages=len(outcome.drifted.get(i, ())), reward=reward)
-        for i in outcome.survivors
+        for i in survivors
     ]
     negative_reward = config.negatives.negative_reward
     failures = [
@@ -184,10 +192,10 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
     return ReplayResult(
         episode_id=episode_id, run_id=started.run_id, group_id=started.group_id,
         status=status, reward=reward, call_ids=call_ids, timelines=timelines,
-        absorber=outcome.absorber, survivor_indices=outcome.survivors,
-        survivors=outcome.surviving_timelines(), forks=forks,
+        absorber=outcome.absorber, survivor_indices=survivors,
+        survivors=[outcome.merged[i] for i in survivors], forks=forks,
         samples=samples, failures=failures, negatives=negatives,
-        drifted_messages=sum(len(v) for v in outcome.drifted.values()))
+        drifted_messages=sum(len(v) for i, v in outcome.drifted.items() if i in survivors))
 
 
 def _failed_call(attempt: AttemptFailed, call_index: dict[str, int], call_ids: list[str],
