@@ -9,6 +9,7 @@ one's upstream. One generation runs at a time (the backend is not thread-safe); 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,17 @@ class LocalEngine:
         self.model_dir = model_dir
         self._lock = threading.Lock()
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
+    def generate(self, request: GenerationRequest,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
         """Generate one response (blocks while another generation runs). Raises ValueError
-        for a prompt that does not fit the model's context or ids outside its vocabulary."""
+        for a prompt that does not fit the model's context or ids outside its vocabulary.
+        ``on_token`` gets each generated id as it is sampled (token streaming)."""
         with self._lock:
-            return self.backend.generate(request)
+            return self.backend.generate(request, on_token)
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt ids ``generate`` will feed the model for ``request``."""
+        return list(self.backend.prompt_ids(request))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a raw prompt (no special tokens added)."""

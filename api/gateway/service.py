@@ -18,6 +18,7 @@ Three ways a call goes, decided per request:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -43,13 +44,14 @@ from api.gateway.openai_format import (
     assistant_message,
     captured_chat,
     captured_completion,
-    chat_chunks,
     chat_response,
+    chat_tail_chunks,
     completion_chunks,
     completion_response,
     strip_extensions,
 )
 from api.gateway.rollout_buffer import RolloutBuffers, check_mask
+from api.gateway.streaming import LiveText, chat_live_chunk, completion_live_chunk
 from api.gateway.tool_facts import abandon_events, tool_results
 from api.gateway.upstream import Upstream
 from api.keys import ApiKey
@@ -59,6 +61,7 @@ from store import queries
 from store.events import Event
 from workers.replay.render import prompt_ids
 from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
+from workers.rollout.prompt import decode_response
 
 if TYPE_CHECKING:
     from api.context import ApiContext
@@ -92,6 +95,14 @@ def _passthrough(status: int, content: bytes, content_type: str | None) -> Respo
 
 def _engine_error(exc: Exception) -> ApiError:
     return ApiError(422, "invalid_prompt", f"the engine refused the request: {exc}")
+
+
+def _engine_failure(exc: BaseException) -> BaseException:
+    """What a failed generation raises: 422 for a request the engine refuses (bad ids, too
+    long, a chat template error on odd messages), else the error itself."""
+    if isinstance(exc, (ValueError, TypeError)) or type(exc).__module__.startswith("jinja2"):
+        return _engine_error(exc)  # type: ignore[arg-type]
+    return exc
 
 
 class Gateway:
@@ -147,12 +158,111 @@ class Gateway:
         engine = await run_in_threadpool(self.engine)
         try:
             return await run_in_threadpool(engine.generate, request)
-        except (ValueError, TypeError) as exc:
-            raise _engine_error(exc) from None
-        except Exception as exc:  # chat template errors (jinja2) on odd messages
-            if type(exc).__module__.startswith("jinja2"):
-                raise _engine_error(exc) from None
-            raise
+        except Exception as exc:
+            raise _engine_failure(exc) from None
+
+    async def _stream_engine(self, request: GenerationRequest, *, chat: bool,
+                             parse_tools: bool, target: EpisodeTarget | None,
+                             record: dict[str, Any], want_logprobs: bool,
+                             return_token_ids: bool, include_usage: bool
+                             ) -> StreamingResponse:
+        """Stream the in-process engine's answer as it samples (``api.gateway.streaming``);
+        the call is recorded once complete, exactly as the same call unstreamed, before the
+        final ``[DONE]``. A request the engine refuses is answered 422 before the stream
+        starts."""
+        engine = await run_in_threadpool(self.engine)
+        try:
+            prompt = await run_in_threadpool(engine.prompt_ids, request)
+        except Exception as exc:
+            raise _engine_failure(exc) from None
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def put(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+        def work() -> None:
+            try:
+                put("done", engine.generate(request, lambda token: put("token", token)))
+            except BaseException as exc:  # handed to the stream; nothing is lost
+                put("error", exc)
+
+        started = time.perf_counter()
+        worker = asyncio.ensure_future(run_in_threadpool(work))
+        first = await queue.get()
+        if first[0] == "error":
+            raise _engine_failure(first[1]) from None
+        stop = request.sampling.stop
+        live = LiveText(lambda ids: decode_response(engine.tokenizer, ids, stop=stop)[0],
+                        chat=chat, tools=parse_tools, stop=stop)
+        call_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        live_chunk = chat_live_chunk if chat else completion_live_chunk
+
+        async def events() -> AsyncIterator[bytes]:
+            def line(chunk: dict[str, Any]) -> bytes:
+                return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+            if chat:
+                opening: dict[str, Any] = {
+                    "id": call_id, "object": "chat.completion.chunk", "created": created,
+                    "model": engine.name, "choices": [{
+                        "index": 0, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]}
+                if return_token_ids:
+                    opening["prompt_token_ids"] = prompt
+                yield line(opening)
+            item = first
+            while item[0] == "token":
+                piece = live.feed(item[1])
+                if piece:
+                    yield line(live_chunk(request_id=call_id, created=created,
+                                          model=engine.name, text=piece))
+                item = await queue.get()
+            await worker
+            if item[0] == "error":
+                log.warning("streamed generation failed: %s", item[1])
+                yield line(error_body("engine_error", f"the engine failed: {item[1]}"))
+                yield b"data: [DONE]\n\n"
+                return
+            result: GenerationResult = item[1]
+            latency = (time.perf_counter() - started) * 1000
+            if chat:
+                message = assistant_message(result.text, call_id=call_id,
+                                            parse_tools=parse_tools)
+            else:
+                message = {"role": "assistant", "content": result.text}
+            captured = self._captured(result, message)
+            try:
+                await self._record(target, captured, call_id=call_id, latency_ms=latency,
+                                   **record)
+            except store_errors.StoreError as exc:
+                log.warning("streamed call not recorded: %s", exc)
+                yield line(error_body("not_recorded", f"the call was not recorded: {exc}"))
+                yield b"data: [DONE]\n\n"
+                return
+            common: dict[str, Any] = dict(
+                request_id=call_id, created=created, model=engine.name,
+                finish_reason=result.finish_reason,
+                prompt_ids=captured.prompt_ids, response_ids=captured.response_ids,
+                logprobs=captured.logprobs, token_text=engine.token_text,
+                want_logprobs=want_logprobs, return_token_ids=return_token_ids,
+                include_usage=include_usage)
+            if chat:
+                tail = chat_tail_chunks(**common, message=message, sent=live.sent)
+            else:
+                text = result.text
+                tail = completion_chunks(
+                    **common, text=text[len(live.sent):] if text.startswith(live.sent)
+                    else "")
+                if return_token_ids:
+                    tail[0]["choices"][0]["prompt_token_ids"] = captured.prompt_ids
+            for chunk in tail:
+                yield line(chunk)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers=_SSE_HEADERS)
 
     async def _target(self, key: ApiKey, episode: str | None, new: NewEpisode | None = None
                       ) -> EpisodeTarget | None:
@@ -257,12 +367,18 @@ class Gateway:
                                    max_tokens=body.max_completion_tokens or body.max_tokens,
                                    seed=body.seed, stop=body.stop,
                                    cap=self.settings.gateway_max_tokens)
+        request = GenerationRequest(
+            sampling=sampling, messages=tuple(messages), tools=tuple(tools) if tools else None)
+        parse_tools = bool(tools) and body.tool_choice != "none"
+        if body.stream:
+            return await self._stream_engine(
+                request, chat=True, parse_tools=parse_tools, target=target, record=record,
+                want_logprobs=bool(body.logprobs), return_token_ids=bool(body.return_token_ids),
+                include_usage=bool((body.stream_options or {}).get("include_usage")))
         started = time.perf_counter()
-        result = await self._generate(GenerationRequest(
-            sampling=sampling, messages=tuple(messages), tools=tuple(tools) if tools else None))
+        result = await self._generate(request)
         latency = (time.perf_counter() - started) * 1000
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        parse_tools = bool(tools) and body.tool_choice != "none"
         message = assistant_message(result.text, call_id=call_id, parse_tools=parse_tools)
         captured = self._captured(result, message)
         await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
@@ -272,12 +388,6 @@ class Gateway:
             finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
             response_ids=captured.response_ids, logprobs=captured.logprobs,
             return_token_ids=bool(body.return_token_ids))
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            chunks = chat_chunks(**common, token_text=engine.token_text,
-                                 want_logprobs=bool(body.logprobs), include_usage=include_usage)
-            return StreamingResponse(sse(chunks), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
         return JSONResponse(chat_response(
             **common, token_text=engine.token_text if body.logprobs else None))
 
@@ -316,9 +426,14 @@ class Gateway:
         if not ids:
             raise ApiError(422, "invalid_request", "the prompt encodes to no tokens",
                            field="body.prompt")
+        request = GenerationRequest(sampling=sampling, prompt_ids=tuple(ids))
+        if body.stream:
+            return await self._stream_engine(
+                request, chat=False, parse_tools=False, target=target, record=record,
+                want_logprobs=want_logprobs, return_token_ids=bool(body.return_token_ids),
+                include_usage=bool((body.stream_options or {}).get("include_usage")))
         started = time.perf_counter()
-        result = await self._generate(GenerationRequest(sampling=sampling,
-                                                        prompt_ids=tuple(ids)))
+        result = await self._generate(request)
         latency = (time.perf_counter() - started) * 1000
         call_id = f"cmpl-{uuid.uuid4().hex}"
         captured = self._captured(result, {"role": "assistant", "content": result.text})
@@ -328,12 +443,6 @@ class Gateway:
             finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
             response_ids=captured.response_ids, logprobs=captured.logprobs,
             return_token_ids=bool(body.return_token_ids))
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            chunks = completion_chunks(**common, token_text=engine.token_text,
-                                       want_logprobs=want_logprobs, include_usage=include_usage)
-            return StreamingResponse(sse(chunks), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
         return JSONResponse(completion_response(
             **common, token_text=engine.token_text if want_logprobs else None))
 
