@@ -48,6 +48,30 @@ class LocalEngine:
         self.name = name
         self.model_dir = model_dir
         self._lock = threading.Lock()
+        self._same_vocabulary: dict[int, bool] = {}
+        rows = int(self.backend.model.get_input_embeddings().num_embeddings)
+        if len(self.tokenizer) > rows:
+            raise ValueError(f"the engine's tokenizer in {model_dir} has {len(self.tokenizer)} "
+                             f"tokens but its model only {rows} embeddings: they do not belong "
+                             "together")
+
+    def vocabulary_matches(self, tokenizer: Any) -> bool:
+        """Whether ``tokenizer`` maps every token to the id the engine's own tokenizer does
+        (and knows no other): then ids rendered with it are ids this engine reads."""
+        if tokenizer is self.tokenizer:
+            return True
+        key = id(tokenizer)
+        with self._lock:
+            known = self._same_vocabulary.get(key)
+        if known is None:
+            known = bool(tokenizer.get_vocab() == self.tokenizer.get_vocab())
+            with self._lock:
+                self._same_vocabulary[key] = known
+        return known
+
+    @property
+    def vocabulary_size(self) -> int:
+        return len(self.tokenizer)
 
     def generate(self, request: GenerationRequest,
                  on_token: Callable[[int], None] | None = None) -> GenerationResult:

@@ -114,7 +114,9 @@ class Gateway:
         self.capture = Capture(ctx.store, ctx.access)
         self.buffers = RolloutBuffers(ctx.store)
         self._engine: LocalEngine | None = None
+        self._engine_refused: str | None = None
         self._engine_lock = threading.Lock()
+        self._engine_runs: set[str] = set()  # runs whose tokenizer is the engine's
         self._upstream: Upstream | None = None
 
     # --- backends ---------------------------------------------------------------------------
@@ -136,8 +138,15 @@ class Gateway:
                     raise ApiError(503, "no_engine", "no generation backend is configured: "
                                    "set TRAJSTORE_GATEWAY_UPSTREAM_URL or "
                                    "TRAJSTORE_GATEWAY_ENGINE_MODEL")
-                self._engine = LocalEngine(folder, device=self.settings.gateway_engine_device,
-                                           name=self.settings.gateway_model_name)
+                if self._engine_refused is not None:
+                    raise ApiError(503, "no_engine", self._engine_refused)
+                try:
+                    self._engine = LocalEngine(folder,
+                                               device=self.settings.gateway_engine_device,
+                                               name=self.settings.gateway_model_name)
+                except ValueError as exc:
+                    self._engine_refused = f"the in-process engine is refused: {exc}"
+                    raise ApiError(503, "no_engine", self._engine_refused) from None
             return self._engine
 
     def upstream(self) -> Upstream:
@@ -276,7 +285,46 @@ class Gateway:
             # The in-process engine's own folder names its tokenizer exactly.
             folder = await run_in_threadpool(engine_model_dir, self.settings)
             new = replace(new, model=str(folder) if folder else None)
+        if not self.has_upstream and self.settings.gateway_engine_model:
+            await run_in_threadpool(self._check_engine_vocabulary, key, episode, new)
         return await run_in_threadpool(self.capture.target_or_create, key, episode, new)
+
+    def _check_engine_vocabulary(self, key: ApiKey, episode: str, new: NewEpisode | None
+                                 ) -> None:
+        """Refuse (409, naming both) to record into a run whose tokenizer is not the
+        in-process engine's vocabulary: the ids the engine reads and writes would be recorded
+        as another tokenizer's. Checked before anything is created; a run created by this
+        call takes the engine's own tokenizer and needs no check."""
+        from workers.tokenizers import TokenizerNotFound, load_tokenizer
+
+        store = self.ctx.store
+        run_id = queries.episode_run(store, episode) or (new.run_id if new else None)
+        if run_id is None or run_id in self._engine_runs:
+            return
+        if queries.run_record(store, run_id) is None:
+            return
+        self.ctx.access.check_run(key, run_id)
+        config = store.get_run(run_id).config
+        name = config.tokenizer or config.model
+        if not name:
+            return  # stored, but gives no samples until the run names a tokenizer
+        engine = self.engine()
+        try:
+            tokenizer = load_tokenizer(name)
+        except TokenizerNotFound as exc:
+            raise ApiError(409, "tokenizer_not_found", f"run {run_id!r}: {exc}") from None
+        if not engine.vocabulary_matches(tokenizer):
+            raise ApiError(409, "tokenizer_mismatch",
+                           f"run {run_id!r} uses tokenizer {name!r} ({len(tokenizer)} tokens) "
+                           f"but this gateway's in-process engine {str(engine.model_dir)!r} "
+                           f"has another vocabulary ({engine.vocabulary_size} tokens): its "
+                           "token ids would be recorded as the run's. Record such runs "
+                           "through an upstream server of the run's model, or name the "
+                           "engine's tokenizer in the run")
+        with self._engine_lock:
+            if len(self._engine_runs) > 10_000:
+                self._engine_runs.clear()
+            self._engine_runs.add(run_id)
 
     # --- facts the history tells (api.gateway.tool_facts) -----------------------------------
 
