@@ -30,6 +30,7 @@ __all__ = [
     "episodes_done",
     "failures_by_version",
     "ping",
+    "idle_remote_rollouts",
     "stale_episodes",
     "version_summaries",
     "episode_finished",
@@ -425,6 +426,47 @@ def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
             (now, timeout_s, limit),
         ).fetchall()
     return [(stream_id, int(version)) for stream_id, version in rows]
+
+
+def idle_remote_rollouts(store: EventStore, *, timeout_s: float, limit: int = 200,
+                         now: dt.datetime | None = None) -> list[tuple[str, int, bool]]:
+    """Remote rollouts (episodes with an ``llm_called`` that carries a ``mask_check``) with
+    no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest first, at most
+    ``limit``: ``(episode_id, last stream_version, whether the last call made tool calls)``.
+    Time as in ``stale_episodes``; the same ValueErrors."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if now is not None and now.tzinfo is None:
+        raise ValueError("now must be timezone-aware")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    last_calls = f"{safe_data('l.data')}->'response'->'tool_calls'"
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            f"""
+            SELECT s.stream_id, max(e.stream_version),
+                   coalesce((SELECT CASE WHEN json_typeof({last_calls}) = 'array'
+                                         THEN json_array_length({last_calls}) > 0
+                                         ELSE false END
+                               FROM events l
+                              WHERE l.stream_id = s.stream_id AND l.type = 'llm_called'
+                              ORDER BY l.stream_version DESC LIMIT 1), false)
+            FROM events s
+            JOIN events e ON e.stream_id = s.stream_id
+            WHERE s.type = 'episode_started'
+              AND NOT EXISTS (SELECT 1 FROM events f WHERE f.stream_id = s.stream_id
+                                                        AND f.type = 'episode_finished')
+              AND EXISTS (SELECT 1 FROM events m WHERE m.stream_id = s.stream_id
+                            AND m.type = 'llm_called'
+                            AND {safe_data('m.data')}->'response'->'mask_check' IS NOT NULL)
+            GROUP BY s.stream_id
+            HAVING max(e.recorded_at) < coalesce(%s, now()) - make_interval(secs => %s)
+            ORDER BY min(s.position)
+            LIMIT %s
+            """,
+            (now, timeout_s, limit),
+        ).fetchall()
+    return [(stream_id, int(version), bool(tools)) for stream_id, version, tools in rows]
 
 
 @dataclass(frozen=True)

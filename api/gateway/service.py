@@ -605,7 +605,8 @@ class Gateway:
             raise ApiError(422, "template_error", f"the run's chat template cannot render "
                            f"these messages: {exc}", field="body.messages") from None
         version, buffer = await run_in_threadpool(self.buffers.get, rollout_id, agent)
-        check = check_mask(buffer, prompt, body.response_mask)
+        check = check_mask(buffer, prompt, body.response_mask,
+                           mask_sent="response_mask" in body.model_fields_set)
         sampling = sampling_params(temperature=body.temperature, top_p=body.top_p,
                                    max_tokens=getattr(body, "max_completion_tokens", None)
                                    or body.max_tokens, seed=body.seed, stop=body.stop,
