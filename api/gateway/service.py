@@ -9,6 +9,10 @@ Three ways a call goes, decided per request:
   engine's exact prompt ids, generated ids and logprobs. Streamed answers are recorded once
   complete, before the final ``[DONE]``. An upstream failure returns the upstream's status
   and body and records nothing.
+- In both recorded forms the tool results the history carries become ``tool_returned``
+  facts before the call, and ``X-Trajstore-Abandoned`` marks an earlier call abandoned
+  (``api.gateway.tool_facts``); the in-process engine streams as it samples
+  (``api.gateway.streaming``) and records only runs of its own vocabulary.
 - **Remote rollout** (a ``rollout_id`` in the body, TrainGate protocol): the gateway renders
   the prompt itself with the run's tokenizer, checks the ``response_mask`` against its token
   buffer (``rollout_buffer``), generates from the prompt ids, records the call with the
@@ -604,6 +608,7 @@ class Gateway:
         except Exception as exc:  # the template refused these messages
             raise ApiError(422, "template_error", f"the run's chat template cannot render "
                            f"these messages: {exc}", field="body.messages") from None
+        facts = await self._facts(target, agent, messages, None)
         version, buffer = await run_in_threadpool(self.buffers.get, rollout_id, agent)
         check = check_mask(buffer, prompt, body.response_mask,
                            mask_sent="response_mask" in body.model_fields_set)
@@ -631,7 +636,7 @@ class Gateway:
         result = await run_in_threadpool(lambda: self.capture.record(
             target, captured, agent=agent, call_id=call_id, messages=messages, tools=tools,
             latency_ms=latency, policy_version=policy_version, mask_check=check.to_dict(),
-            expected_version=version))
+            expected_version=version, facts=facts))
         self.buffers.remember(rollout_id, agent, version=result.version, prompt_ids=prompt,
                               response_ids=response_ids)
         return JSONResponse({
