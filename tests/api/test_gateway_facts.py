@@ -186,13 +186,13 @@ def test_an_abandoned_retry_is_a_negative_sample_not_a_second_positive(
     # A LangChain-style retry: the same prefix sampled again, the first answer thrown away.
     first = llm.chat.completions.create(model="tiny", messages=prefix, max_tokens=8, seed=11)
     retry = llm.chat.completions.create(model="tiny", messages=prefix, max_tokens=8, seed=12,
-                                        extra_headers={"X-Trajstore-Abandoned": "previous"})
+                                        extra_headers=episode.abandoning())
     assert retry.id != first.id
     # Naming it again (by id) is idempotent; an unknown call is a 422 naming the header.
     follow = [*prefix, {"role": "assistant", "content": retry.choices[0].message.content},
               {"role": "user", "content": "Another one?"}]
     llm.chat.completions.create(model="tiny", messages=follow, max_tokens=8, seed=13,
-                                extra_headers={"X-Trajstore-Abandoned": first.id})
+                                extra_headers=episode.abandoning(first.id))
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         llm.chat.completions.create(model="tiny", messages=follow, max_tokens=8,
                                     extra_headers={"X-Trajstore-Abandoned": "chatcmpl-nope"})
