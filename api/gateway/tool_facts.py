@@ -5,7 +5,8 @@ results back as ``tool`` messages answering the assistant message's ``tool_calls
 result becomes one ``tool_returned`` event (tool call id, the call's name and arguments, the
 output), appended before the ``llm_called`` of the request that first carries it and never
 again for the same tool call id (its event id is derived from episode, agent and tool call
-id, and ids already stored are skipped). A tool message is matched to the call its
+id, and ids already stored are skipped; an id a client issues again in a later turn is a new
+call). A tool message is matched to the call its
 ``tool_call_id`` names among the preceding assistant messages' calls; without one, to the
 next unanswered call of the assistant message before it. Tool messages that answer no call
 are not recorded. Arguments are the call's JSON ``arguments`` (text that is not a JSON object
@@ -101,8 +102,9 @@ def tool_results(messages: Sequence[Mapping[str, Any]], *, episode_id: str, agen
                  ) -> list[ToolReturned]:
     """A ``tool_returned`` for every tool message of ``messages`` that answers a call of a
     preceding assistant message, in message order, with its derived event id."""
-    calls: dict[str, tuple[str, dict[str, Any]]] = {}
-    pending: list[tuple[str, str, dict[str, Any]]] = []  # the last assistant's unanswered
+    calls: dict[str, tuple[str, str, dict[str, Any]]] = {}  # tool call id -> key, name, args
+    seen: dict[str, int] = {}  # how often each tool call id was issued so far
+    pending: list[tuple[str, str | None, str, dict[str, Any]]] = []  # last turn's, unanswered
     out: list[ToolReturned] = []
     for index, message in enumerate(messages):
         role = message.get("role")
@@ -117,27 +119,36 @@ def tool_results(messages: Sequence[Mapping[str, Any]], *, episode_id: str, agen
                 if not isinstance(name, str) or not name or len(name) > 200:
                     continue
                 call_id = call.get("id")
-                key = call_id if isinstance(call_id, str) and call_id else f"#{index}.{k}"
-                entry = (name, _arguments(function.get("arguments")))
-                calls[key] = entry
-                pending.append((key, *entry))
+                arguments = _arguments(function.get("arguments"))
+                if isinstance(call_id, str) and call_id:
+                    # A client that reuses ids across turns issues each one anew: the n-th
+                    # issue of an id is its own fact.
+                    n = seen.get(call_id, 0)
+                    seen[call_id] = n + 1
+                    key = call_id if n == 0 else f"{call_id}#{n}"
+                    calls[call_id] = (key, name, arguments)
+                else:
+                    key, call_id = f"#{index}.{k}", None
+                pending.append((key, call_id, name, arguments))
         elif role == "tool":
             wanted = message.get("tool_call_id")
             if isinstance(wanted, str) and wanted:
                 if wanted not in calls:
                     continue
-                key, (name, arguments) = wanted, calls.pop(wanted)
-                pending = [p for p in pending if p[0] != wanted]
+                key, name, arguments = calls.pop(wanted)
+                raw: str | None = wanted
+                pending = [p for p in pending if p[0] != key]
             elif pending:
-                key, name, arguments = pending.pop(0)
-                calls.pop(key, None)
+                key, raw, name, arguments = pending.pop(0)
+                if raw is not None:
+                    calls.pop(raw, None)
             else:
                 continue
             output = _text(message.get("content"))
             is_error, error_type, error_message = classify_output(output)
             out.append(ToolReturned(
                 event_id=fact_id(episode_id, agent, "tool", key), agent=agent,
-                tool_call_id=None if key.startswith("#") else key, name=name,
+                tool_call_id=raw, name=name,
                 arguments=arguments, output=output, is_error=is_error,
                 error_type=error_type, error_message=error_message))
     return out

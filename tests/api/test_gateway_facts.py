@@ -97,6 +97,16 @@ def test_classify_output_rule() -> None:
                                           "content": "4"}], episode_id="e", agent="main")
     assert [(f.name, f.arguments, f.output, f.tool_call_id) for f in facts] == [
         ("a", {"raw": "not json"}, "1", None), ("b", {"x": 1}, "2", None)]
+    # A client reusing an id in a later turn made a new call: a fact of its own, once.
+    turn = [{"role": "assistant", "content": "", "tool_calls": [call("f", "call_0", x=1)]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "1"}]
+    again = [*turn, {"role": "assistant", "content": "", "tool_calls": [
+        call("f", "call_0", x=2)]}, {"role": "tool", "tool_call_id": "call_0", "content": "2"}]
+    first, second = tool_results(again, episode_id="e", agent="main")
+    assert (first.event_id, first.output) == (
+        tool_results(turn, episode_id="e", agent="main")[0].event_id, "1")
+    assert (second.tool_call_id, second.arguments, second.output) == ("call_0", {"x": 2}, "2")
+    assert second.event_id != first.event_id
 
 
 def test_tool_results_through_the_gateway_are_facts_analytics_count(
