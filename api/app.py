@@ -1,9 +1,9 @@
 """The FastAPI application: ``create_app(settings)``; ``app_factory`` for uvicorn.
 
-One process serves ingest, queries, exports, batches over HTTP, the capture gateway and
-the remote-rollout endpoints. Every route except ``/health`` and ``/ready`` needs an API
-key; every error is ``{"error": {"code", "message", ...}}``. Run it with
-``trajstore serve``.
+One process serves ingest (events, and OpenTelemetry spans on ``/v1/traces``), queries,
+exports, batches over HTTP, the capture gateway and the remote-rollout endpoints. Every
+route except ``/health`` and ``/ready`` needs an API key; every error is
+``{"error": {"code", "message", ...}}``. Run it with ``trajstore serve``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from api.routers import (
     rollout,
     runs,
     samples,
+    traces,
 )
 from api.ui import routes as ui
 from store.eventlog import EventStore
@@ -74,7 +75,7 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     app.add_middleware(NoNulInUrl)
     install_error_handlers(app)
     for module in (health, metrics, runs, episodes, samples, leases, completions, rollout,
-                   analytics):
+                   analytics, traces):
         app.include_router(module.router)
     ui.install(app)
     install_openapi(app)

@@ -17,7 +17,13 @@ from api.tokens import Encoding, encode_array
 from store.codec import ID_DTYPE, LOGPROB_DTYPE
 from store.eventlog import EventStore, RecordedEvent
 from store.events import RunCreated
-from workers.replay import ReplayError, ReplayResult, Timeline, replay_episode
+from workers.replay import (
+    ReplayError,
+    ReplayResult,
+    Timeline,
+    needs_tokenizer,
+    replay_episode,
+)
 from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
 __all__ = [
@@ -31,7 +37,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StoredReplay:
-    """A stored episode replayed: its recorded events, the run's tokenizer and the result."""
+    """A stored episode replayed: its recorded events, the run's tokenizer (None when no
+    call carries token ids, so none was needed) and the result."""
 
     records: list[RecordedEvent]
     tokenizer: Any
@@ -54,9 +61,11 @@ def replay_stored(store: EventStore, episode_id: str, *,
         raise ApiError(404, "not_found", f"episode {episode_id!r} names run {run_id!r}, "
                                          "which has no run_created")
     config = run[0].event.config
+    plain = [r.event for r in events]
     try:
-        tokenizer = tokenizer_loader(config.tokenizer or config.model)
-        result = replay_episode([r.event for r in events], config=config,
+        tokenizer = (tokenizer_loader(config.tokenizer or config.model)
+                     if needs_tokenizer(plain) else None)
+        result = replay_episode(plain, config=config,
                                 tokenizer=tokenizer, episode_id=episode_id)
     except TokenizerNotFound as exc:
         raise ApiError(409, "tokenizer_not_found", str(exc)) from None

@@ -19,7 +19,8 @@ from typing import Any
 
 from store.settings import Settings
 
-__all__ = ["database_url", "redis_url", "embedded_postgres", "embedded_redis", "stop_embedded"]
+__all__ = ["database_url", "redis_url", "embedded_postgres", "embedded_redis",
+           "embedded_redis_running", "stop_embedded"]
 
 _lock = threading.Lock()
 _postgres: dict[Path, Any] = {}
@@ -149,6 +150,12 @@ def _redis_pid(path: Path) -> int | None:
         return int(Path(recorded["pidfile"]).read_text().strip())
     except (OSError, KeyError, TypeError, ValueError):
         return None
+
+
+def embedded_redis_running(settings: Settings) -> bool:
+    """Whether the embedded Redis of the data directory is running (in any process)."""
+    pid = _redis_pid(Path(settings.embedded_redis_path).expanduser())
+    return pid is not None and _alive(pid)
 
 
 def stop_embedded(settings: Settings, *, timeout_s: float = 30.0) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from psycopg.rows import dict_row
 
 from store import errors
-from store.db import Database, scalar
+from store.db import Database, scalar, translate_errors
 from store.events import MAX_INT, EpisodeFinished, EpisodeStarted, Event, LLMCalled, RunCreated
 from store.metrics import observe_append
 from store.rows import (
@@ -119,6 +119,7 @@ class EventStore:
         self._stream_meta: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._listeners: list[Callable[[str, list[Event], AppendResult], None]] = []
+        self._batcher: Any = None
 
     @classmethod
     def open(cls, settings: Settings | None = None, *, migrate: bool | None = None) -> EventStore:
@@ -183,20 +184,7 @@ class EventStore:
         ``IdempotencyError``; a batch mixing stored and new ids raises ``ValidationError``.
         Invalid events raise ``ValidationError`` naming the event index and field.
         """
-        if (not isinstance(stream_id, str) or not stream_id or len(stream_id) > 200
-                or check_text(stream_id) is not None):
-            raise errors.ValidationError(
-                f"stream id must be a non-empty string of at most 200 characters without NUL "
-                f"or lone surrogates, "
-                f"got {stream_id!r}",
-                field="stream_id",
-            )
-        expected = _check_expected(expected_version)
-        events = validate_batch(events, self.settings)
-        events = [
-            e if e.event_id is not None else e.model_copy(update={"event_id": uuid.uuid4()})
-            for e in events
-        ]
+        expected, events = self._prepare(stream_id, events, expected_version)
         started = time.perf_counter()
         for attempt in range(5):
             try:
@@ -212,6 +200,91 @@ class EventStore:
                     ) from None
         raise AssertionError("unreachable")
 
+    async def aappend(self, stream_id: str, events: Sequence[Event],
+                      expected_version: ExpectedVersion = ANY) -> AppendResult:
+        """:meth:`append` for coroutines: appends awaited together from one event loop share
+        one transaction (:class:`~store.append_batcher.AppendBatcher`). Same answers and
+        errors as :meth:`append`."""
+        from store.append_batcher import AppendBatcher
+
+        with self._cache_lock:
+            if self._batcher is None:
+                self._batcher = AppendBatcher(self)
+        return await self._batcher.append(stream_id, events, expected_version)
+
+    def append_many(
+        self, batches: Sequence[tuple[str, Sequence[Event], ExpectedVersion]]
+    ) -> list[AppendResult | Exception]:
+        """Append several ``(stream_id, events, expected_version)`` batches in one
+        transaction: one commit for all of them (what concurrent episodes' appends share).
+
+        Each batch keeps :meth:`append`'s meaning and answers on its own: the list holds, in
+        order, its ``AppendResult`` or the exception :meth:`append` would have raised for it
+        (``ConflictError``, ``ClosedError``, ``ValidationError``…); a failing batch leaves
+        the others stored (each runs under a savepoint). Streams are locked in sorted order,
+        so concurrent callers never deadlock. A batch that races with a concurrent append of
+        the same ids is run again on its own after the commit. Raises only for what stops the
+        whole transaction (``TransientError`` when the database is unreachable).
+        """
+        answers: list[AppendResult | Exception | None] = [None] * len(batches)
+        prepared: list[tuple[int, str, list[Event], int | None]] = []
+        for index, (stream_id, events, expected_version) in enumerate(batches):
+            try:
+                expected, checked = self._prepare(stream_id, events, expected_version)
+            except errors.StoreError as exc:
+                answers[index] = exc
+                continue
+            prepared.append((index, stream_id, checked, expected))
+        prepared.sort(key=lambda item: (item[1], item[0]))
+        started = time.perf_counter()
+        done: list[tuple[int, str, list[Event], AppendResult, list[LLMCallMemory]]] = []
+        again: list[int] = []
+        if prepared:
+            with self.db.transaction() as conn:
+                for index, stream_id, events, expected in prepared:
+                    try:
+                        # A savepoint: one batch fails alone, its driver error translated.
+                        with translate_errors(), conn.transaction():
+                            result, calls = self._append_in(conn, stream_id, events, expected)
+                    except (_Retry, errors.DuplicateKeyError):
+                        again.append(index)
+                    except errors.StoreError as exc:
+                        answers[index] = exc
+                    else:
+                        done.append((index, stream_id, events, result, calls))
+        observe_append(time.perf_counter() - started)
+        for index, stream_id, events, result, calls in done:
+            if calls is not None:
+                self._remember(stream_id, calls)
+            if not result.duplicate:
+                self._notify(stream_id, events, result)
+            answers[index] = result
+        for index in again:
+            stream_id, events, expected_version = batches[index]
+            try:
+                answers[index] = self.append(stream_id, events, expected_version)
+            except errors.StoreError as exc:
+                answers[index] = exc
+        return [answer for answer in answers if answer is not None]
+
+    def _prepare(self, stream_id: str, events: Sequence[Event],
+                 expected_version: ExpectedVersion) -> tuple[int | None, list[Event]]:
+        """Check a batch before it touches the database; give its events ids."""
+        if (not isinstance(stream_id, str) or not stream_id or len(stream_id) > 200
+                or check_text(stream_id) is not None):
+            raise errors.ValidationError(
+                f"stream id must be a non-empty string of at most 200 characters without NUL "
+                f"or lone surrogates, "
+                f"got {stream_id!r}",
+                field="stream_id",
+            )
+        expected = _check_expected(expected_version)
+        events = validate_batch(events, self.settings)
+        return expected, [
+            e if e.event_id is not None else e.model_copy(update={"event_id": uuid.uuid4()})
+            for e in events
+        ]
+
     def _notify(self, stream_id: str, events: list[Event], result: AppendResult) -> None:
         for listener in self._listeners:
             try:
@@ -225,57 +298,70 @@ class EventStore:
         events: list[Event],
         expected: int | None,
     ) -> AppendResult:
-        ids = [e.event_id for e in events]
         with self.db.transaction() as conn:
-            # One round trip (pipeline) for three statements, run in order:
-            # 1. Appends to one stream take turns: under this lock the version read below
-            #    stays current until commit, so concurrent appends with ANY never collide and
-            #    a stale expected version is reported, not raced. (The unique (stream_id,
-            #    stream_version) constraint still guards clients that bypass this code.)
-            # 2./3. In READ COMMITTED each statement takes its snapshot when it starts, so
-            #    these reads, which start after the lock is granted, see every append that
-            #    committed before it.
-            with conn.pipeline():
-                conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                             (stream_id,))
-                stored_cur = conn.execute(
-                    "SELECT event_id, position, stream_id, stream_version"
-                    " FROM events WHERE event_id = ANY(%s)",
-                    (ids,),
-                )
-                version_cur = conn.execute(
-                    "SELECT coalesce(max(stream_version), 0),"
-                    " bool_or(type = 'episode_finished') FROM events WHERE stream_id = %s",
-                    (stream_id,),
-                )
-            stored = stored_cur.fetchall()
-            if stored:
-                return self._idempotent_result(conn, stream_id, events, stored)
-            version_row = version_cur.fetchone()
-            assert version_row is not None  # max() always returns a row
-            current, finished = version_row[0], bool(version_row[1])
-            if finished:
-                # A finished episode is closed for good: an event after its finish would
-                # change what replay made of it, samples already trained included.
-                raise errors.ClosedError(stream_id, actual=current)
-            if expected is not None and current != expected:
-                raise errors.ConflictError(stream_id, expected=expected, actual=current)
-            _check_order(stream_id, events, current)
+            result, calls = self._append_in(conn, stream_id, events, expected)
+        if calls is not None:
+            self._remember(stream_id, calls)
+        return result
 
-            rows, calls = self._rows(conn, stream_id, current, events)
-            # A unique violation here (the same event id committed meanwhile to another
-            # stream, or a version taken by a client that skipped the lock) aborts this
-            # transaction; ``append`` runs it again and the checks above then give the
-            # precise answer (IdempotencyError, ConflictError, or success under ANY).
-            returned = conn.execute(_INSERT, _columns(rows)).fetchall()
-            if len(returned) != len(rows):
-                # A concurrent append of some of these event ids committed first and our rows
-                # were skipped: undo ours and answer as for a retry.
-                raise _Retry()
-            by_id = dict(returned)
-            positions = tuple(by_id[r.event_id] for r in rows)
-        self._remember(stream_id, calls)
-        return AppendResult(stream_id, positions, current + len(events))
+    def _append_in(
+        self,
+        conn: Any,
+        stream_id: str,
+        events: list[Event],
+        expected: int | None,
+    ) -> tuple[AppendResult, list[LLMCallMemory] | None]:
+        """The append on ``conn``, inside the caller's transaction: its result and the
+        stream's recent LLM calls to remember once committed (None for a duplicate)."""
+        ids = [e.event_id for e in events]
+        # One round trip (pipeline) for three statements, run in order:
+        # 1. Appends to one stream take turns: under this lock the version read below
+        #    stays current until commit, so concurrent appends with ANY never collide and
+        #    a stale expected version is reported, not raced. (The unique (stream_id,
+        #    stream_version) constraint still guards clients that bypass this code.)
+        # 2./3. In READ COMMITTED each statement takes its snapshot when it starts, so
+        #    these reads, which start after the lock is granted, see every append that
+        #    committed before it.
+        with conn.pipeline():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                         (stream_id,))
+            stored_cur = conn.execute(
+                "SELECT event_id, position, stream_id, stream_version"
+                " FROM events WHERE event_id = ANY(%s)",
+                (ids,),
+            )
+            version_cur = conn.execute(
+                "SELECT coalesce(max(stream_version), 0),"
+                " bool_or(type = 'episode_finished') FROM events WHERE stream_id = %s",
+                (stream_id,),
+            )
+        stored = stored_cur.fetchall()
+        if stored:
+            return self._idempotent_result(conn, stream_id, events, stored), None
+        version_row = version_cur.fetchone()
+        assert version_row is not None  # max() always returns a row
+        current, finished = version_row[0], bool(version_row[1])
+        if finished:
+            # A finished episode is closed for good: an event after its finish would
+            # change what replay made of it, samples already trained included.
+            raise errors.ClosedError(stream_id, actual=current)
+        if expected is not None and current != expected:
+            raise errors.ConflictError(stream_id, expected=expected, actual=current)
+        _check_order(stream_id, events, current)
+
+        rows, calls = self._rows(conn, stream_id, current, events)
+        # A unique violation here (the same event id committed meanwhile to another
+        # stream, or a version taken by a client that skipped the lock) aborts this
+        # transaction; ``append`` runs it again and the checks above then give the
+        # precise answer (IdempotencyError, ConflictError, or success under ANY).
+        returned = conn.execute(_INSERT, _columns(rows)).fetchall()
+        if len(returned) != len(rows):
+            # A concurrent append of some of these event ids committed first and our rows
+            # were skipped: undo ours and answer as for a retry.
+            raise _Retry()
+        by_id = dict(returned)
+        positions = tuple(by_id[r.event_id] for r in rows)
+        return AppendResult(stream_id, positions, current + len(events)), calls
 
     def _rows(
         self,

@@ -37,7 +37,9 @@ __all__ = [
     "episode_calls",
     "episode_row",
     "episode_run",
+    "iter_episode_starts",
     "iter_samples",
+    "stored_event_ids",
     "lease_run",
     "list_episodes",
     "list_runs",
@@ -46,7 +48,6 @@ __all__ = [
     "run_groups",
     "run_ids_of",
     "run_record",
-    "stored_event_ids",
     "stream_event_rows",
 ]
 
@@ -320,6 +321,38 @@ def iter_samples(store: EventStore, filters: SampleFilters, *, chunk: int = 256
         cur.close()
 
 
+def iter_episode_starts(store: EventStore, run_id: str, *, finished_only: bool = False,
+                        min_reward: float | None = None, chunk: int = 256
+                        ) -> Iterator[list[dict[str, Any]]]:
+    """The episodes of a run in start order, ``chunk`` at a time: ``episode_id``,
+    ``group_id``, ``data`` (the ``episode_started`` data: task_id, messages, tools, …),
+    ``started_at``, ``status`` and ``reward`` (as in the episode listing). With
+    ``finished_only`` running episodes are left out; with ``min_reward`` so is every episode
+    whose reward is unknown or below it (inclusive bound)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    where = ["s.run_id = %(run)s", "s.type = 'episode_started'", "s.position > %(after)s"]
+    params: dict[str, Any] = {"run": run_id, "limit": chunk}
+    if finished_only:
+        where.append(f"{_STATUS} <> 'running'")
+    if min_reward is not None:
+        where.append(f"{_REWARD} >= %(rmin)s")
+        params["rmin"] = min_reward
+    sql = (f"SELECT s.position, s.stream_id AS episode_id, s.group_id, {_S_DATA} AS data,"
+           f" s.recorded_at AS started_at, {_STATUS} AS status, {_REWARD} AS reward"
+           " FROM events s LEFT JOIN episodes p ON p.episode_id = s.stream_id"
+           f" WHERE {' AND '.join(where)} ORDER BY s.position LIMIT %(limit)s")
+    after = 0
+    while True:
+        with store.db.connection() as conn:
+            rows = conn.cursor(row_factory=dict_row).execute(
+                sql, {**params, "after": after}).fetchall()
+        if not rows:
+            return
+        yield rows
+        after = rows[-1]["position"]
+
+
 def episode_finished(store: EventStore, episode_id: str) -> bool:
     """Whether the episode's ``episode_finished`` is stored."""
     with store.db.connection() as conn:
@@ -363,19 +396,6 @@ def episode_calls(store: EventStore, episode_id: str) -> list[EpisodeCall]:
             for r in rows if r[0] == "llm_called"]
 
 
-def stored_event_ids(store: EventStore, stream_id: str,
-                     event_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
-    """Which of ``event_ids`` the stream ``stream_id`` holds."""
-    if not event_ids:
-        return set()
-    with store.db.connection() as conn:
-        rows = conn.execute(
-            "SELECT event_id FROM events WHERE stream_id = %s AND event_id = ANY(%s)",
-            (stream_id, list(event_ids)),
-        ).fetchall()
-    return {r[0] for r in rows}
-
-
 def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]:
     """A stream's events without their token payloads, in version order: position,
     stream_version, type, schema_version, event_id, data (as stored), occurred_at,
@@ -388,6 +408,16 @@ def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]
             " ORDER BY stream_version",
             (stream_id,),
         ).fetchall()
+
+
+def stored_event_ids(store: EventStore, event_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+    """Which of ``event_ids`` the log holds already (in any stream)."""
+    if not event_ids:
+        return set()
+    with store.db.connection() as conn:
+        rows = conn.execute("SELECT event_id FROM events WHERE event_id = ANY(%s)",
+                            (list(event_ids),)).fetchall()
+    return {row[0] for row in rows}
 
 
 def ping(store: EventStore) -> None:
@@ -511,11 +541,12 @@ def failures_by_version(store: EventStore, run_id: str) -> dict[int, dict[str, i
     return out
 
 
-def episodes_done(store: EventStore, run_id: str, version: int) -> int:
-    """Replayed episodes of ``run_id`` at policy ``version`` (aborted and invalid ones left
-    out)."""
+def episodes_done(store: EventStore, run_id: str, version: int | None = None) -> int:
+    """Replayed episodes of ``run_id`` at policy ``version`` (every version when None;
+    aborted and invalid ones left out)."""
     with store.db.connection() as conn:
         row = conn.execute(
-            "SELECT count(*) FROM episodes WHERE run_id = %s AND policy_version = %s"
-            " AND status NOT IN ('aborted', 'invalid')", (run_id, version)).fetchone()
+            "SELECT count(*) FROM episodes WHERE run_id = %s"
+            " AND (%s::int IS NULL OR policy_version = %s)"
+            " AND status NOT IN ('aborted', 'invalid')", (run_id, version, version)).fetchone()
     return int(row[0]) if row else 0

@@ -193,7 +193,8 @@ class Settings(BaseSettings):
     api_page_size: int = Field(default=100, ge=1, description="Default page of list queries.")
     api_max_page_size: int = Field(default=1000, ge=1, description="Largest page asked for.")
     api_export_rows_per_group: int = Field(
-        default=256, ge=1, description="Samples per Parquet row group of a streamed export."
+        default=256, ge=1,
+        description="Rows (samples, prompts) per Parquet row group of a streamed export."
     )
     api_key_scrypt_n: int = Field(
         default=2**14, ge=2, description="scrypt cost N of new API key hashes (a power of 2)."

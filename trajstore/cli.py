@@ -1,8 +1,8 @@
 """The ``trajstore`` command line.
 
-The commands of the store live here; ``api_cli``, ``train_cli`` and ``analytics_cli`` add
-theirs. Heavy imports (torch, FastAPI) happen inside the commands, so that ``trajstore status``
-never pays for them.
+The commands of the store live here; ``api_cli``, ``train_cli``, ``analytics_cli`` and
+``export_cli`` add theirs. Heavy imports (torch, FastAPI) happen inside the commands, so
+that ``trajstore status`` never pays for them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.table import Table
 
 from store import errors
 from store.settings import Settings, get_settings
-from trajstore import analytics_cli, api_cli, train_cli
+from trajstore import analytics_cli, api_cli, export_cli, train_cli
 
 __all__ = ["app"]
 
@@ -260,6 +260,10 @@ def demo(
                                       "warm-started policy).")] = "digits",
     json_out: Annotated[bool, typer.Option("--json", help="Also print the final summary as "
                                            "one JSON line.")] = False,
+    overlap: Annotated[bool, typer.Option(help="Roll out the next version's groups while "
+                                          "the trainer trains (off-policy by at most 2 "
+                                          "versions, corrected by importance sampling).")
+                       ] = True,
 ) -> None:
     """The main job: roll out groups with a tiny model through Celery workers, replay them,
     train with EGPO, push each new policy to the rollout engine, and chart the result."""
@@ -270,7 +274,8 @@ def demo(
 
     settings = get_settings()
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
-                          backend=backend.value, seed=seed, resume=resume, task=task)
+                          backend=backend.value, seed=seed, resume=resume, task=task,
+                          overlap=overlap)
     try:
         options.check()
     except ValueError as exc:
@@ -539,7 +544,7 @@ def stop() -> None:
 
 def _register_extensions() -> None:
     """The commands of the other modules of this package (each has ``register(app)``)."""
-    for extension in (api_cli, train_cli, analytics_cli):
+    for extension in (api_cli, train_cli, analytics_cli, export_cli):
         extension.register(app)
 
 

@@ -2,15 +2,19 @@
 
 ``run_demo`` creates a run (or resumes one), starts real Celery workers (``rollout`` and
 ``replay`` in one process, ``train`` in another) on the configured servers or the embedded
-default, and for every policy version sends the rollout groups, waits until they are
-replayed, sends one training step and waits for its ``policy_updated``. The rollout worker
-loads each new checkpoint before its next group, so every version's rollouts come from the
-policy just trained. The task is the built-in ``digits`` (reward: the share of digits in
-the answer, with the calculator on offer, so stray tool calls give tool errors, rollbacks and
-negative samples); ``task="calc"`` plays the ``calc-<seed>-<index>`` tool-use questions (the
-``python`` and ``calculator`` tools, EGPO's strict binary ``tool_answer`` reward) from the
-warm-started policy of :mod:`workers.rollout.warmstart`, whose own mistakes give real tool
-errors, rollbacks and negative samples.
+default, and for every policy version waits until its batch of rollout groups is replayed,
+sends one training step and waits for its ``policy_updated``. With ``overlap`` (the default)
+the next batch is sent with the training step, so rollouts of the next version run while the
+trainer trains: a batch comes from the policy one version behind the one it trains (the trainer
+corrects it with the stored rollout logprobs, ``RunConfig.correction``, and leases groups at
+most 2 versions old). Without it every batch is sent once the step it follows is recorded, so
+it comes from the policy just trained. The rollout worker loads each new checkpoint before its
+next group. The task is the built-in ``digits`` (reward: the share of digits in the answer,
+with the calculator on offer, so stray tool calls give tool errors, rollbacks and negative
+samples); ``task="calc"`` plays the ``calc-<seed>-<index>`` tool-use questions (the ``python``
+and ``calculator`` tools, EGPO's strict binary ``tool_answer`` reward) from the warm-started
+policy of :mod:`workers.rollout.warmstart`, whose own mistakes give real tool errors, rollbacks
+and negative samples.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class DemoOptions:
     max_tokens: int | None = None
     timeout_s: float = 900.0
     task: str = "digits"
+    overlap: bool = True
 
     @property
     def generation_tokens(self) -> int:
@@ -256,26 +261,43 @@ def run_demo(
     leasing_version = _policy_version(store, run_id)
     train_config = {"lr": options.learning_rate, "groups_per_step": options.groups_per_step,
                     "micro_batch_size": 16, "seed": options.seed}
+    if options.overlap:
+        # The batch played while version v trains comes from version v (or v + 1 when the
+        # step ends first) and is trained at v + 1; an older leftover group is 2 behind.
+        train_config["max_staleness"] = 2
     logs = settings.data_dir / "demo" / run_id / "logs"
+    want = options.groups_per_step * options.group_size
     with _workers(settings, options, logs) as procs:
         version = leasing_version
         target = leasing_version + options.steps
+        done_before = queries.episodes_done(store, run_id)
+        sent = 1
+        _send_batch(app, options, run_id, version)
         while version < target:
-            for g in range(options.groups_per_step):
-                app.send_task("trajstore.rollout_group", args=[run_id,
-                                                             options.task_id(version, g),
-                                                             options.group_size, g],
-                              queue="rollout")
-            want = options.groups_per_step * options.group_size
-            _wait(lambda v=version: queries.episodes_done(store, run_id, v), want, procs, logs,
-                  options.timeout_s, on_progress, f"rollouts v{version}")
+            _wait(lambda: queries.episodes_done(store, run_id) - done_before, sent * want,
+                  procs, logs, options.timeout_s, on_progress, f"rollouts v{version}")
             app.send_task("trajstore.train_step", args=[run_id, train_config], queue="train")
+            if options.overlap and version + 1 < target:
+                # Overlap: the next batch rolls out while this step trains.
+                _send_batch(app, options, run_id, version + 1)
+                sent += 1
             _wait(lambda: _policy_version(store, run_id), version + 1, procs, logs,
                   options.timeout_s, on_progress, f"training v{version}")
             version = _policy_version(store, run_id)
+            if not options.overlap and version < target:
+                _send_batch(app, options, run_id, version)
+                sent += 1
             if on_version is not None:
                 on_version(version_rows(store, run_id))
     return run_id, version_rows(store, run_id)
+
+
+def _send_batch(app: Any, options: DemoOptions, run_id: str, index: int) -> None:
+    """Queue the rollout groups of batch ``index`` (the batch trained as version index+1)."""
+    for g in range(options.groups_per_step):
+        app.send_task("trajstore.rollout_group",
+                      args=[run_id, options.task_id(index, g), options.group_size, g],
+                      queue="rollout")
 
 
 def _policy_version(store: EventStore, run_id: str) -> int:

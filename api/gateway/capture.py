@@ -46,10 +46,12 @@ _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 @dataclass(frozen=True)
 class NewEpisode:
     """What creates an episode on first use: its run (created too when missing), its GRPO
-    group (default: the episode id) and the call's messages, tools and model name."""
+    group (default: the episode id), its task, and the call's messages, tools and model
+    name. ``where`` names the run's source in errors (a header, an OTLP attribute)."""
 
     run_id: str
     group_id: str | None = None
+    task_id: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
     model: str | None = None
@@ -115,7 +117,7 @@ class Capture:
             self._create_run(key, new)
         self.access.check_run(key, new.run_id)
         started = EpisodeStarted(run_id=new.run_id, group_id=new.group_id or episode_id,
-                                 messages=new.messages, tools=new.tools)
+                                 task_id=new.task_id, messages=new.messages, tools=new.tools)
         try:
             self.store.append(episode_id, [started], NO_STREAM)
         except store_errors.ConflictError:
@@ -168,22 +170,23 @@ class Capture:
             response=response, finish_reason=captured.finish_reason,
             policy_version=target.policy_version if policy_version is None else policy_version,
             latency_ms=latency_ms, usage=captured.usage)
-        pending = self._unstored(target.episode_id, facts)
+        pending = self._unstored(facts)
         while pending:
             try:
                 return self.store.append(target.episode_id, [*pending, event],
                                          expected_version)
             except (store_errors.ValidationError, store_errors.IdempotencyError):
                 # A concurrent call of the same history may have stored some facts first.
-                left = self._unstored(target.episode_id, pending)
+                left = self._unstored(pending)
                 if len(left) == len(pending):
                     raise
                 pending = left
         return self.store.append(target.episode_id, [event], expected_version)
 
-    def _unstored(self, episode_id: str, facts: Sequence[Event]) -> list[Event]:
+    def _unstored(self, facts: Sequence[Event]) -> list[Event]:
         if not facts:
             return []
-        stored = queries.stored_event_ids(self.store, episode_id,
+        # Derived ids name their episode: looking them up in the whole log is exact.
+        stored = queries.stored_event_ids(self.store,
                                           [e.event_id for e in facts if e.event_id])
         return [e for e in facts if e.event_id not in stored]

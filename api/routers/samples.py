@@ -1,21 +1,19 @@
-"""Samples of a run (positive and negative), one page at a time or as a streamed Parquet
-export with the columns a verl trainer reads."""
+"""Samples of a run (positive and negative), one page at a time, and the run's exports
+(Parquet with the columns a verl trainer reads, verl's prompt dataset and padded batch, ATIF
+trajectories, SFT JSON lines; :mod:`api.exports`)."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from typing import Annotated, Literal
 
-import pyarrow as pa
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from api import verl_columns
+from api import exports, verl_columns
 from api.cursor import decode_cursor, encode_cursor
 from api.deps import Ctx, ReadKey
 from api.errors import ERROR_RESPONSES
-from api.parquet import PARQUET_MEDIA_TYPE, stream_parquet
+from api.parquet import PARQUET_MEDIA_TYPE
 from api.schemas.samples import SamplePage
 from api.tokens import Encoding
 from store import queries
@@ -57,34 +55,50 @@ def list_samples(
     })
 
 
-def _batches(ctx: Ctx, filters: queries.SampleFilters) -> Iterator[pa.RecordBatch]:
-    for rows in queries.iter_samples(ctx.store, filters,
-                                     chunk=ctx.settings.api_export_rows_per_group):
-        yield verl_columns.record_batch([verl_columns.from_row(r) for r in rows])
+_EXPORT_CONTENT: dict[str, dict[str, object]] = {
+    PARQUET_MEDIA_TYPE: {}, exports.SAFETENSORS_MEDIA_TYPE: {}, exports.JSONL_MEDIA_TYPE: {}}
 
 
+@router.get("/export", response_class=StreamingResponse,
+            responses={200: {"content": _EXPORT_CONTENT,
+                             "description": "The export, streamed (Parquet, safetensors or "
+                                            "JSON lines, by format)."}})
 @router.get("/export.parquet", response_class=StreamingResponse,
-            responses={200: {"content": {PARQUET_MEDIA_TYPE: {}},
-                             "description": "A Parquet file, streamed row group by row group."}})
-def export_parquet(
+            responses={200: {"content": _EXPORT_CONTENT,
+                             "description": "The same as /export (samples by default)."}})
+def export(
     run_id: str,
     key: ReadKey,
     ctx: Ctx,
+    format: exports.ExportFormat = "samples",  # noqa: A002 - the query parameter's name
     group_id: str | None = None,
     kind: SampleKind | None = None,
     status: SampleStatus | None = None,
+    min_reward: float | None = None,
+    data_source: str | None = None,
+    pad_token_id: Annotated[int | None, Query(ge=0)] = None,
 ) -> StreamingResponse:
-    """The run's samples as Parquet with verl's columns (``prompt_ids``, ``response_ids``,
-    ``response_mask``, ``rollout_log_probs``, ``reward``, ``uid``, ``is_negative`` …),
-    written and sent one row group at a time."""
+    """The run in one of the export formats (docs/exports.md):
+
+    - ``samples`` (default): the samples as Parquet with verl's columns (``prompt_ids``,
+      ``response_ids``, ``response_mask``, ``rollout_log_probs``, ``reward``, ``uid``,
+      ``is_negative`` …), one row group at a time; filters ``group_id``, ``kind``, ``status``.
+    - ``verl-prompts``: the run's tasks as the Parquet prompt dataset verl's ``RLHFDataset``
+      reads (``prompt``, ``data_source``, ``reward_model``, ``extra_info``); ``data_source``.
+    - ``verl-batch``: the samples as one padded batch with verl's tensor names in a
+      safetensors file; the sample filters and ``pad_token_id``.
+    - ``atif``: one ATIF v1.7 trajectory per finished episode, JSON lines; ``min_reward``.
+    - ``sft``: chat messages and tools per merged timeline of each finished episode whose
+      reward is at least ``min_reward``, JSON lines.
+
+    An option the format does not take is refused (422). Everything is checked, and the
+    first part built, before the answer starts."""
     ctx.access.check_run(key, run_id)
-    filters = queries.SampleFilters(run_id=run_id, group_id=group_id, kind=kind, status=status)
-    # Run the query and build the first row group before answering: once the 200 is sent a
-    # failure can only cut the body short, which a client may take for a complete file.
-    batches = _batches(ctx, filters)
-    first = list(itertools.islice(batches, 1))
+    made = exports.prepare(
+        ctx.store, run_id, format, group_id=group_id, kind=kind, status=status,
+        min_reward=min_reward, data_source=data_source, pad_token_id=pad_token_id,
+        rows_per_group=ctx.settings.api_export_rows_per_group)
     return StreamingResponse(
-        stream_parquet(itertools.chain(first, batches), verl_columns.ARROW_SCHEMA),
-        media_type=PARQUET_MEDIA_TYPE,
-        headers={"Content-Disposition": f'attachment; filename="{run_id}.parquet"'},
+        made.chunks, media_type=made.media_type,
+        headers={"Content-Disposition": f'attachment; filename="{made.filename}"'},
     )

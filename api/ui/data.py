@@ -18,7 +18,7 @@ from store.analytics import Filters
 from store.eventlog import EventStore
 from store.events import AttemptFailed, RolledBack, ToolReturned
 from store.training_steps import exclusions, training_steps
-from workers.replay import ReplayResult
+from workers.replay import ReplayResult, has_token_ids
 from workers.tokenizers import load_tokenizer
 
 __all__ = [
@@ -121,7 +121,12 @@ def _event_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
         e = r.event
         summary = ""
         flag = ""
-        if r.type == "llm_called":
+        if r.type == "llm_called" and not has_token_ids(e):
+            content = e.response.get("content")
+            text = content if isinstance(content, str) else ""
+            summary = (f"{e.agent} · call {e.call_id} · no token ids · "
+                       f"{text[:160] or 'policy v' + str(e.policy_version)}")
+        elif r.type == "llm_called":
             summary = (f"{e.agent} · call {e.call_id} · {len(e.prompt_ids)} prompt + "
                        f"{len(e.response_ids)} generated tokens · policy v{e.policy_version}")
         elif isinstance(e, ToolReturned):
@@ -186,7 +191,8 @@ def episode_page(store: EventStore, episode_id: str, *,
     """Everything the episode page shows: the listing row, the merged timelines token by
     token (text, id, loss mask, logprob), the failed attempts as negative samples (kept or
     over the cap), forks, the event log with tool errors and rollbacks flagged, and why the
-episode or its samples did not reach training (``exclusions``). Raises
+episode or its samples did not reach training (``exclusions``; ``untokenized`` says why
+LLM calls recorded without token ids gave no samples). Raises
     ApiError 404/409 as ``replay_stored`` does."""
     replayed = replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader)
     result, records = replayed.result, replayed.records
@@ -229,4 +235,5 @@ episode or its samples did not reach training (``exclusions``). Raises
         "events": _event_rows(records),
         "exclusions": [analytics.row_as_dict(x)
                        for x in exclusions(store.db, episode_id=episode_id)],
+        "untokenized": result.untokenized_reason,
     }

@@ -46,6 +46,7 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("GET", f"/v1/episodes/{episode}/timelines", "read", lambda: None),
         ("GET", f"/v1/runs/{run}/samples", "read", lambda: None),
         ("GET", f"/v1/runs/{run}/export.parquet", "read", lambda: None),
+        ("GET", f"/v1/runs/{run}/export?format=atif", "read", lambda: None),
         ("POST", f"/v1/runs/{run}/leases", "read", lambda: {"groups": 1}),
         ("POST", f"/v1/leases/{lease}/renew", "read", lambda: {"lease_seconds": 60}),
         ("POST", f"/v1/leases/{lease}/ack", "read", lambda: {"policy_version": 1}),
@@ -70,6 +71,12 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("POST", f"/v1/episodes/{episode}/reward", "ingest", lambda: {"value": 0.5}),
         *(("GET", f"/v1/runs/{run}/analytics/{name}", "read", lambda: None)
           for name in VIEWS),
+        ("POST", "/v1/traces", "ingest", lambda: {"resourceSpans": [{"scopeSpans": [{"spans": [{
+            "traceId": uuid.uuid4().hex, "spanId": uuid.uuid4().hex[:16], "name": "tool",
+            "startTimeUnixNano": "1700000000000000000", "attributes": [
+                {"key": "gen_ai.operation.name", "value": {"stringValue": "execute_tool"}},
+                {"key": "gen_ai.tool.name", "value": {"stringValue": "ls"}},
+                {"key": "gen_ai.conversation.id", "value": {"stringValue": episode}}]}]}]}]}),
         # Last: it closes the episode the routes above write to.
         ("POST", f"/v1/episodes/{episode}/finish", "ingest", lambda: {}),
     ]
@@ -77,7 +84,8 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
 
 #: Routes that touch one resource of a project (another project's key gets 403).
 _SCOPED = {"/v1/runs/", "/v1/episodes/", "/v1/leases/", "/v1/episodes?run_id",
-           "/v1/chat/completions", "/v1/completions", "/v1/rollout/completed", "/rollout"}
+           "/v1/chat/completions", "/v1/completions", "/v1/rollout/completed", "/rollout",
+           "/v1/traces"}
 
 
 def _send(client: TestClient, method: str, path: str, body: Any,

@@ -36,7 +36,9 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
                       r"version (\d+)", done.stdout)
     assert match, done.stdout[-3000:]
     run_id, first, last, version = match[1], float(match[2]), float(match[3]), int(match[4])
-    assert version == 11
+    # Rollouts overlap training by default: the last batch is played while version 11
+    # trains, so it usually comes from version 10 (11 when that step ended first).
+    assert version in (10, 11)
     assert last >= first + MARGIN, (first, last)
     out = tmp_path / "demo" / run_id
     for chart in ("reward.png", "failures.png"):

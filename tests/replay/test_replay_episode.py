@@ -9,13 +9,16 @@ from replay_episodes import SEARCH_TOOL, Script, tool_call
 
 from store.events import (
     EpisodeFinished,
+    EpisodeStarted,
+    LLMCalled,
     MergeConfig,
     NegativeConfig,
     RewardAssigned,
     RollbackConfig,
     RunConfig,
+    ToolReturned,
 )
-from workers.replay import ForkPoint, ReplayError, replay_episode
+from workers.replay import ForkPoint, ReplayError, needs_tokenizer, replay_episode
 from workers.replay.errors import PromptMismatchError
 
 TOOLS = [SEARCH_TOOL]
@@ -257,3 +260,37 @@ def test_bad_arguments(qwen3) -> None:
         replay_episode("abc", config=RunConfig(), tokenizer=qwen3)  # type: ignore[arg-type]
     result = replay_episode(events, config=RunConfig(), tokenizer=qwen3)
     assert result.timelines == [] and result.samples == [] and result.reward == 1.0
+
+
+def _untokenized_call(call_id: str, content: str) -> LLMCalled:
+    """An LLM call as OTLP spans record it: messages and answer, no token ids."""
+    return LLMCalled(call_id=call_id, messages=[QUESTION], prompt_ids=[], response_ids=[],
+                     logprobs=[], response={"role": "assistant", "content": content})
+
+
+def test_calls_without_token_ids_give_no_samples_and_need_no_tokenizer() -> None:
+    events = [EpisodeStarted(run_id="run-1", group_id="g"),
+              _untokenized_call("span-1", "Let me search."),
+              ToolReturned(name="search", output="boom", is_error=True, error_type="Timeout"),
+              _untokenized_call("span-2", "There are 42 files."),
+              RewardAssigned(value=1.0), EpisodeFinished(status="completed")]
+    assert not needs_tokenizer(events)
+    result = replay_episode(events, config=RunConfig(), tokenizer=None)
+    assert result.samples == [] and result.timelines == [] and result.call_ids == []
+    assert result.untokenized_calls == ["span-1", "span-2"]
+    assert result.reward == 1.0 and result.status == "completed"
+    assert "captured from OTLP spans without token ids" in (result.untokenized_reason or "")
+
+
+def test_calls_without_token_ids_beside_tokenized_ones_are_skipped(qwen3) -> None:
+    s = rollback_episode(qwen3)
+    plain = replay_episode(s.events, config=RunConfig(), tokenizer=qwen3)
+    events = [*s.events[:1], _untokenized_call("span-x", "thinking aloud"), *s.events[1:]]
+    assert needs_tokenizer(events)
+    result = replay_episode(events, config=RunConfig(), tokenizer=qwen3)
+    assert result.untokenized_calls == ["span-x"]
+    assert result.call_ids == plain.call_ids
+    assert [x.token_ids for x in result.samples] == [x.token_ids for x in plain.samples]
+    assert result.untokenized_reason is not None
+    assert result.untokenized_reason.startswith(f"1 of the {len(plain.call_ids) + 1} LLM calls")
+    assert plain.untokenized_reason is None

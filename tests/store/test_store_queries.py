@@ -29,6 +29,7 @@ def test_version_summaries_and_failures_of_a_replayed_episode(store: EventStore)
     assert queries.failures_by_version(store, run_id) == {0: {"TypeError": 2}}
     assert queries.episodes_done(store, run_id, 0) == 1
     assert queries.episodes_done(store, run_id, 1) == 0
+    assert queries.episodes_done(store, run_id) == 1  # every version
 
 
 def test_unknown_run_has_no_rows(store: EventStore) -> None:

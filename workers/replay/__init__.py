@@ -10,7 +10,14 @@ live apart, in :mod:`workers.replay.jobs`; a test checks that this core imports 
 nor anything that does I/O.
 """
 
-from workers.replay.episode import ReplayResult, merge_policy_of, replay_episode
+from workers.replay.episode import (
+    ReplayResult,
+    has_token_ids,
+    merge_policy_of,
+    needs_tokenizer,
+    replay_episode,
+    untokenized_reason,
+)
 from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
 from workers.replay.forks import ForkPoint, detect_forks
 from workers.replay.initial import build_initial_timeline
@@ -36,6 +43,9 @@ __all__ = [
     "PromptMismatchError",
     "ReplayError",
     "ReplayResult",
+    "has_token_ids",
+    "needs_tokenizer",
+    "untokenized_reason",
     "Sample",
     "SegmentationError",
     "Segmentation",

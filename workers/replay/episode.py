@@ -8,6 +8,7 @@ replayed; the worker records such episodes as ``invalid``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,8 @@ from workers.replay.samples import Sample, build_sample
 from workers.replay.segment import Segmenter
 from workers.replay.timeline import MergePolicy, Timeline
 
-__all__ = ["ReplayResult", "merge_policy_of", "replay_episode"]
+__all__ = ["ReplayResult", "has_token_ids", "merge_policy_of", "needs_tokenizer",
+           "replay_episode", "untokenized_reason"]
 
 #: Event types that belong to a run's own stream, never to an episode's.
 _RUN_STREAM_TYPES = ("run_created", "policy_updated")
@@ -44,8 +46,10 @@ class ReplayResult:
     ``call_ids`` beside them. ``absorber[i]``: index of the timeline that absorbed timeline
     ``i`` (``None`` for a survivor). ``survivors``: the merged surviving timelines in
     recording order, ``survivor_indices`` their indices; a survivor whose call a
-    ``rolled_back`` discarded (an abandoned branch) is left out. ``samples``: one per survivor, with
-    the episode reward. ``failures``: every failed attempt as a negative sample;
+    ``rolled_back`` discarded (an abandoned branch) is left out. ``samples``: one per
+    survivor, with the episode reward. ``untokenized_calls``: the call ids of LLM calls
+    recorded without token ids, which give no timeline (nor sample) and are not among
+    ``call_ids``. ``failures``: every failed attempt as a negative sample;
     ``negatives``: those kept under the run's cap for this episode (the cap holds per group,
     so callers combining episodes of one group apply ``select_negatives`` to their
     ``failures`` again). ``drifted_messages``: messages over all survivors whose text matched
@@ -67,6 +71,35 @@ class ReplayResult:
     failures: list[NegativeSample]
     negatives: list[NegativeSample]
     drifted_messages: int
+    untokenized_calls: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def untokenized_reason(self) -> str | None:
+        """Why some LLM calls gave no timeline (see ``untokenized_reason``), or None."""
+        return untokenized_reason(len(self.untokenized_calls), len(self.call_ids))
+
+
+def has_token_ids(event: LLMCalled) -> bool:
+    """Whether the call carries the engine's token ids. A call recorded without them (from
+    OpenTelemetry spans, ``api.otlp``) is kept for analysis but cannot become a timeline."""
+    return len(event.prompt_ids) > 0 or len(event.response_ids) > 0
+
+
+def needs_tokenizer(events: Sequence[Event]) -> bool:
+    """Whether replaying ``events`` needs the run's tokenizer: some LLM call carries token
+    ids. An episode recorded without any can be replayed (into no samples) with none."""
+    return any(isinstance(e, LLMCalled) and has_token_ids(e) for e in events)
+
+
+def untokenized_reason(untokenized: int, tokenized: int) -> str | None:
+    """The sentence saying why ``untokenized`` LLM calls (beside ``tokenized`` others) gave
+    no training sample, or None when there are none."""
+    if not untokenized:
+        return None
+    total = untokenized + tokenized
+    which = "the episode's" if not tokenized else f"{untokenized} of the {total}"
+    return (f"{which} LLM calls carry no token ids (captured from OTLP spans without token "
+            "ids): they are stored and analysed but give no training samples")
 
 
 def merge_policy_of(config: RunConfig) -> MergePolicy:
@@ -109,7 +142,9 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
 
     ``events``: the episode stream's events in stream order (``store.events`` models);
     ``config``: the run's ``RunConfig`` (merge policy, negative samples, chat template
-    override); ``tokenizer``: a fast Hugging Face tokenizer for the run's model.
+    override); ``tokenizer``: a fast Hugging Face tokenizer for the run's model (None will
+    do when no call carries token ids, ``needs_tokenizer``). LLM calls without token ids
+    are skipped: they give no timeline and are listed in ``untokenized_calls``.
     Raises TypeError for arguments of the wrong type and ReplayError when the events cannot
     be replayed: a stream that does not begin with ``episode_started`` or has events after
     ``episode_finished``, a repeated call id, prompt ids that are not a rendering of their
@@ -117,6 +152,9 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
     """
     policy = merge_policy_of(config)
     items, started = _check_stream(events)
+    if not needs_tokenizer(items):
+        # Nothing to segment: no Segmenter (which needs a tokenizer with a template).
+        return _replay(items, started, config, policy, None, episode_id)
     try:
         segmenter = Segmenter(tokenizer, chat_template=config.chat_template)
         result = _replay(items, started, config, policy, segmenter, episode_id)
@@ -133,17 +171,21 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
 
 
 def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
-            policy: MergePolicy, segmenter: Segmenter, episode_id: str | None
+            policy: MergePolicy, segmenter: Segmenter | None, episode_id: str | None
             ) -> ReplayResult:
     timelines: list[Timeline] = []
     call_ids: list[str] = []
+    untokenized: list[str] = []
     call_index: dict[str, int] = {}
     attempts: list[tuple[int, AttemptFailed, int]] = []
     reward: float | None = None
     status: str | None = None
     discarded: set[str] = set()
     for position, event in enumerate(items):
-        if isinstance(event, LLMCalled):
+        if isinstance(event, LLMCalled) and not has_token_ids(event):
+            untokenized.append(event.call_id)
+        elif isinstance(event, LLMCalled):
+            assert segmenter is not None  # needs_tokenizer(items) held
             if event.call_id in call_index:
                 raise ReplayError(f"call id {event.call_id!r} is recorded twice",
                                   call_id=event.call_id)
@@ -195,7 +237,8 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
         absorber=outcome.absorber, survivor_indices=survivors,
         survivors=[outcome.merged[i] for i in survivors], forks=forks,
         samples=samples, failures=failures, negatives=negatives,
-        drifted_messages=sum(len(v) for i, v in outcome.drifted.items() if i in survivors))
+        drifted_messages=sum(len(v) for i, v in outcome.drifted.items() if i in survivors),
+        untokenized_calls=untokenized)
 
 
 def _failed_call(attempt: AttemptFailed, call_index: dict[str, int], call_ids: list[str],

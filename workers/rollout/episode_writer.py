@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -79,15 +80,30 @@ class EpisodeWriter:
         """Append ``events`` to ``stream_id`` with deterministic ids at the expected version;
         the log's errors (conflict, validation, transient) propagate and the writer's
         version is left unchanged. Raises ValueError for an empty batch."""
+        current, stamped = self._stamp(stream_id, events)
+        result = self.log.append(stream_id, stamped, current)
+        self.versions[stream_id] = current + len(stamped)
+        return result
+
+    async def aappend(self, stream_id: str, events: Sequence[Event]) -> object:
+        """:meth:`append` for the agent loop: through the log's ``aappend`` when it has one
+        (concurrent episodes share transactions), else in a thread. Same errors."""
+        current, stamped = self._stamp(stream_id, events)
+        aappend = getattr(self.log, "aappend", None)
+        if aappend is not None:
+            result = await aappend(stream_id, stamped, current)
+        else:
+            result = await asyncio.to_thread(self.log.append, stream_id, stamped, current)
+        self.versions[stream_id] = current + len(stamped)
+        return result
+
+    def _stamp(self, stream_id: str, events: Sequence[Event]) -> tuple[int, list[Event]]:
         batch = list(events)
         if not batch:
             raise ValueError("events must not be empty")
         current = self.versions.get(stream_id, 0)
-        stamped = [
+        return current, [
             event.model_copy(update={"event_id": deterministic_event_id(
                 self.namespace, stream_id, current + offset)})
             for offset, event in enumerate(batch, start=1)
         ]
-        result = self.log.append(stream_id, stamped, current)
-        self.versions[stream_id] = current + len(batch)
-        return result

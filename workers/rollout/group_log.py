@@ -91,6 +91,11 @@ class StoreGroupLog:
                ) -> Any:
         return self.store.append(stream_id, events, expected_version)
 
+    async def aappend(self, stream_id: str, events: Sequence[Event],
+                      expected_version: Any = "any") -> Any:
+        """:meth:`append` for the agent loop: concurrent episodes share transactions."""
+        return await self.store.aappend(stream_id, events, expected_version)
+
     def stream_version(self, stream_id: str) -> int:
         return self.store.stream_version(stream_id)
 

@@ -43,10 +43,16 @@ Semantics:
   and, for the others, by the room the previous call left), ``error`` (the backend, a tool
   registry or the reward raised: reward 0 with source "error", the exception text as reason).
 - Sampling seeds: with ``sampling.seed`` set, the k-th call of the episode uses ``seed + k``.
+- Writing: events are appended in order, one batch per LLM call (the events since the last
+  call go to the sink as the next call starts, and the episode's last events as it ends), in
+  the background: generation does not wait for the store. An append that fails stops the
+  episode at its next step with that error (the episode cannot be recorded); the episode's
+  result is returned only once every event is stored.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
 import uuid
@@ -150,14 +156,48 @@ class _Episode:
         self.retries: dict[str, int] = {}
         self.calls = self.tool_calls = self.generated = self.rollbacks = 0
         self.last_total = 0
+        self.buffer: list[Event] = []
+        self.writing: asyncio.Future[None] | None = None
 
     # --- events ---------------------------------------------------------------------------
 
     async def emit(self, *events: Event) -> None:
-        try:
-            await append_async(self.sink, self.episode_id, list(events))
-        except Exception as exc:
-            raise _SinkFailure(exc) from exc
+        """Queue ``events``; they are appended, in order, at the next :meth:`flush`."""
+        self.check_writes()
+        self.buffer.extend(events)
+
+    def check_writes(self) -> None:
+        """Raise the sink's failure as soon as an append in the background has failed."""
+        writing = self.writing
+        if writing is not None and writing.done() and not writing.cancelled():
+            error = writing.exception()
+            if error is not None:
+                raise _SinkFailure(error)
+
+    def flush(self) -> None:
+        """Start appending the queued events as one batch, after the batches before it,
+        without waiting for the sink: generation goes on while the store writes."""
+        self.check_writes()
+        if not self.buffer:
+            return
+        batch, self.buffer = self.buffer, []
+        previous = self.writing
+
+        async def write() -> None:
+            if previous is not None:
+                await previous  # in order; a failed batch stops the ones after it
+            await append_async(self.sink, self.episode_id, batch)
+
+        self.writing = asyncio.ensure_future(write())
+
+    async def drain(self) -> None:
+        """Append what is queued and wait until every batch is stored."""
+        self.flush()
+        if self.writing is not None:
+            try:
+                await self.writing
+            except Exception as exc:
+                raise _SinkFailure(exc) from exc
 
     def stamp(self) -> dict[str, Any]:
         return {"event_id": uuid.uuid4(), "occurred_at": dt.datetime.now(dt.UTC)}
@@ -182,6 +222,7 @@ class _Episode:
         request = GenerationRequest(sampling=params, messages=request.messages,
                                     tools=request.tools)
         started = time.perf_counter()
+        self.flush()  # what happened so far is on its way to the store meanwhile
         result = await generate_async(self.backend, request)
         latency_ms = (time.perf_counter() - started) * 1000.0
         self.calls += 1
@@ -357,6 +398,7 @@ class _Episode:
                            source=reward.source),
             EpisodeFinished(**self.stamp(), status=status, reason=reason),
         )
+        await self.drain()
         return EpisodeResult(
             episode_id=self.episode_id, status=status, reason=reason, reward=reward,
             messages=tuple(self.context), llm_calls=self.calls, tool_calls=self.tool_calls,

@@ -45,6 +45,10 @@ class ListSink:
         stream.extend(batch)
         return len(stream)
 
+    async def aappend(self, stream_id: str, events: Sequence[Event]) -> int:
+        """:meth:`append` for the asyncio agent loop (in memory: no thread needed)."""
+        return self.append(stream_id, events)
+
     def events(self, stream_id: str) -> list[Event]:
         """The events of ``stream_id`` (empty list when unknown)."""
         return list(self.streams.get(stream_id, []))

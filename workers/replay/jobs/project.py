@@ -44,7 +44,12 @@ from store.projections import (
     ToolCallRow,
 )
 from store.streams import read_run_events, read_streams
-from workers.replay.episode import ReplayResult, replay_episode
+from workers.replay.episode import (
+    ReplayResult,
+    needs_tokenizer,
+    replay_episode,
+    untokenized_reason,
+)
 from workers.replay.errors import ReplayError
 from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
@@ -57,7 +62,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ProjectOutcome:
     """What ``project_episode`` did: ``written`` (new rows), ``skipped`` (already projected
-    at this version), ``unfinished`` (no episode_finished yet) or ``missing``."""
+    at this version), ``unfinished`` (no episode_finished yet) or ``missing``. ``reason``:
+    why an ``invalid`` episode is, or why LLM calls without token ids gave no samples."""
 
     episode_id: str
     outcome: str
@@ -393,7 +399,7 @@ def _project_episodes(store: EventStore, episode_ids: Sequence[str],
         episode = projection.episode
         outcomes[episode.episode_id] = ProjectOutcome(
             episode.episode_id, "written" if ok else "skipped", status=episode.status,
-            reason=episode.invalid_reason)
+            reason=episode.invalid_reason or _untokenized(episode))
     return [outcomes[episode_id] for episode_id in episode_ids]
 
 
@@ -424,6 +430,14 @@ def _overflows(value: object) -> bool:
             and not -MAX_INT - 1 <= value <= MAX_INT)
 
 
+def _untokenized(episode: EpisodeRow) -> str | None:
+    """Why the episode's LLM calls without token ids gave no samples (each tokenized call
+    gives one initial timeline), or None."""
+    if episode.timelines is None or episode.llm_calls is None:
+        return None
+    return untokenized_reason(episode.llm_calls - episode.timelines, episode.timelines)
+
+
 def _started(events: list[RecordedEvent]) -> EpisodeStarted:
     started = events[0].event
     assert isinstance(started, EpisodeStarted)
@@ -450,12 +464,18 @@ def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
     if run is None:
         run = rows[started.run_id] = run_row(run_event)
     config = run_event.event.config
+    plain = [r.event for r in events]
     try:
-        name = config.tokenizer or config.model
-        if name not in tokenizers:
-            tokenizers[name] = tokenizer_loader(name)
-        result = replay_episode([r.event for r in events], config=config,
-                                tokenizer=tokenizers[name], episode_id=episode_id)
+        tokenizer = None
+        if needs_tokenizer(plain):  # calls recorded without token ids need none
+            name = config.tokenizer or config.model
+            if name not in tokenizers:
+                tokenizers[name] = tokenizer_loader(name)
+            tokenizer = tokenizers[name]
+        result = replay_episode(plain, config=config, tokenizer=tokenizer,
+                                episode_id=episode_id)
+        if result.untokenized_calls:
+            log.info("episode %s: %s", episode_id, result.untokenized_reason)
         return build_projection(run, events, result)
     except (ReplayError, TokenizerNotFound) as exc:
         log.warning("episode %s is invalid: %s", episode_id, exc)

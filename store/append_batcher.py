@@ -1,0 +1,84 @@
+"""Appends of concurrent coroutines gathered into shared transactions.
+
+Many episodes played in one event loop each append a batch of events now and then. Written
+one transaction each, the commits (and their WAL flushes) dominate the database's work. An
+:class:`AppendBatcher` keeps, per event loop, one writer task: every append waiting when the
+writer is free goes to the store together, through :meth:`EventStore.append_many` in a
+thread, one transaction for all of them; appends arriving meanwhile form the next one. No
+timer: an append alone is written at once.
+
+Each append keeps its own answer (its ``AppendResult`` or the error :meth:`EventStore.append`
+would raise for it); appends of one stream stay in the order they were awaited when each
+waits for the previous one (as the agent loop does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from store.events import Event
+
+if TYPE_CHECKING:
+    from store.eventlog import AppendResult, EventStore
+
+__all__ = ["AppendBatcher"]
+
+
+class _LoopState:
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, list[Event], Any, asyncio.Future[Any]]] = []
+        self.wake = asyncio.Event()
+        self.writer: asyncio.Task[None] | None = None
+
+
+class AppendBatcher:
+    """Gathers the appends of one store (module docstring). ``max_batches`` (>= 1) caps the
+    appends of one transaction; raises ValueError otherwise."""
+
+    def __init__(self, store: EventStore, *, max_batches: int = 256) -> None:
+        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
+            raise ValueError(f"max_batches must be a positive integer, got {max_batches!r}")
+        self.store = store
+        self.max_batches = max_batches
+        self.transactions = 0
+        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
+            weakref.WeakKeyDictionary())
+
+    async def append(self, stream_id: str, events: Sequence[Event],
+                     expected_version: Any = "any") -> AppendResult:
+        """Append like :meth:`EventStore.append`, sharing a transaction with the appends
+        awaited alongside; raises what that append would raise."""
+        loop = asyncio.get_running_loop()
+        state = self._states.get(loop)
+        if state is None:
+            state = self._states[loop] = _LoopState()
+        if state.writer is None or state.writer.done():
+            state.writer = loop.create_task(self._write(state))
+        future: asyncio.Future[Any] = loop.create_future()
+        state.pending.append((stream_id, list(events), expected_version, future))
+        state.wake.set()
+        return await future
+
+    async def _write(self, state: _LoopState) -> None:
+        while True:
+            await state.wake.wait()
+            state.wake.clear()
+            while state.pending:
+                batch = state.pending[: self.max_batches]
+                del state.pending[: self.max_batches]
+                try:
+                    answers: list[Any] = await asyncio.to_thread(
+                        self.store.append_many, [(s, e, x) for s, e, x, _ in batch])
+                except Exception as exc:  # the whole transaction failed: every append did
+                    answers = [exc] * len(batch)
+                self.transactions += 1
+                for (_, _, _, future), answer in zip(batch, answers, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(answer, BaseException):
+                        future.set_exception(answer)
+                    else:
+                        future.set_result(answer)
