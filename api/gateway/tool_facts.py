@@ -113,8 +113,8 @@ def tool_results(messages: Sequence[Mapping[str, Any]], *, episode_id: str, agen
             for k, call in enumerate(message.get("tool_calls") or []):
                 if not isinstance(call, Mapping):
                     continue
-                function = call.get("function") if isinstance(call.get("function"),
-                                                              Mapping) else call
+                nested = call.get("function")
+                function: Mapping[str, Any] = nested if isinstance(nested, Mapping) else call
                 name = function.get("name")
                 if not isinstance(name, str) or not name or len(name) > 200:
                     continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from store import errors, queries
 from store.eventlog import EventStore
@@ -73,7 +73,7 @@ def finish_idle_rollouts(store: EventStore, *, timeout_s: float, limit: int = 20
     idle = queries.idle_remote_rollouts(store, timeout_s=timeout_s, limit=limit, now=now)
     closed = 0
     for stream_id, version, mid_turn in idle:
-        status = "aborted" if mid_turn else "completed"
+        status: Literal["aborted", "completed"] = "aborted" if mid_turn else "completed"
         reason = (f"remote rollout idle for {timeout_s:g} s "
                   f"({'with tool calls pending' if mid_turn else 'after its answer'})")
         try:
