@@ -36,12 +36,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from store.events import AttemptFailed, Event, RolledBack, ToolReturned
+from store.events import ABANDONED_ERROR_TYPE, AttemptFailed, Event, RolledBack, ToolReturned
 
 __all__ = ["ABANDONED_TYPE", "abandon_events", "classify_output", "fact_id", "tool_results"]
 
 #: ``error_types`` of the ``attempt_failed`` an abandoned call gets.
-ABANDONED_TYPE = "Abandoned"
+ABANDONED_TYPE = ABANDONED_ERROR_TYPE
 
 _NAMESPACE = uuid.UUID("5b0f3c52-6d0e-4d61-9c2b-8f1f2f7c1a19")
 _EXCEPTION_LINE = re.compile(
