@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "ABANDONED_ERROR_TYPE",
     "MAX_INT",
     "Event",
     "EVENT_TYPES",
@@ -396,6 +397,12 @@ class CheckpointCreated(Event):
     checkpoint_id: str = Field(min_length=1, max_length=200)
     position_key: str = Field(pattern=r"^turn_\d+$")
     retry_count: int = Field(default=0, ge=0)
+
+
+#: The error type of an ``attempt_failed`` for a call the client abandoned (a retry that threw
+#: the answer away, ``X-Trajstore-Abandoned``). With a ``rolled_back`` discarding that call,
+#: replay never makes it a positive sample.
+ABANDONED_ERROR_TYPE = "Abandoned"
 
 
 @event_type

@@ -23,15 +23,18 @@ from store.eventlog import EventStore, run_stream_id
 from store.rows import safe_data
 
 __all__ = [
+    "EpisodeCall",
     "EpisodeFilters",
     "SampleFilters",
     "VersionSummary",
     "episodes_done",
     "failures_by_version",
     "ping",
+    "idle_remote_rollouts",
     "stale_episodes",
     "version_summaries",
     "episode_finished",
+    "episode_calls",
     "episode_row",
     "episode_run",
     "iter_episode_starts",
@@ -361,6 +364,38 @@ def episode_finished(store: EventStore, episode_id: str) -> bool:
     return bool(row is not None and row[0])
 
 
+@dataclass(frozen=True)
+class EpisodeCall:
+    """One ``llm_called`` of an episode without its payloads: its call id, agent, the number
+    of assistant messages in its request (its turn) and whether a ``rolled_back`` discarded
+    it."""
+
+    call_id: str
+    agent: str
+    turn: int
+    discarded: bool
+
+
+def episode_calls(store: EventStore, episode_id: str) -> list[EpisodeCall]:
+    """The episode's LLM calls in recording order (see ``EpisodeCall``)."""
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            f"SELECT type, {_DATA}->>'call_id', {_DATA}->>'agent',"
+            f" (SELECT count(*) FROM json_array_elements("
+            f"   CASE WHEN json_typeof({_DATA}->'messages') = 'array'"
+            f"   THEN {_DATA}->'messages' ELSE '[]'::json END) m"
+            f"  WHERE m->>'role' = 'assistant'),"
+            f" CASE WHEN type = 'rolled_back' THEN {_DATA}->'discarded_call_ids' END"
+            " FROM events WHERE stream_id = %s AND type IN ('llm_called', 'rolled_back')"
+            " ORDER BY stream_version",
+            (episode_id,),
+        ).fetchall()
+    discarded = {str(c) for r in rows if r[0] == "rolled_back" for c in (r[4] or [])}
+    return [EpisodeCall(call_id=r[1], agent=r[2] or "main", turn=int(r[3]),
+                        discarded=r[1] in discarded)
+            for r in rows if r[0] == "llm_called"]
+
+
 def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]:
     """A stream's events without their token payloads, in version order: position,
     stream_version, type, schema_version, event_id, data (as stored), occurred_at,
@@ -421,6 +456,47 @@ def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
             (now, timeout_s, limit),
         ).fetchall()
     return [(stream_id, int(version)) for stream_id, version in rows]
+
+
+def idle_remote_rollouts(store: EventStore, *, timeout_s: float, limit: int = 200,
+                         now: dt.datetime | None = None) -> list[tuple[str, int, bool]]:
+    """Remote rollouts (episodes with an ``llm_called`` that carries a ``mask_check``) with
+    no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest first, at most
+    ``limit``: ``(episode_id, last stream_version, whether the last call made tool calls)``.
+    Time as in ``stale_episodes``; the same ValueErrors."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if now is not None and now.tzinfo is None:
+        raise ValueError("now must be timezone-aware")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    last_calls = f"{safe_data('l.data')}->'response'->'tool_calls'"
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            f"""
+            SELECT s.stream_id, max(e.stream_version),
+                   coalesce((SELECT CASE WHEN json_typeof({last_calls}) = 'array'
+                                         THEN json_array_length({last_calls}) > 0
+                                         ELSE false END
+                               FROM events l
+                              WHERE l.stream_id = s.stream_id AND l.type = 'llm_called'
+                              ORDER BY l.stream_version DESC LIMIT 1), false)
+            FROM events s
+            JOIN events e ON e.stream_id = s.stream_id
+            WHERE s.type = 'episode_started'
+              AND NOT EXISTS (SELECT 1 FROM events f WHERE f.stream_id = s.stream_id
+                                                        AND f.type = 'episode_finished')
+              AND EXISTS (SELECT 1 FROM events m WHERE m.stream_id = s.stream_id
+                            AND m.type = 'llm_called'
+                            AND {safe_data('m.data')}->'response'->'mask_check' IS NOT NULL)
+            GROUP BY s.stream_id
+            HAVING max(e.recorded_at) < coalesce(%s, now()) - make_interval(secs => %s)
+            ORDER BY min(s.position)
+            LIMIT %s
+            """,
+            (now, timeout_s, limit),
+        ).fetchall()
+    return [(stream_id, int(version), bool(tools)) for stream_id, version, tools in rows]
 
 
 @dataclass(frozen=True)

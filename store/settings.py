@@ -105,6 +105,14 @@ class Settings(BaseSettings):
         description="An episode with no event for this long and no episode_finished is "
         "closed as aborted by the sweep (its rollout worker died).",
     )
+    rollout_idle_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A remote rollout (its calls came through the remote-rollout protocol) "
+        "with no event for this long and no episode_finished is finished by the sweep: "
+        "completed when its last call made no tool call (the agent answered: a synchronous "
+        "rollout that ended), else aborted. Keep it above the longest tool run.",
+    )
     api_url: str | None = Field(
         default=None,
         description="Base URL of a trajstore API (http://host:8600). Set on rollout workers "

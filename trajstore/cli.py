@@ -483,30 +483,39 @@ def conflicts(
 def sweep(
     once: Annotated[bool, typer.Option("--once", help="One round, then exit.")] = False,
 ) -> None:
-    """The periodic sweep: close episodes whose worker died (``aborted`` after
+    """The periodic sweep: finish idle remote rollouts (after
+    TRAJSTORE_ROLLOUT_IDLE_TIMEOUT_S), close episodes whose worker died (``aborted`` after
     TRAJSTORE_EPISODE_TIMEOUT_S) and project finished episodes that were never projected,
     every TRAJSTORE_SWEEP_INTERVAL_S seconds. Run one per deployment."""
     import logging
     import signal as signals
     import threading
 
-    from workers.replay.jobs.sweep import abort_stale_episodes, sweep_forever, sweep_unprojected
+    from workers.replay.jobs.sweep import (
+        abort_stale_episodes,
+        finish_idle_rollouts,
+        sweep_forever,
+        sweep_unprojected,
+    )
 
     settings = get_settings()
     logging.basicConfig(level=settings.log_level)
     store = _open_store(settings)
     try:
         if once:
+            idle = finish_idle_rollouts(store, timeout_s=settings.rollout_idle_timeout_s)
             aborted = abort_stale_episodes(store, timeout_s=settings.episode_timeout_s)
             written = sweep_unprojected(store)
-            console.print(f"aborted {aborted} stale episodes, projected {written}")
+            console.print(f"finished {idle} idle remote rollouts, aborted {aborted} stale "
+                          f"episodes, projected {written}")
             return
         stop = threading.Event()
         for s in (signals.SIGINT, signals.SIGTERM):
             signals.signal(s, lambda *_: stop.set())
         console.print(f"sweeping every {settings.sweep_interval_s:g} s")
         sweep_forever(store, interval_s=settings.sweep_interval_s,
-                      episode_timeout_s=settings.episode_timeout_s, stop=stop)
+                      episode_timeout_s=settings.episode_timeout_s, stop=stop,
+                      rollout_idle_timeout_s=settings.rollout_idle_timeout_s)
     finally:
         store.close()
 

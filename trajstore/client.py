@@ -10,7 +10,8 @@
     episode.finish(reward=1.0)
 
 The gateway creates the run (in the key's project) and the episode on the first call through
-``openai_base_url``; ``reward`` and ``finish`` are the REST routes of the same names.
+``openai_base_url``; ``reward`` and ``finish`` are the REST routes of the same names;
+``abandoning()`` gives the headers of a retry that throws an earlier answer away.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ class Episode:
         if self.group_id:
             headers["X-Trajstore-Group"] = self.group_id
         return headers
+
+    @staticmethod
+    def abandoning(call_id: str = "previous") -> dict[str, str]:
+        """Headers of a retry that throws away an earlier answer (its ``id``, or
+        ``"previous"``: the agent's latest call): pass them as the OpenAI client's
+        ``extra_headers``. The abandoned branch becomes a negative sample, not a positive
+        one."""
+        return {"X-Trajstore-Abandoned": call_id}
 
     def reward(self, value: float, *, components: dict[str, float] | None = None,
                event_id: uuid.UUID | None = None) -> dict[str, Any]:

@@ -69,10 +69,16 @@ def replay_episode(episode_id: str) -> str:
 def sweep(limit: int = 200) -> int:
     """Project finished episodes that have no projection (a lost message, a broker outage).
     Returns how many it wrote."""
-    from workers.replay.jobs.sweep import abort_stale_episodes, sweep_unprojected
+    from workers.replay.jobs.sweep import (
+        abort_stale_episodes,
+        finish_idle_rollouts,
+        sweep_unprojected,
+    )
 
     store = worker_store()
-    abort_stale_episodes(store, timeout_s=get_settings().episode_timeout_s, limit=limit)
+    settings = get_settings()
+    finish_idle_rollouts(store, timeout_s=settings.rollout_idle_timeout_s, limit=limit)
+    abort_stale_episodes(store, timeout_s=settings.episode_timeout_s, limit=limit)
     return sweep_unprojected(store, limit=limit)
 
 

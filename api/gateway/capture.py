@@ -16,6 +16,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from store.eventlog import (
     ExpectedVersion,
     run_stream_id,
 )
-from store.events import EpisodeStarted, LLMCalled, RunConfig, RunCreated
+from store.events import EpisodeStarted, Event, LLMCalled, RunConfig, RunCreated
 
 __all__ = ["Capture", "EpisodeTarget", "NewEpisode"]
 
@@ -152,9 +153,12 @@ class Capture:
                messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                latency_ms: float, policy_version: int | None = None,
                mask_check: dict[str, Any] | None = None,
-               expected_version: ExpectedVersion = ANY) -> AppendResult:
-        """Append the call as an ``llm_called`` of ``agent``. Store errors propagate
-        (validation of token ids and logprobs, a conflict under ``expected_version``)."""
+               expected_version: ExpectedVersion = ANY,
+               facts: Sequence[Event] = ()) -> AppendResult:
+        """Append the call as an ``llm_called`` of ``agent``, after those of ``facts`` (events
+        with derived ids: ``api.gateway.tool_facts``) the episode does not hold yet, in one
+        append. Store errors propagate (validation of token ids and logprobs, a conflict
+        under ``expected_version``)."""
         response = dict(captured.message)
         if mask_check is not None:
             response["mask_check"] = mask_check
@@ -166,4 +170,23 @@ class Capture:
             response=response, finish_reason=captured.finish_reason,
             policy_version=target.policy_version if policy_version is None else policy_version,
             latency_ms=latency_ms, usage=captured.usage)
+        pending = self._unstored(facts)
+        while pending:
+            try:
+                return self.store.append(target.episode_id, [*pending, event],
+                                         expected_version)
+            except (store_errors.ValidationError, store_errors.IdempotencyError):
+                # A concurrent call of the same history may have stored some facts first.
+                left = self._unstored(pending)
+                if len(left) == len(pending):
+                    raise
+                pending = left
         return self.store.append(target.episode_id, [event], expected_version)
+
+    def _unstored(self, facts: Sequence[Event]) -> list[Event]:
+        if not facts:
+            return []
+        # Derived ids name their episode: looking them up in the whole log is exact.
+        stored = queries.stored_event_ids(self.store,
+                                          [e.event_id for e in facts if e.event_id])
+        return [e for e in facts if e.event_id not in stored]

@@ -9,6 +9,7 @@ one's upstream. One generation runs at a time (the backend is not thread-safe); 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,42 @@ class LocalEngine:
         self.name = name
         self.model_dir = model_dir
         self._lock = threading.Lock()
+        self._same_vocabulary: dict[int, bool] = {}
+        rows = int(self.backend.model.get_input_embeddings().num_embeddings)
+        if len(self.tokenizer) > rows:
+            raise ValueError(f"the engine's tokenizer in {model_dir} has {len(self.tokenizer)} "
+                             f"tokens but its model only {rows} embeddings: they do not belong "
+                             "together")
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
-        """Generate one response (blocks while another generation runs). Raises ValueError
-        for a prompt that does not fit the model's context or ids outside its vocabulary."""
+    def vocabulary_matches(self, tokenizer: Any) -> bool:
+        """Whether ``tokenizer`` maps every token to the id the engine's own tokenizer does
+        (and knows no other): then ids rendered with it are ids this engine reads."""
+        if tokenizer is self.tokenizer:
+            return True
+        key = id(tokenizer)
         with self._lock:
-            return self.backend.generate(request)
+            known = self._same_vocabulary.get(key)
+        if known is None:
+            known = bool(tokenizer.get_vocab() == self.tokenizer.get_vocab())
+            with self._lock:
+                self._same_vocabulary[key] = known
+        return known
+
+    @property
+    def vocabulary_size(self) -> int:
+        return len(self.tokenizer)
+
+    def generate(self, request: GenerationRequest,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        """Generate one response (blocks while another generation runs). Raises ValueError
+        for a prompt that does not fit the model's context or ids outside its vocabulary.
+        ``on_token`` gets each generated id as it is sampled (token streaming)."""
+        with self._lock:
+            return self.backend.generate(request, on_token)
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt ids ``generate`` will feed the model for ``request``."""
+        return list(self.backend.prompt_ids(request))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a raw prompt (no special tokens added)."""

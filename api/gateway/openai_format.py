@@ -164,6 +164,50 @@ def chat_chunks(*, request_id: str, created: int, model: str, message: dict[str,
     return out
 
 
+def chat_tail_chunks(*, request_id: str, created: int, model: str, message: dict[str, Any],
+                     finish_reason: str, prompt_ids: Sequence[int],
+                     response_ids: Sequence[int], logprobs: Sequence[float],
+                     token_text: TokenText, want_logprobs: bool, return_token_ids: bool,
+                     include_usage: bool, sent: str) -> list[dict[str, Any]]:
+    """The chunks that end a stream whose content began with ``sent`` (sent live, see
+    ``api.gateway.streaming``): the reasoning, the rest of the content and the tool calls,
+    the token ids and logprobs of the whole answer on the last of them, then the finish
+    chunk (and usage). The role chunk was sent first."""
+    content = message.get("content") or ""
+    rest = content[len(sent):] if content.startswith(sent) else ""
+    parts: list[dict[str, Any]] = []
+    if message.get("reasoning_content") is not None:
+        parts.append({"reasoning_content": message["reasoning_content"]})
+    if rest:
+        parts.append({"content": rest})
+    if message.get("tool_calls"):
+        parts.append({"tool_calls": [dict(c, index=i)
+                                     for i, c in enumerate(message["tool_calls"])]})
+    if not parts:
+        parts.append({"content": ""})
+
+    def chunk(delta: dict[str, Any], *, finish: str | None = None,
+              ids: Sequence[int] = (), lps: Sequence[float] = ()) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish}
+        if want_logprobs and ids:
+            choice["logprobs"] = _chat_logprobs(ids, lps, token_text)
+        if return_token_ids:
+            choice["token_ids"] = [int(i) for i in ids]
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [choice]}
+
+    ids, lps = list(response_ids), list(logprobs)
+    out = [chunk(delta, ids=ids if i == len(parts) - 1 else (),
+                 lps=lps if i == len(parts) - 1 else ()) for i, delta in enumerate(parts)]
+    out.append(chunk({}, finish=_finish(finish_reason, message)))
+    if include_usage:
+        out.append({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [],
+                    "usage": _usage(len(prompt_ids), len(response_ids))})
+    return out
+
+
 def _completion_logprobs(ids: Sequence[int], logprobs: Sequence[float], token_text: TokenText
                          ) -> dict[str, Any]:
     tokens = [token_text(i) for i in ids]

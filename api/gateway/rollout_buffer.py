@@ -12,6 +12,11 @@ ids followed by its generated ids), renders the new prompt itself, and checks
 - that the mask has exactly ``len(prompt) - len(buffer)`` entries, all 0;
 - that a first call carries no mask, and a later one does.
 
+A request without a ``response_mask`` key at all comes from a protocol revision that has no
+mask (the asynchronous one's chat completions): its prefix is checked, its mask is not, and
+``mask_missing`` is not reported. An explicit ``"response_mask": null`` after the first call
+is ``mask_missing``.
+
 The outcome is recorded on the call's ``llm_called`` event (``response.mask_check``); the
 loss mask of training samples always comes from replay, which marks exactly the tokens the
 engine sampled. The buffer itself is a fold over the episode's events (the agent's last
@@ -68,10 +73,12 @@ class MaskCheck:
 
 
 def check_mask(buffer: Sequence[int] | np.ndarray | None, prompt: Sequence[int] | np.ndarray,
-               response_mask: Sequence[int] | None) -> MaskCheck:
+               response_mask: Sequence[int] | None, *, mask_sent: bool = True) -> MaskCheck:
     """Check a call's prompt and mask against the buffer (module docstring). ``buffer`` is
-    None on the rollout's first call. Never raises for a mismatch: it reports it. Raises
-    TypeError when ``prompt`` is not a sequence of integers."""
+    None on the rollout's first call; ``mask_sent`` False: the request had no
+    ``response_mask`` key (a revision without masks), so only the prefix is checked. Never
+    raises for a mismatch: it reports it. Raises TypeError when ``prompt`` is not a sequence
+    of integers."""
     p = np.asarray(prompt, dtype=np.int64)
     if p.ndim != 1:
         raise TypeError(f"prompt must be a 1-d sequence of token ids, got shape {p.shape}")
@@ -91,7 +98,8 @@ def check_mask(buffer: Sequence[int] | np.ndarray | None, prompt: Sequence[int] 
         reasons.append("prefix_mismatch")
     new = len(p) - len(b)
     if response_mask is None:
-        reasons.append("mask_missing")
+        if mask_sent:
+            reasons.append("mask_missing")
     else:
         if len(response_mask) != new:
             reasons.append("mask_length")

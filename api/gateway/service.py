@@ -9,6 +9,10 @@ Three ways a call goes, decided per request:
   engine's exact prompt ids, generated ids and logprobs. Streamed answers are recorded once
   complete, before the final ``[DONE]``. An upstream failure returns the upstream's status
   and body and records nothing.
+- In both recorded forms the tool results the history carries become ``tool_returned``
+  facts before the call, and ``X-Trajstore-Abandoned`` marks an earlier call abandoned
+  (``api.gateway.tool_facts``); the in-process engine streams as it samples
+  (``api.gateway.streaming``) and records only runs of its own vocabulary.
 - **Remote rollout** (a ``rollout_id`` in the body, TrainGate protocol): the gateway renders
   the prompt itself with the run's tokenizer, checks the ``response_mask`` against its token
   buffer (``rollout_buffer``), generates from the prompt ids, records the call with the
@@ -18,6 +22,7 @@ Three ways a call goes, decided per request:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -43,19 +48,24 @@ from api.gateway.openai_format import (
     assistant_message,
     captured_chat,
     captured_completion,
-    chat_chunks,
     chat_response,
+    chat_tail_chunks,
     completion_chunks,
     completion_response,
     strip_extensions,
 )
 from api.gateway.rollout_buffer import RolloutBuffers, check_mask
+from api.gateway.streaming import LiveText, chat_live_chunk, completion_live_chunk
+from api.gateway.tool_facts import abandon_events, tool_results
 from api.gateway.upstream import Upstream
 from api.keys import ApiKey
 from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from store import errors as store_errors
+from store import queries
+from store.events import Event
 from workers.replay.render import prompt_ids
 from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
+from workers.rollout.prompt import decode_response
 
 if TYPE_CHECKING:
     from api.context import ApiContext
@@ -64,6 +74,7 @@ __all__ = ["Gateway", "sse"]
 
 log = logging.getLogger(__name__)
 
+_ABANDONED = "header.X-Trajstore-Abandoned"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -90,6 +101,14 @@ def _engine_error(exc: Exception) -> ApiError:
     return ApiError(422, "invalid_prompt", f"the engine refused the request: {exc}")
 
 
+def _engine_failure(exc: BaseException) -> BaseException:
+    """What a failed generation raises: 422 for a request the engine refuses (bad ids, too
+    long, a chat template error on odd messages), else the error itself."""
+    if isinstance(exc, (ValueError, TypeError)) or type(exc).__module__.startswith("jinja2"):
+        return _engine_error(exc)  # type: ignore[arg-type]
+    return exc
+
+
 class Gateway:
     """The capture gateway of one API process (engine and upstream made on first use)."""
 
@@ -99,7 +118,9 @@ class Gateway:
         self.capture = Capture(ctx.store, ctx.access)
         self.buffers = RolloutBuffers(ctx.store)
         self._engine: LocalEngine | None = None
+        self._engine_refused: str | None = None
         self._engine_lock = threading.Lock()
+        self._engine_runs: set[str] = set()  # runs whose tokenizer is the engine's
         self._upstream: Upstream | None = None
 
     # --- backends ---------------------------------------------------------------------------
@@ -121,8 +142,15 @@ class Gateway:
                     raise ApiError(503, "no_engine", "no generation backend is configured: "
                                    "set TRAJSTORE_GATEWAY_UPSTREAM_URL or "
                                    "TRAJSTORE_GATEWAY_ENGINE_MODEL")
-                self._engine = LocalEngine(folder, device=self.settings.gateway_engine_device,
-                                           name=self.settings.gateway_model_name)
+                if self._engine_refused is not None:
+                    raise ApiError(503, "no_engine", self._engine_refused)
+                try:
+                    self._engine = LocalEngine(folder,
+                                               device=self.settings.gateway_engine_device,
+                                               name=self.settings.gateway_model_name)
+                except ValueError as exc:
+                    self._engine_refused = f"the in-process engine is refused: {exc}"
+                    raise ApiError(503, "no_engine", self._engine_refused) from None
             return self._engine
 
     def upstream(self) -> Upstream:
@@ -143,12 +171,111 @@ class Gateway:
         engine = await run_in_threadpool(self.engine)
         try:
             return await run_in_threadpool(engine.generate, request)
-        except (ValueError, TypeError) as exc:
-            raise _engine_error(exc) from None
-        except Exception as exc:  # chat template errors (jinja2) on odd messages
-            if type(exc).__module__.startswith("jinja2"):
-                raise _engine_error(exc) from None
-            raise
+        except Exception as exc:
+            raise _engine_failure(exc) from None
+
+    async def _stream_engine(self, request: GenerationRequest, *, chat: bool,
+                             parse_tools: bool, target: EpisodeTarget | None,
+                             record: dict[str, Any], want_logprobs: bool,
+                             return_token_ids: bool, include_usage: bool
+                             ) -> StreamingResponse:
+        """Stream the in-process engine's answer as it samples (``api.gateway.streaming``);
+        the call is recorded once complete, exactly as the same call unstreamed, before the
+        final ``[DONE]``. A request the engine refuses is answered 422 before the stream
+        starts."""
+        engine = await run_in_threadpool(self.engine)
+        try:
+            prompt = await run_in_threadpool(engine.prompt_ids, request)
+        except Exception as exc:
+            raise _engine_failure(exc) from None
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def put(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+        def work() -> None:
+            try:
+                put("done", engine.generate(request, lambda token: put("token", token)))
+            except BaseException as exc:  # handed to the stream; nothing is lost
+                put("error", exc)
+
+        started = time.perf_counter()
+        worker = asyncio.ensure_future(run_in_threadpool(work))
+        first = await queue.get()
+        if first[0] == "error":
+            raise _engine_failure(first[1]) from None
+        stop = request.sampling.stop
+        live = LiveText(lambda ids: decode_response(engine.tokenizer, ids, stop=stop)[0],
+                        chat=chat, tools=parse_tools, stop=stop)
+        call_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        live_chunk = chat_live_chunk if chat else completion_live_chunk
+
+        async def events() -> AsyncIterator[bytes]:
+            def line(chunk: dict[str, Any]) -> bytes:
+                return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+            if chat:
+                opening: dict[str, Any] = {
+                    "id": call_id, "object": "chat.completion.chunk", "created": created,
+                    "model": engine.name, "choices": [{
+                        "index": 0, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]}
+                if return_token_ids:
+                    opening["prompt_token_ids"] = prompt
+                yield line(opening)
+            item = first
+            while item[0] == "token":
+                piece = live.feed(item[1])
+                if piece:
+                    yield line(live_chunk(request_id=call_id, created=created,
+                                          model=engine.name, text=piece))
+                item = await queue.get()
+            await worker
+            if item[0] == "error":
+                log.warning("streamed generation failed: %s", item[1])
+                yield line(error_body("engine_error", f"the engine failed: {item[1]}"))
+                yield b"data: [DONE]\n\n"
+                return
+            result: GenerationResult = item[1]
+            latency = (time.perf_counter() - started) * 1000
+            if chat:
+                message = assistant_message(result.text, call_id=call_id,
+                                            parse_tools=parse_tools)
+            else:
+                message = {"role": "assistant", "content": result.text}
+            captured = self._captured(result, message)
+            try:
+                await self._record(target, captured, call_id=call_id, latency_ms=latency,
+                                   **record)
+            except store_errors.StoreError as exc:
+                log.warning("streamed call not recorded: %s", exc)
+                yield line(error_body("not_recorded", f"the call was not recorded: {exc}"))
+                yield b"data: [DONE]\n\n"
+                return
+            common: dict[str, Any] = dict(
+                request_id=call_id, created=created, model=engine.name,
+                finish_reason=result.finish_reason,
+                prompt_ids=captured.prompt_ids, response_ids=captured.response_ids,
+                logprobs=captured.logprobs, token_text=engine.token_text,
+                want_logprobs=want_logprobs, return_token_ids=return_token_ids,
+                include_usage=include_usage)
+            if chat:
+                tail = chat_tail_chunks(**common, message=message, sent=live.sent)
+            else:
+                text = result.text
+                tail = completion_chunks(
+                    **common, text=text[len(live.sent):] if text.startswith(live.sent)
+                    else "")
+                if return_token_ids:
+                    tail[0]["choices"][0]["prompt_token_ids"] = captured.prompt_ids
+            for chunk in tail:
+                yield line(chunk)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers=_SSE_HEADERS)
 
     async def _target(self, key: ApiKey, episode: str | None, new: NewEpisode | None = None
                       ) -> EpisodeTarget | None:
@@ -162,7 +289,99 @@ class Gateway:
             # The in-process engine's own folder names its tokenizer exactly.
             folder = await run_in_threadpool(engine_model_dir, self.settings)
             new = replace(new, model=str(folder) if folder else None)
+        if not self.has_upstream and self.settings.gateway_engine_model:
+            await run_in_threadpool(self._check_engine_vocabulary, key, episode, new)
         return await run_in_threadpool(self.capture.target_or_create, key, episode, new)
+
+    def _check_engine_vocabulary(self, key: ApiKey, episode: str, new: NewEpisode | None
+                                 ) -> None:
+        """Refuse (409, naming both) to record into a run whose tokenizer is not the
+        in-process engine's vocabulary: the ids the engine reads and writes would be recorded
+        as another tokenizer's. Checked before anything is created; a run created by this
+        call takes the engine's own tokenizer and needs no check."""
+        from workers.tokenizers import TokenizerNotFound, load_tokenizer
+
+        store = self.ctx.store
+        run_id = queries.episode_run(store, episode) or (new.run_id if new else None)
+        if run_id is None or run_id in self._engine_runs:
+            return
+        if queries.run_record(store, run_id) is None:
+            return
+        self.ctx.access.check_run(key, run_id)
+        config = store.get_run(run_id).config
+        name = config.tokenizer or config.model
+        if not name:
+            return  # stored, but gives no samples until the run names a tokenizer
+        engine = self.engine()
+        try:
+            tokenizer = load_tokenizer(name)
+        except TokenizerNotFound as exc:
+            raise ApiError(409, "tokenizer_not_found", f"run {run_id!r}: {exc}") from None
+        if not engine.vocabulary_matches(tokenizer):
+            raise ApiError(409, "tokenizer_mismatch",
+                           f"run {run_id!r} uses tokenizer {name!r} ({len(tokenizer)} tokens) "
+                           f"but this gateway's in-process engine {str(engine.model_dir)!r} "
+                           f"has another vocabulary ({engine.vocabulary_size} tokens): its "
+                           "token ids would be recorded as the run's. Record such runs "
+                           "through an upstream server of the run's model, or name the "
+                           "engine's tokenizer in the run")
+        with self._engine_lock:
+            if len(self._engine_runs) > 10_000:
+                self._engine_runs.clear()
+            self._engine_runs.add(run_id)
+
+    # --- facts the history tells (api.gateway.tool_facts) -----------------------------------
+
+    @staticmethod
+    def _no_abandon_for_remote(abandoned: str | None) -> None:
+        if abandoned is not None:
+            raise ApiError(422, "invalid_request", "remote-rollout calls cannot abandon "
+                           "attempts", field=_ABANDONED)
+
+    async def _check_abandoned(self, episode: str | None, abandoned: str | None) -> None:
+        """Refuse an abandonment that cannot name an earlier call, before anything (an
+        episode created on first use included) is written."""
+        if abandoned is None:
+            return
+        if not abandoned or len(abandoned) > 200:
+            raise ApiError(422, "invalid_request", "X-Trajstore-Abandoned must name a call id "
+                           "or 'previous'", field=_ABANDONED)
+        if episode is None:
+            raise ApiError(422, "invalid_request", "an abandoned attempt needs the episode it "
+                           "belongs to (X-Trajstore-Episode, or the path's episode)",
+                           field=_ABANDONED)
+        if await run_in_threadpool(queries.episode_run, self.ctx.store, episode) is None:
+            raise ApiError(422, "invalid_request", f"episode {episode!r} has no call to "
+                           "abandon yet", field=_ABANDONED)
+
+    async def _facts(self, target: EpisodeTarget | None, agent: str,
+                     messages: list[dict[str, Any]], abandoned: str | None) -> list[Event]:
+        if target is None:
+            return []
+        return await run_in_threadpool(self._derive_facts, target, agent, messages, abandoned)
+
+    def _derive_facts(self, target: EpisodeTarget, agent: str,
+                      messages: list[dict[str, Any]], abandoned: str | None) -> list[Event]:
+        """The ``attempt_failed``/``rolled_back`` of the abandoned call, then the tool
+        results of the history. ApiError 422 when ``abandoned`` names no call of ``agent``
+        in the episode."""
+        events: list[Event] = []
+        if abandoned is not None:
+            calls = [c for c in queries.episode_calls(self.ctx.store, target.episode_id)
+                     if c.agent == agent]
+            chosen = (calls[-1] if calls else None) if abandoned == "previous" else next(
+                (c for c in calls if c.call_id == abandoned), None)
+            if chosen is None:
+                what = "no call yet" if abandoned == "previous" else f"no call {abandoned!r}"
+                raise ApiError(422, "invalid_request", f"agent {agent!r} of episode "
+                               f"{target.episode_id!r} made {what}", field=_ABANDONED)
+            if not chosen.discarded:
+                retry = sum(1 for c in calls if c.discarded and c.turn == chosen.turn)
+                events += abandon_events(target.episode_id, agent=agent,
+                                         call_id=chosen.call_id, turn=chosen.turn,
+                                         retry_index=retry)
+        events += tool_results(messages, episode_id=target.episode_id, agent=agent)
+        return events
 
     async def _record(self, target: EpisodeTarget | None, captured: Captured, **kw: Any
                       ) -> None:
@@ -173,19 +392,24 @@ class Gateway:
 
     async def chat(self, body: ChatCompletionRequest, *, key: ApiKey, episode: str | None,
                    agent: str, policy_version: int | None, run: str | None = None,
-                   group: str | None = None) -> Response:
+                   group: str | None = None, abandoned: str | None = None) -> Response:
         """``POST /v1/chat/completions``. A value the store would refuse (a NUL or lone
-        surrogate, nesting past 64 levels, …) is answered 422 before anything is generated."""
+        surrogate, nesting past 64 levels, …) is answered 422 before anything is generated.
+        The tool results in the history and the call ``abandoned`` names are recorded
+        before the call (``api.gateway.tool_facts``)."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
+            self._no_abandon_for_remote(abandoned)
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
         messages = normalize_messages(body.messages)
         tools = body.tools or None
         new = NewEpisode(run_id=run, group_id=group, messages=messages, tools=tools or [],
                          model=body.model if self.has_upstream else None) if run else None
+        await self._check_abandoned(episode, abandoned)
         target = await self._target(key, episode, new)
+        facts = await self._facts(target, agent, messages, abandoned)
         record: dict[str, Any] = {"agent": agent, "messages": messages, "tools": tools,
-                  "policy_version": policy_version}
+                  "policy_version": policy_version, "facts": facts}
         if self.has_upstream:
             return await self._forward(body.model_dump(exclude_unset=True), chat=True,
                                        target=target, want_logprobs=bool(body.logprobs),
@@ -195,12 +419,18 @@ class Gateway:
                                    max_tokens=body.max_completion_tokens or body.max_tokens,
                                    seed=body.seed, stop=body.stop,
                                    cap=self.settings.gateway_max_tokens)
+        request = GenerationRequest(
+            sampling=sampling, messages=tuple(messages), tools=tuple(tools) if tools else None)
+        parse_tools = bool(tools) and body.tool_choice != "none"
+        if body.stream:
+            return await self._stream_engine(
+                request, chat=True, parse_tools=parse_tools, target=target, record=record,
+                want_logprobs=bool(body.logprobs), return_token_ids=bool(body.return_token_ids),
+                include_usage=bool((body.stream_options or {}).get("include_usage")))
         started = time.perf_counter()
-        result = await self._generate(GenerationRequest(
-            sampling=sampling, messages=tuple(messages), tools=tuple(tools) if tools else None))
+        result = await self._generate(request)
         latency = (time.perf_counter() - started) * 1000
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        parse_tools = bool(tools) and body.tool_choice != "none"
         message = assistant_message(result.text, call_id=call_id, parse_tools=parse_tools)
         captured = self._captured(result, message)
         await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
@@ -210,21 +440,16 @@ class Gateway:
             finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
             response_ids=captured.response_ids, logprobs=captured.logprobs,
             return_token_ids=bool(body.return_token_ids))
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            chunks = chat_chunks(**common, token_text=engine.token_text,
-                                 want_logprobs=bool(body.logprobs), include_usage=include_usage)
-            return StreamingResponse(sse(chunks), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
         return JSONResponse(chat_response(
             **common, token_text=engine.token_text if body.logprobs else None))
 
     async def completion(self, body: CompletionRequest, *, key: ApiKey, episode: str | None,
                          agent: str, policy_version: int | None, run: str | None = None,
-                         group: str | None = None) -> Response:
+                         group: str | None = None, abandoned: str | None = None) -> Response:
         """``POST /v1/completions``; refuses what ``chat`` refuses."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
+            self._no_abandon_for_remote(abandoned)
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
         if body.messages is not None or body.prompt is None:
             raise ApiError(422, "invalid_request", "a completion needs a prompt (messages go "
@@ -234,10 +459,12 @@ class Gateway:
             raise ApiError(422, "invalid_request", "echo is not supported", field="body.echo")
         new = NewEpisode(run_id=run, group_id=group,
                          model=body.model if self.has_upstream else None) if run else None
+        await self._check_abandoned(episode, abandoned)
         target = await self._target(key, episode, new)
+        facts = await self._facts(target, agent, [], abandoned)
         want_logprobs = body.logprobs is not None and body.logprobs is not False
         record: dict[str, Any] = {"agent": agent, "messages": [], "tools": None,
-                  "policy_version": policy_version}
+                  "policy_version": policy_version, "facts": facts}
         if self.has_upstream:
             return await self._forward(body.model_dump(exclude_unset=True), chat=False,
                                        target=target, want_logprobs=want_logprobs,
@@ -251,9 +478,14 @@ class Gateway:
         if not ids:
             raise ApiError(422, "invalid_request", "the prompt encodes to no tokens",
                            field="body.prompt")
+        request = GenerationRequest(sampling=sampling, prompt_ids=tuple(ids))
+        if body.stream:
+            return await self._stream_engine(
+                request, chat=False, parse_tools=False, target=target, record=record,
+                want_logprobs=want_logprobs, return_token_ids=bool(body.return_token_ids),
+                include_usage=bool((body.stream_options or {}).get("include_usage")))
         started = time.perf_counter()
-        result = await self._generate(GenerationRequest(sampling=sampling,
-                                                        prompt_ids=tuple(ids)))
+        result = await self._generate(request)
         latency = (time.perf_counter() - started) * 1000
         call_id = f"cmpl-{uuid.uuid4().hex}"
         captured = self._captured(result, {"role": "assistant", "content": result.text})
@@ -263,12 +495,6 @@ class Gateway:
             finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
             response_ids=captured.response_ids, logprobs=captured.logprobs,
             return_token_ids=bool(body.return_token_ids))
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            chunks = completion_chunks(**common, token_text=engine.token_text,
-                                       want_logprobs=want_logprobs, include_usage=include_usage)
-            return StreamingResponse(sse(chunks), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
         return JSONResponse(completion_response(
             **common, token_text=engine.token_text if want_logprobs else None))
 
@@ -382,8 +608,10 @@ class Gateway:
         except Exception as exc:  # the template refused these messages
             raise ApiError(422, "template_error", f"the run's chat template cannot render "
                            f"these messages: {exc}", field="body.messages") from None
+        facts = await self._facts(target, agent, messages, None)
         version, buffer = await run_in_threadpool(self.buffers.get, rollout_id, agent)
-        check = check_mask(buffer, prompt, body.response_mask)
+        check = check_mask(buffer, prompt, body.response_mask,
+                           mask_sent="response_mask" in body.model_fields_set)
         sampling = sampling_params(temperature=body.temperature, top_p=body.top_p,
                                    max_tokens=getattr(body, "max_completion_tokens", None)
                                    or body.max_tokens, seed=body.seed, stop=body.stop,
@@ -408,7 +636,7 @@ class Gateway:
         result = await run_in_threadpool(lambda: self.capture.record(
             target, captured, agent=agent, call_id=call_id, messages=messages, tools=tools,
             latency_ms=latency, policy_version=policy_version, mask_check=check.to_dict(),
-            expected_version=version))
+            expected_version=version, facts=facts))
         self.buffers.remember(rollout_id, agent, version=result.version, prompt_ids=prompt,
                               response_ids=response_ids)
         return JSONResponse({

@@ -9,7 +9,9 @@ in the path instead, as Agent Lightning's proxy takes them:
 needs only a base URL. ``GET /v1/models`` lists the model the gateway serves.
 ``X-Trajstore-Agent`` names the agent (default ``main``);
 ``X-Trajstore-Policy-Version`` the weights version that answered, when the caller knows it
-better than the episode does. A body with ``rollout_id`` is a remote-rollout call
+better than the episode does. Tool results in a chat history become ``tool_returned``
+facts, and ``X-Trajstore-Abandoned`` marks an earlier call abandoned
+(``api.gateway.tool_facts``). A body with ``rollout_id`` is a remote-rollout call
 (TrainGate): see ``api.gateway.service``.
 """
 
@@ -45,6 +47,11 @@ PolicyVersion = Annotated[int | None, Header(alias="X-Trajstore-Policy-Version",
                                              le=2**31 - 1)]
 Run = Annotated[str | None, Header(alias="X-Trajstore-Run", max_length=200)]
 Group = Annotated[str | None, Header(alias="X-Trajstore-Group", max_length=200)]
+Abandoned = Annotated[str | None, Header(
+    alias="X-Trajstore-Abandoned", min_length=1, max_length=200,
+    description="A call id of this agent in this episode, or `previous` (its latest call): "
+                "that attempt was thrown away by the client and becomes a negative sample "
+                "(or is excluded), never a positive one.")]
 
 
 @router.get("/models")
@@ -61,11 +68,11 @@ def models(key: IngestKey, ctx: Ctx) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, key: IngestKey, ctx: Ctx,
                            episode: Episode = None, agent: Agent = None,
                            policy_version: PolicyVersion = None, run: Run = None,
-                           group: Group = None) -> Response:
+                           group: Group = None, abandoned: Abandoned = None) -> Response:
     """OpenAI chat completions through the capture gateway."""
     return await ctx.gateway.chat(body, key=key, episode=episode or None,
                                   agent=agent or "main", policy_version=policy_version,
-                                  run=run or None, group=group or None)
+                                  run=run or None, group=group or None, abandoned=abandoned)
 
 
 @router.post("/runs/{run_id}/episodes/{episode_id}/chat/completions",
@@ -73,24 +80,26 @@ async def chat_completions(body: ChatCompletionRequest, key: IngestKey, ctx: Ctx
 async def episode_chat_completions(run_id: str, episode_id: str, body: ChatCompletionRequest,
                                    key: IngestKey, ctx: Ctx, agent: Agent = None,
                                    policy_version: PolicyVersion = None,
-                                   group: Group = None) -> Response:
+                                   group: Group = None, abandoned: Abandoned = None
+                                   ) -> Response:
     """Chat completions recorded into ``episode_id`` of ``run_id``, both created on the
     first call when missing."""
     return await ctx.gateway.chat(body, key=key, episode=episode_id, agent=agent or "main",
                                   policy_version=policy_version, run=run_id,
-                                  group=group or None)
+                                  group=group or None, abandoned=abandoned)
 
 
 @router.post("/completions", response_model=CompletionResponse, responses=_STREAM)
 async def completions(body: CompletionRequest, key: IngestKey, ctx: Ctx,
                       episode: Episode = None, agent: Agent = None,
                       policy_version: PolicyVersion = None, run: Run = None,
-                      group: Group = None) -> Response:
+                      group: Group = None, abandoned: Abandoned = None) -> Response:
     """OpenAI text completions through the capture gateway (and TrainGate's
     ``/v1/completions`` with ``rollout_id`` and ``messages``)."""
     return await ctx.gateway.completion(body, key=key, episode=episode or None,
                                         agent=agent or "main", policy_version=policy_version,
-                                        run=run or None, group=group or None)
+                                        run=run or None, group=group or None,
+                                        abandoned=abandoned)
 
 
 @router.post("/runs/{run_id}/episodes/{episode_id}/completions",
@@ -98,8 +107,8 @@ async def completions(body: CompletionRequest, key: IngestKey, ctx: Ctx,
 async def episode_completions(run_id: str, episode_id: str, body: CompletionRequest,
                               key: IngestKey, ctx: Ctx, agent: Agent = None,
                               policy_version: PolicyVersion = None,
-                              group: Group = None) -> Response:
+                              group: Group = None, abandoned: Abandoned = None) -> Response:
     """Text completions recorded into ``episode_id`` of ``run_id`` (created when missing)."""
     return await ctx.gateway.completion(body, key=key, episode=episode_id,
                                         agent=agent or "main", policy_version=policy_version,
-                                        run=run_id, group=group or None)
+                                        run=run_id, group=group or None, abandoned=abandoned)

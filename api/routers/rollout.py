@@ -35,13 +35,26 @@ _NAMESPACE = uuid.UUID("6f1f3f5e-3c0e-4d5e-9a57-1c7a1b2d9e10")
 _TRUNCATED = ("max_turns", "max_tokens", "length")
 
 
-def _reward(body: RolloutCompleted) -> float | None:
-    if body.reward is not None:
-        return float(body.reward)
-    value = (body.extra_fields or {}).get("reward")
+def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def _reward(body: RolloutCompleted) -> float | None:
+    """The reward a completion report carries, wherever the protocol's revisions put it:
+    ``reward``, ``reward_score``, ``extra_fields.reward``, ``extra_fields.reward_score``,
+    ``extra_fields.reward_extra_info.reward``, ``metrics.reward`` (the first that is a finite
+    number)."""
+    if body.reward is not None:
+        return float(body.reward)
+    extra = body.extra_fields or {}
+    info = extra.get("reward_extra_info")
+    candidates = [(body.model_extra or {}).get("reward_score"), extra.get("reward"),
+                  extra.get("reward_score"),
+                  info.get("reward") if isinstance(info, dict) else None,
+                  (body.metrics or {}).get("reward")]
+    return next((v for v in map(_number, candidates) if v is not None), None)
 
 
 def completion_events(body: RolloutCompleted) -> tuple[list[Event], str, float | None]:
@@ -89,6 +102,31 @@ def rollout_completed(body: RolloutCompleted, key: IngestKey, ctx: Ctx) -> Rollo
                                version=result.version, duplicate=result.duplicate)
 
 
+def _check_tokenizer_name(ctx: Ctx, run_id: str, name: str) -> None:
+    """The rollout is played with ``tokenizer_name`` (its ids are what the trainer answers)
+    and replayed with the run's tokenizer: refuse (422 naming both) when the run names a
+    tokenizer with another vocabulary, before anything runs. A run naming none is not
+    checked (its episodes give samples once it names one)."""
+    from workers.tokenizers import TokenizerNotFound, canonical_tokenizer, load_tokenizer
+
+    config = ctx.store.get_run(run_id).config
+    run_name = config.tokenizer or config.model
+    if not run_name or canonical_tokenizer(run_name) == canonical_tokenizer(name):
+        return
+    where = "body.tokenizer_name"
+    try:
+        ours, theirs = load_tokenizer(run_name), load_tokenizer(name)
+    except TokenizerNotFound as exc:
+        raise ApiError(422, "invalid_request", f"tokenizer_name {name!r}: {exc}",
+                       field=where) from None
+    if ours is not theirs and ours.get_vocab() != theirs.get_vocab():
+        raise ApiError(422, "tokenizer_mismatch",
+                       f"tokenizer_name {name!r} is not run {run_id!r}'s tokenizer "
+                       f"{run_name!r}: the rollout's token ids would replay as another "
+                       "vocabulary's; use the run's tokenizer or a run of this one",
+                       field=where)
+
+
 def _remote_rollout() -> Any:
     try:
         module = importlib.import_module("workers.rollout.remote")
@@ -115,7 +153,9 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
                        "(workers.rollout.remote.run_remote_rollout is missing)")
     from workers.rollout.remote import DEFAULT_REMOTE_RUN_ID, DuplicateRolloutError
 
-    ctx.access.check_run(key, body.run_id or DEFAULT_REMOTE_RUN_ID)
+    run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
+    ctx.access.check_run(key, run_id)
+    _check_tokenizer_name(ctx, run_id, body.tokenizer_name)
     request = body.model_dump(mode="json", exclude_none=True)
     try:
         result = run(request, store=ctx.store, settings=ctx.settings)

@@ -19,8 +19,10 @@ __all__ = [
 
 class RolloutCompleted(BaseModel):
     """What a RolloutServer posts to ``/v1/rollout/completed`` when a rollout ends (its
-    ``RolloutResponse``). ``reward`` (or ``extra_fields.reward``) is recorded before the
-    episode is finished, when given."""
+    ``RolloutResponse``). Its reward (``reward``, ``reward_score``, ``extra_fields.reward``,
+    ``extra_fields.reward_score``, ``extra_fields.reward_extra_info.reward`` or
+    ``metrics.reward``: ``api.routers.rollout``) is recorded before the episode is finished,
+    when given."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from store.eventlog import EventStore
-from store.events import LLMCalled
+from store.events import LLMCalled, ToolReturned
 from store.settings import Settings
 from tests.api.conftest import Project, Server
 from tests.api.qwen3_tool_model import (
@@ -173,8 +173,13 @@ def test_tool_conversation_records_exactly_the_template_and_tool_tokens_as_conte
     assert again.status_code == 200 and again.json()["duplicate"] is True
 
     types = [r.type for r in api_store.read_stream(rollout_id)]
-    assert types == ["episode_started", "llm_called", "llm_called", "reward_assigned",
-                     "episode_finished"]
+    assert types == ["episode_started", "llm_called", "tool_returned", "llm_called",
+                     "reward_assigned", "episode_finished"]
+    # The RolloutServer's tool result, as the second call's messages carry it, is a fact.
+    (tool,) = [r.event for r in api_store.read_stream(rollout_id)
+               if isinstance(r.event, ToolReturned)]
+    assert (tool.tool_call_id, tool.name, tool.arguments, tool.output, tool.is_error) == (
+        call["id"], "add", {"a": 5, "b": 3}, "8", False)
     calls = recorded(api_store, rollout_id)
     assert [c.response["mask_check"]["status"] for c in calls] == ["first_call", "ok"]
     # The store's own buffer: the second prompt is the first prompt + generation + 14.

@@ -117,6 +117,40 @@ def test_negative_cap_and_switch(qwen3) -> None:
     assert replay_episode(events, config=off, tokenizer=qwen3).negatives == []
 
 
+def test_an_abandoned_branch_is_a_negative_sample_never_a_positive_one(qwen3) -> None:
+    """A client-side retry (same prefix, another continuation) whose first answer the client
+    abandoned (attempt_failed of type Abandoned, rolled_back discarding it): the call
+    survives merging (nothing absorbs it) but is no positive sample; its attempt_failed
+    makes it the negative one."""
+    s = Script(qwen3)
+    question = {"role": "user", "content": "Name a prime number."}
+    first = s.call([question], {"role": "assistant", "content": "Nine."}, call_id="a")
+    s.failed("abandoned:a", "turn_0", retry_index=0, failed_call_id=first.call_id,
+             errors=["the client abandoned this attempt"], error_types=["Abandoned"])
+    s.rolled_back("abandoned:a", [first.call_id])
+    s.call([question], {"role": "assistant", "content": "Seven."}, call_id="b")
+    events = s.finish(1.0)
+    result = replay_episode(events, config=RunConfig(), tokenizer=qwen3)
+    assert result.absorber == [None, None]  # both survive merging ...
+    assert result.survivor_indices == [1]  # ... but only the retry is a sample
+    assert [len(result.samples), result.samples[0].reward] == [1, 1.0]
+    (negative,) = result.negatives
+    assert (negative.call_id, negative.sample.reward, negative.error_types) == (
+        "a", -1.0, ["Abandoned"])
+    off = RunConfig(rollback=RollbackConfig(save_negative_samples=False))
+    excluded = replay_episode(events, config=off, tokenizer=qwen3)
+    assert excluded.negatives == [] and excluded.survivor_indices == [1]
+    # Without the rolled_back the same events give two positive samples, and so does an
+    # agent loop's rollback (a failed tool, not an abandonment): left as it was.
+    kept = replay_episode([e for e in events if e.type != "rolled_back"], config=RunConfig(),
+                          tokenizer=qwen3)
+    assert kept.survivor_indices == [0, 1]
+    loop_style = [e.model_copy(update={"error_types": ["SyntaxError"]})
+                  if e.type == "attempt_failed" else e for e in events]
+    assert replay_episode(loop_style, config=RunConfig(),
+                          tokenizer=qwen3).survivor_indices == [0, 1]
+
+
 def test_retokenization_drift_is_repaired_at_text_level(qwen3) -> None:
     s = Script(qwen3)
     question = {"role": "user", "content": "Say hello."}

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from store.events import (
+    ABANDONED_ERROR_TYPE,
     AttemptFailed,
     EpisodeFinished,
     EpisodeStarted,
     Event,
     LLMCalled,
     RewardAssigned,
+    RolledBack,
     RunConfig,
 )
 from workers.replay.errors import ReplayError
@@ -44,10 +46,12 @@ class ReplayResult:
     ``timelines``: the initial timelines, one per ``llm_called`` in stream order, with
     ``call_ids`` beside them. ``absorber[i]``: index of the timeline that absorbed timeline
     ``i`` (``None`` for a survivor). ``survivors``: the merged surviving timelines in
-    recording order, ``survivor_indices`` their indices. ``samples``: one per survivor, with
-    the episode reward. ``untokenized_calls``: the call ids of LLM calls recorded without
-    token ids, which give no timeline (nor sample) and are not among ``call_ids``.
-    ``failures``: every failed attempt as a negative sample;
+    recording order, ``survivor_indices`` their indices; a survivor whose call the client
+    abandoned (an ``attempt_failed`` of type ``Abandoned`` and a ``rolled_back`` discarding
+    it) is left out. ``samples``: one per survivor, with the episode reward.
+    ``untokenized_calls``: the call ids of LLM calls recorded without token ids, which give
+    no timeline (nor sample) and are not among ``call_ids``. ``failures``: every failed
+    attempt as a negative sample;
     ``negatives``: those kept under the run's cap for this episode (the cap holds per group,
     so callers combining episodes of one group apply ``select_negatives`` to their
     ``failures`` again). ``drifted_messages``: messages over all survivors whose text matched
@@ -178,6 +182,8 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
     attempts: list[tuple[int, AttemptFailed, int]] = []
     reward: float | None = None
     status: str | None = None
+    discarded: set[str] = set()
+    abandoned: set[str] = set()
     for position, event in enumerate(items):
         if isinstance(event, LLMCalled) and not has_token_ids(event):
             untokenized.append(event.call_id)
@@ -197,16 +203,25 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
         elif isinstance(event, AttemptFailed):
             attempts.append((position, event, _failed_call(event, call_index, call_ids,
                                                           timelines, position)))
+            if ABANDONED_ERROR_TYPE in event.error_types and event.failed_call_id:
+                abandoned.add(event.failed_call_id)
+        elif isinstance(event, RolledBack):
+            discarded.update(event.discarded_call_ids)
         elif isinstance(event, RewardAssigned):
             reward = float(event.value)
         elif isinstance(event, EpisodeFinished):
             status = event.status
 
     outcome, forks = merge_and_detect_forks(timelines, policy)
+    # A call the client abandoned (its attempt_failed says so and a rolled_back discarded
+    # it) that no later call absorbed never becomes a positive sample; its attempt_failed
+    # makes it a negative one. The agent loop's rolled-back calls are left as they were.
+    excluded = discarded & abandoned
+    survivors = [i for i in outcome.survivors if call_ids[i] not in excluded]
     samples = [
         build_sample(outcome.merged[i], timeline_index=i,
                      drifted_messages=len(outcome.drifted.get(i, ())), reward=reward)
-        for i in outcome.survivors
+        for i in survivors
     ]
     negative_reward = config.negatives.negative_reward
     failures = [
@@ -226,10 +241,10 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
     return ReplayResult(
         episode_id=episode_id, run_id=started.run_id, group_id=started.group_id,
         status=status, reward=reward, call_ids=call_ids, timelines=timelines,
-        absorber=outcome.absorber, survivor_indices=outcome.survivors,
-        survivors=outcome.surviving_timelines(), forks=forks,
+        absorber=outcome.absorber, survivor_indices=survivors,
+        survivors=[outcome.merged[i] for i in survivors], forks=forks,
         samples=samples, failures=failures, negatives=negatives,
-        drifted_messages=sum(len(v) for v in outcome.drifted.values()),
+        drifted_messages=sum(len(v) for i, v in outcome.drifted.items() if i in survivors),
         untokenized_calls=untokenized)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,26 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+class _TokenStreamer:
+    """A ``generate`` streamer (transformers' ``BaseStreamer`` protocol: ``put`` with the
+    prompt first, then with each step's new token; ``end``) handing each new id to a
+    callback."""
+
+    def __init__(self, on_token: Callable[[int], None]) -> None:
+        self.on_token = on_token
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.on_token(int(token))
+
+    def end(self) -> None:
+        pass
 
 
 class TransformersBackend:
@@ -132,9 +152,12 @@ class TransformersBackend:
         :func:`workers.rollout.prompt.render_prompt_ids`)."""
         return render_prompt_ids(self.tokenizer, request)
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
+    def generate(self, request: GenerationRequest,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
         """Sample one response. Raises ValueError when the prompt does not fit the model's
-        context (``max_position_embeddings``); ``max_tokens`` is capped to what fits."""
+        context (``max_position_embeddings``); ``max_tokens`` is capped to what fits.
+        ``on_token`` is called with each generated id as it is sampled (from this thread);
+        it does not change what is sampled."""
         from transformers import GenerationConfig
 
         if not isinstance(request, GenerationRequest):
@@ -171,6 +194,7 @@ class TransformersBackend:
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=config,
                 tokenizer=self.tokenizer if params.stop else None,
+                streamer=None if on_token is None else _TokenStreamer(on_token),
             )
         response = output.sequences[0, len(prompt):]
         scores = torch.stack(output.scores, dim=1)[0, : response.shape[0]]  # (response_len, V)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from store import errors, queries
 from store.eventlog import EventStore
@@ -17,7 +17,8 @@ from workers.replay.jobs.project import project_episodes
 if TYPE_CHECKING:
     from workers.replay.jobs.parallel import ProjectionPool
 
-__all__ = ["abort_stale_episodes", "sweep_unprojected", "sweep_forever"]
+__all__ = ["abort_stale_episodes", "finish_idle_rollouts", "sweep_unprojected",
+           "sweep_forever"]
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +62,39 @@ def abort_stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 20
     return closed
 
 
+def finish_idle_rollouts(store: EventStore, *, timeout_s: float, limit: int = 200,
+                         now: dt.datetime | None = None) -> int:
+    """Finish every remote rollout idle for ``timeout_s`` seconds
+    (``queries.idle_remote_rollouts``): the synchronous protocol revision never says that a
+    rollout ended (the RolloutServer answers the trainer's ``/rollout`` call, not this
+    store). ``completed`` when its last call made no tool call (the agent gave its answer),
+    else ``aborted`` (the RolloutServer went away mid-turn). Like ``abort_stale_episodes``
+    the append expects the version it saw. Returns how many it finished."""
+    idle = queries.idle_remote_rollouts(store, timeout_s=timeout_s, limit=limit, now=now)
+    closed = 0
+    for stream_id, version, mid_turn in idle:
+        status: Literal["aborted", "completed"] = "aborted" if mid_turn else "completed"
+        reason = (f"remote rollout idle for {timeout_s:g} s "
+                  f"({'with tool calls pending' if mid_turn else 'after its answer'})")
+        try:
+            store.append(stream_id, [EpisodeFinished(status=status, reason=reason)], version)
+            closed += 1
+        except errors.ConflictError:
+            continue
+    return closed
+
+
 def sweep_forever(store: EventStore, *, interval_s: float, episode_timeout_s: float,
-                  stop: threading.Event | None = None) -> None:
-    """Abort stale episodes and project unprojected ones every ``interval_s`` seconds until
-    ``stop`` is set. Transient database errors are logged and retried next round."""
+                  stop: threading.Event | None = None,
+                  rollout_idle_timeout_s: float | None = None) -> None:
+    """Finish idle remote rollouts (when ``rollout_idle_timeout_s`` is given), abort stale
+    episodes and project unprojected ones every ``interval_s`` seconds until ``stop`` is
+    set. Transient database errors are logged and retried next round."""
     stop = stop or threading.Event()
     while not stop.is_set():
         try:
+            if rollout_idle_timeout_s is not None:
+                finish_idle_rollouts(store, timeout_s=rollout_idle_timeout_s)
             aborted = abort_stale_episodes(store, timeout_s=episode_timeout_s)
             written = sweep_unprojected(store)
             if aborted or written:

@@ -1,0 +1,152 @@
+"""The trainer side of the remote-rollout protocol across its revisions, with the tiny model
+as the in-process engine: a revision without masks is not reported ``mask_missing``, the
+asynchronous completion's reward is recorded wherever the report carries it, synchronous
+rollouts (which never report their end) are finished by the idle timeout, and a
+``tokenizer_name`` the run cannot replay is refused."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from store.eventlog import EventStore
+from store.events import EpisodeFinished, LLMCalled
+from store.settings import Settings
+from tests.api.conftest import Project
+from workers.replay.jobs.project import project_episode
+from workers.replay.jobs.sweep import finish_idle_rollouts
+
+pytestmark = pytest.mark.timeout(600)
+
+QUESTION = [{"role": "system", "content": "You are a calculator."},
+            {"role": "user", "content": "What is 5 + 3?"}]
+
+
+@pytest.fixture
+def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path
+            ) -> Iterator[TestClient]:
+    settings = api_settings.model_copy(update={"gateway_engine_model": str(tiny_model_dir),
+                                               "gateway_max_tokens": 16})
+    with TestClient(create_app(settings, store=api_store)) as c:
+        yield c
+
+
+def new_rollout(client: TestClient, project: Project, tokenizer: str) -> tuple[str, str]:
+    run_id = f"remote-{uuid.uuid4().hex[:8]}"
+    r = client.post("/v1/runs", headers=project.headers("ingest"), json={
+        "run_id": run_id, "config": {"group_size": 1, "tokenizer": tokenizer}})
+    assert r.status_code == 201, r.text
+    rollout_id = f"rollout-{uuid.uuid4().hex[:10]}"
+    r = client.post(f"/v1/runs/{run_id}/episodes", headers=project.headers("ingest"),
+                    json={"episode_id": rollout_id, "group_id": "g0", "messages": QUESTION})
+    assert r.status_code == 201, r.text
+    return run_id, rollout_id
+
+
+def call(client: TestClient, project: Project, rollout_id: str,
+         messages: list[dict[str, Any]], **mask: Any) -> dict[str, Any]:
+    r = client.post("/v1/chat/completions", headers=project.headers("ingest"), json={
+        "model": "default", "rollout_id": rollout_id, "messages": messages,
+        "temperature": 1.0, "max_tokens": 8, "seed": 5, **mask})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def conversation(client: TestClient, project: Project, rollout_id: str, **mask: Any
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    first = call(client, project, rollout_id, QUESTION, **mask)
+    messages = [*QUESTION, first["choices"][0]["message"],
+                {"role": "user", "content": "And 2 + 2?"}]
+    return first, call(client, project, rollout_id, messages, **mask)
+
+
+def test_a_revision_without_masks_is_not_reported_mask_missing(
+        gateway: TestClient, project: Project, tiny_model_dir: Path) -> None:
+    _, rollout_id = new_rollout(gateway, project, str(tiny_model_dir))
+    first, second = conversation(gateway, project, rollout_id)  # no response_mask key
+    assert first["mask_check"]["status"] == "first_call"
+    assert second["mask_check"]["status"] == "ok", second["mask_check"]
+    assert second["mask_check"]["reasons"] == [] and second["mask_check"]["new_tokens"] > 0
+    # The masked revision's explicit null after the first call still is mask_missing.
+    _, rollout_id = new_rollout(gateway, project, str(tiny_model_dir))
+    _, second = conversation(gateway, project, rollout_id, response_mask=None)
+    assert second["mask_check"]["reasons"] == ["mask_missing"]
+
+
+@pytest.mark.parametrize("report", [
+    {"reward": 0.75},
+    {"extra_fields": {"reward": 0.75}},
+    {"extra_fields": {"reward_extra_info": {"reward": 0.75, "turn_penalty": 0.1}}},
+    {"reward_score": 0.75},
+    {"metrics": {"reward": 0.75, "num_llm_calls": 2}},
+])
+def test_the_async_completion_reward_reaches_the_samples(
+        gateway: TestClient, project: Project, api_store: EventStore, tiny_model_dir: Path,
+        report: dict[str, Any]) -> None:
+    run_id, rollout_id = new_rollout(gateway, project, str(tiny_model_dir))
+    conversation(gateway, project, rollout_id)
+    done = gateway.post("/v1/rollout/completed", headers=project.headers("ingest"), json={
+        "rollout_id": rollout_id, "status": "COMPLETED", "finish_reason": "stop",
+        "final_messages": QUESTION, **report})
+    assert done.status_code == 200, done.text
+    assert done.json()["reward"] == 0.75
+    assert project_episode(api_store, rollout_id).outcome == "written"
+    samples = gateway.get(f"/v1/runs/{run_id}/samples", params={"tokens": "false"},
+                          headers=project.headers("read")).json()["samples"]
+    assert samples and {s["reward"] for s in samples} == {0.75}
+
+
+def test_idle_synchronous_rollouts_are_finished_and_yield_samples(
+        gateway: TestClient, project: Project, api_store: EventStore,
+        tiny_model_dir: Path) -> None:
+    run_id, rollout_id = new_rollout(gateway, project, str(tiny_model_dir))
+    _, last = conversation(gateway, project, rollout_id)
+    assert not last["choices"][0]["message"].get("tool_calls")
+    # A gateway episode (no remote-rollout call) is not a rollout: left to the stale sweep.
+    plain = f"ep-{uuid.uuid4().hex[:8]}"
+    r = gateway.post(f"/v1/runs/{run_id}/episodes/{plain}/chat/completions",
+                     headers=project.headers("ingest"),
+                     json={"messages": QUESTION, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    now = dt.datetime.now(dt.UTC)
+    assert finish_idle_rollouts(api_store, timeout_s=600, now=now) == 0  # not idle yet
+    later = now + dt.timedelta(seconds=601)
+    finished = finish_idle_rollouts(api_store, timeout_s=600, now=later)
+    assert finished >= 1
+    events = [r.event for r in api_store.read_stream(rollout_id)]
+    end = events[-1]
+    assert isinstance(end, EpisodeFinished) and end.status == "completed"
+    assert "idle" in (end.reason or "")
+    assert not any(isinstance(r.event, EpisodeFinished) for r in api_store.read_stream(plain))
+    assert finish_idle_rollouts(api_store, timeout_s=600, now=later) == 0  # once
+    # The rollout replays into samples; later calls are refused.
+    assert project_episode(api_store, rollout_id).outcome == "written"
+    samples = gateway.get(f"/v1/runs/{run_id}/samples", params={"tokens": "false"},
+                          headers=project.headers("read")).json()["samples"]
+    assert [s["episode_id"] for s in samples] == [rollout_id]
+    again = gateway.post("/v1/chat/completions", headers=project.headers("ingest"), json={
+        "rollout_id": rollout_id, "messages": QUESTION, "max_tokens": 4})
+    assert again.status_code == 409
+    assert sum(isinstance(r.event, LLMCalled) for r in api_store.read_stream(rollout_id)) == 2
+
+
+def test_a_tokenizer_name_the_run_cannot_replay_is_refused(
+        gateway: TestClient, project: Project, api_store: EventStore,
+        tiny_model_dir: Path) -> None:
+    run_id, _ = new_rollout(gateway, project, str(tiny_model_dir))
+    rollout_id = f"r-{uuid.uuid4().hex[:8]}"
+    r = gateway.post("/rollout", headers=project.headers("ingest"), json={
+        "rollout_id": rollout_id, "server_url": "http://127.0.0.1:9",
+        "messages": QUESTION, "tokenizer_name": "Qwen/Qwen3-8B", "run_id": run_id})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["field"] == "body.tokenizer_name"
+    assert "Qwen/Qwen3-8B" in error["message"] and str(tiny_model_dir) in error["message"]
+    assert api_store.read_stream(f"rollout-{rollout_id}") == []
