@@ -58,6 +58,20 @@ def cpu_engine_environment(cache_root: str | os.PathLike[str], *, kv_cache_gib: 
     }
 
 
+def _engine_folder(model: str | os.PathLike[str], policy_version: object,
+                   engine_kwargs: dict[str, Any]) -> str:
+    """The model folder of an engine, after the checks both vLLM backends make: the folder
+    exists, ``logprobs_mode`` is left to the backend, ``policy_version`` is an integer."""
+    path = os.fspath(model)
+    if not os.path.isdir(path):
+        raise ValueError(f"model folder {path!r} does not exist")
+    if "logprobs_mode" in engine_kwargs:
+        raise ValueError("logprobs_mode is fixed to 'processed_logprobs' by this backend")
+    if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+        raise TypeError(f"policy_version must be an integer, got {policy_version!r}")
+    return path
+
+
 class VLLMBackend:
     """A :class:`~workers.rollout.backend.GenerationBackend` over ``vllm.LLM``.
 
@@ -73,13 +87,7 @@ class VLLMBackend:
 
     def __init__(self, model: str | os.PathLike[str], *, policy_version: int = 0,
                  **engine_kwargs: Any) -> None:
-        path = os.fspath(model)
-        if not os.path.isdir(path):
-            raise ValueError(f"model folder {path!r} does not exist")
-        if "logprobs_mode" in engine_kwargs:
-            raise ValueError("logprobs_mode is fixed to 'processed_logprobs' by this backend")
-        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
-            raise TypeError(f"policy_version must be an integer, got {policy_version!r}")
+        path = _engine_folder(model, policy_version, engine_kwargs)
         from vllm import LLM
 
         self.llm = LLM(model=path, tokenizer=path, logprobs_mode="processed_logprobs",
@@ -193,13 +201,7 @@ class AsyncVLLMBackend:
 
     def __init__(self, model: str | os.PathLike[str], *, policy_version: int = 0,
                  **engine_kwargs: Any) -> None:
-        path = os.fspath(model)
-        if not os.path.isdir(path):
-            raise ValueError(f"model folder {path!r} does not exist")
-        if "logprobs_mode" in engine_kwargs:
-            raise ValueError("logprobs_mode is fixed to 'processed_logprobs' by this backend")
-        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
-            raise TypeError(f"policy_version must be an integer, got {policy_version!r}")
+        path = _engine_folder(model, policy_version, engine_kwargs)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
