@@ -427,18 +427,24 @@ def ping(store: EventStore) -> None:
         conn.execute("SELECT 1").fetchone()
 
 
-def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
-                   now: dt.datetime | None = None) -> list[tuple[str, int]]:
-    """Episodes with no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest
-    start first, at most ``limit``: ``(episode_id, last stream_version)``. Time is the
-    database's clock, or ``now`` when given (timezone-aware). Raises ValueError for a
-    non-positive timeout, a ``limit`` below 1 or a naive ``now``."""
+def _check_idle(timeout_s: float, limit: int, now: dt.datetime | None) -> None:
+    """The arguments of the idle-episode queries: a positive timeout, a ``limit`` of at
+    least 1, a timezone-aware ``now`` (or None: the database's clock)."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if now is not None and now.tzinfo is None:
         raise ValueError("now must be timezone-aware")
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+
+
+def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
+                   now: dt.datetime | None = None) -> list[tuple[str, int]]:
+    """Episodes with no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest
+    start first, at most ``limit``: ``(episode_id, last stream_version)``. Time is the
+    database's clock, or ``now`` when given (timezone-aware). Raises ValueError for a
+    non-positive timeout, a ``limit`` below 1 or a naive ``now``."""
+    _check_idle(timeout_s, limit, now)
     with store.db.connection() as conn:
         rows = conn.execute(
             """
@@ -464,12 +470,7 @@ def idle_remote_rollouts(store: EventStore, *, timeout_s: float, limit: int = 20
     no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest first, at most
     ``limit``: ``(episode_id, last stream_version, whether the last call made tool calls)``.
     Time as in ``stale_episodes``; the same ValueErrors."""
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if now is not None and now.tzinfo is None:
-        raise ValueError("now must be timezone-aware")
-    if limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+    _check_idle(timeout_s, limit, now)
     last_calls = f"{safe_data('l.data')}->'response'->'tool_calls'"
     with store.db.connection() as conn:
         rows = conn.execute(

@@ -207,7 +207,9 @@ def _arguments(value: Any) -> str:
     return json.dumps(value if value is not None else {}, ensure_ascii=False)
 
 
-def _int_list(span: Span, name: str) -> list[int] | None:
+def _json_list(span: Span, name: str, what: str) -> list[Any] | None:
+    """Attribute ``name`` as a list (an OTLP array, or a JSON array in a string); None when
+    absent; a 400 naming ``what`` it must hold otherwise."""
     value = span.attr(name)
     if value is None:
         return None
@@ -215,9 +217,17 @@ def _int_list(span: Span, name: str) -> list[int] | None:
         try:
             value = json.loads(value)
         except ValueError:
-            raise _bad(span, name, "must be an array of integers") from None
-    if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise _bad(span, name, f"must be an array of {what}") from None
+    if not isinstance(value, list):
+        raise _bad(span, name, f"must be an array of {what}")
+    return value
+
+
+def _int_list(span: Span, name: str) -> list[int] | None:
+    value = _json_list(span, name, "integers")
+    if value is None:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise _bad(span, name, "must be an array of integers")
     if any(not 0 <= v <= 2**31 - 1 for v in value):
         raise _bad(span, name, "token ids must lie in 0..2147483647 (int32)")
@@ -225,16 +235,10 @@ def _int_list(span: Span, name: str) -> list[int] | None:
 
 
 def _float_list(span: Span, name: str) -> list[float] | None:
-    value = span.attr(name)
+    value = _json_list(span, name, "numbers")
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise _bad(span, name, "must be an array of numbers") from None
-    if not isinstance(value, list) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         raise _bad(span, name, "must be an array of numbers")
     return [float(v) for v in value]
 
