@@ -250,11 +250,18 @@ CALC_SYSTEM = ("Answer with <think>reasoning</think> then one <tool_call> to the
 
 def calc_question(seed: int, index: int) -> tuple[str, str]:
     """The ``index``-th question of the ``calc`` set for ``seed`` and its expression: two
-    small integers and one operator. Deterministic in ``(seed, index)``."""
+    small integers and one operator, in parentheses (``What is (19 * 34)?``).
+    Deterministic in ``(seed, index)``.
+
+    The parentheses make the expression the same tokens in the question and in a tool call
+    (``print(19 * 34)`` ends with the question's ``(19 * 34)``), as a model's byte-level
+    tokenizer would see ``19`` after ``(`` in both places; without them the question's
+    `` 19`` (with its space) and the code's ``19`` are different tokens, and a small model
+    must learn a mapping for every number instead of copying."""
     rng = random.Random(f"calc-{seed}-{index}")
     a, b = rng.randint(2, 99), rng.randint(2, 99)
     op = rng.choice(["+", "-", "*"])
-    expression = f"{a} {op} {b}"
+    expression = f"({a} {op} {b})"
     return f"What is {expression}?", expression
 
 
@@ -275,7 +282,7 @@ def calc_task(seed: int, index: int) -> Task:
 
 
 def calc_tasks(count: int, *, seed: int = 0) -> list[Task]:
-    """``count`` generated tool-use questions (``What is 37 * 12?``) with the ``python`` and
+    """``count`` generated tool-use questions (``What is (37 * 12)?``) with the ``python`` and
     ``calculator`` tools and the strict binary ``tool_answer`` reward, at most 3 turns.
     Deterministic in ``seed``. Raises ValueError when ``count`` is not a positive integer."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:

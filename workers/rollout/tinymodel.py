@@ -164,8 +164,14 @@ def build_tiny_tokenizer(*, seed: int = 0) -> PreTrainedTokenizerFast:
     return wrapped
 
 
-def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
+def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0,
+                     hidden_size: int = _HIDDEN, layers: int = _LAYERS,
+                     heads: int = _HEADS) -> Path:
     """Build the tiny Qwen3 model and tokenizer from ``seed`` and save both into ``directory``.
+
+    ``hidden_size``, ``layers`` and ``heads`` (query heads of ``head_dim`` 32, one key/value
+    head; the MLP is twice the hidden size) widen the default 64 × 2 × 2 for a policy that
+    must learn more than the tests need; each must be a positive integer (ValueError).
 
     Deterministic: the same seed writes byte-identical weights and tokenizer files. The folder
     is created if missing; existing files of the same names are overwritten. Weights are
@@ -174,6 +180,9 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0) -> Pat
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    for name, value in (("hidden_size", hidden_size), ("layers", layers), ("heads", heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"directory {str(path)!r} exists and is not a folder")
@@ -185,10 +194,10 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0) -> Pat
                tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=_HIDDEN,
-        intermediate_size=_INTERMEDIATE,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
+        hidden_size=hidden_size,
+        intermediate_size=_INTERMEDIATE * hidden_size // _HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=_KV_HEADS,
         head_dim=_HEAD_DIM,
         max_position_embeddings=_MAX_POSITIONS,

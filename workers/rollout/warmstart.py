@@ -50,7 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Bump when the recipe changes, so that older cached folders are not reused.
-WARM_START_VERSION = 1
+WARM_START_VERSION = 2
 #: The kinds of mistake the scripted solver makes.
 MISTAKES: tuple[str, ...] = ("malformed", "syntax", "name", "unknown_tool")
 _MANIFEST = "warmstart.json"
@@ -65,15 +65,19 @@ class WarmStartOptions:
     """The recipe: ``transcripts`` solver transcripts with ``error_rate`` first-call
     mistakes, ``steps`` optimiser steps of ``batch_size`` at learning rate ``lr``."""
 
-    transcripts: int = 256
+    transcripts: int = 1024
     error_rate: float = 0.3
-    steps: int = 80
+    steps: int = 300
     batch_size: int = 8
     lr: float = 3e-3
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 2
+    drills: int = 32
 
     def check(self) -> None:
         """Raise ValueError naming the first field out of range."""
-        for name in ("transcripts", "steps", "batch_size"):
+        for name in ("transcripts", "steps", "batch_size", "hidden_size", "layers", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"warm start {name} must be a positive integer, got {value!r}")
@@ -95,7 +99,7 @@ def _think(text: str) -> str:
 def _good_call(rng: random.Random, expression: str) -> str:
     if rng.random() < 0.5:
         return _think("compute it with python") + _call("python",
-                                                        {"code": f"print({expression})"})
+                                                        {"code": f"print{expression}"})
     return _think("compute it with the calculator") + _call("calculator",
                                                             {"expression": expression})
 
@@ -104,12 +108,12 @@ def _bad_call(kind: str, expression: str) -> tuple[str, str]:
     """A failing first turn of ``kind`` and the text of its tool error."""
     if kind == "malformed":
         text = _think("compute it with python") + (
-            '<tool_call>\n{"name": "python", "arguments": {"code": "print(' + expression
-            + ')"}\n</tool_call>')
+            '<tool_call>\n{"name": "python", "arguments": {"code": "print' + expression
+            + '"}\n</tool_call>')
         return text, "tool call format is wrong: invalid JSON in <tool_call>"
     if kind == "syntax":
         text = _think("compute it with python") + _call("python",
-                                                        {"code": f"print({expression}"})
+                                                        {"code": f"print{expression[:-1]}"})
         return text, "SyntaxError: '(' was never closed"
     if kind == "name":
         text = _think("compute it with python") + _call("python",
@@ -171,6 +175,51 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
     return ids, mask
 
 
+def _common_prefix(sequences: list[list[int]]) -> int:
+    """Length of the token prefix every sequence shares (the system prompt and the tools),
+    kept one token short of the shortest sequence so every row has a suffix."""
+    length = min(len(ids) for ids in sequences) - 1
+    first = sequences[0]
+    for ids in sequences[1:]:
+        length = next((i for i in range(length) if ids[i] != first[i]), length)
+    return length
+
+
+def _suffix_loss(model: Any, batch: list[tuple[list[int], list[int]]], prefix: int, *,
+                 pad: int) -> Any:
+    """Next-token loss on the assistant tokens of ``batch``. The shared prefix (every
+    transcript starts with the same system prompt and tool schemas, about 85% of its
+    tokens) is encoded once, without gradient, and its keys and values are given to every
+    row; only the suffixes are computed with gradient. This is the forward pass the rollout
+    engine makes with a prefix cache; it leaves out the gradient through the prefix's
+    representations, which carry no loss."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = None
+    if prefix:
+        shared = torch.tensor([batch[0][0][:prefix]])
+        with torch.no_grad():
+            cache = model(input_ids=shared, use_cache=True, past_key_values=DynamicCache()
+                          ).past_key_values
+        cache.batch_repeat_interleave(len(batch))
+    width = max(len(ids) for ids, _ in batch) - prefix
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(batch), prefix + width), dtype=torch.long)
+    attention[:, :prefix] = 1
+    for row, (ids, mask) in enumerate(batch):
+        suffix = ids[prefix:]
+        input_ids[row, :len(suffix)] = torch.tensor(suffix)
+        attention[row, prefix:prefix + len(suffix)] = 1
+        labels[row, :len(suffix)] = torch.tensor(
+            [t if m else -100 for t, m in zip(suffix, mask[prefix:], strict=True)])
+    # The first suffix token is predicted from the prefix's last position, which has no
+    # gradient; it is a user-turn token (no loss) in every transcript.
+    return model(input_ids=input_ids, attention_mask=attention, past_key_values=cache,
+                 labels=labels).loss
+
+
 def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
                      options: WarmStartOptions | None = None) -> Path:
     """Build the tiny model for ``seed`` into ``directory`` and fine-tune it on
@@ -183,33 +232,29 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
     options.check()
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    path = build_tiny_model(directory, seed=seed)
+    path = build_tiny_model(directory, seed=seed, hidden_size=options.hidden_size,
+                            layers=options.layers, heads=options.heads)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tools = [dict(t) for t in calc_task(seed, 0).tools]
     data = [_encode(tokenizer, t, tools)
             for t in solver_transcripts(options.transcripts, seed=seed,
                                         error_rate=options.error_rate)]
+    prefix = _common_prefix([ids for ids, _ in data])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.0)
         order = random.Random(seed)
-        pad = tokenizer.pad_token_id
         for step in range(options.steps):
             batch = order.sample(data, min(options.batch_size, len(data)))
-            width = max(len(ids) for ids, _ in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            labels = torch.full((len(batch), width), -100, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (ids, mask) in enumerate(batch):
-                input_ids[row, :len(ids)] = torch.tensor(ids)
-                attention[row, :len(ids)] = 1
-                labels[row, :len(ids)] = torch.tensor(
-                    [t if m else -100 for t, m in zip(ids, mask, strict=True)])
             for group in optimizer.param_groups:
                 group["lr"] = options.lr * min(1.0, (options.steps - step) / (options.steps / 4))
-            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            loss = _suffix_loss(model, batch, prefix, pad=tokenizer.pad_token_id)
+            if options.drills:
+                drill = [(ids[prefix:], mask[prefix:])
+                         for ids, mask in order.sample(data, min(options.drills, len(data)))]
+                loss = loss + _suffix_loss(model, drill, 0, pad=tokenizer.pad_token_id)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
