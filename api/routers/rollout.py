@@ -110,7 +110,7 @@ def _check_tokenizer_name(ctx: Ctx, run_id: str, name: str) -> None:
     from workers.tokenizers import TokenizerNotFound, canonical_tokenizer, load_tokenizer
 
     config = ctx.store.get_run(run_id).config
-    run_name = config.tokenizer or config.model
+    run_name = config.tokenizer_name
     if not run_name or canonical_tokenizer(run_name) == canonical_tokenizer(name):
         return
     where = "body.tokenizer_name"

@@ -69,7 +69,7 @@ def test_group_through_the_api(api: tuple[str, EventStore, Settings],
         assert log.policy(run_id) == PolicyState(3, None)
 
         def play() -> Any:
-            return play_group(log=log, run_id=run_id, task=TASK, n=2, backend=hf_backend,
+            return play_group(log=log, run_id=run_id, task=TASK, backend=hf_backend,
                               tools=registry, policy_version=3,
                               sampling=SamplingParams(max_tokens=24), max_turns=2)
 
