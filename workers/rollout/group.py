@@ -36,6 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from store.arguments import whole_number
 from store.errors import ConflictError, IdempotencyError
 from store.events import EpisodeFinished, RunConfig
 from workers.rollout.agent_tasks import Task
@@ -234,8 +235,7 @@ async def aplay_group(
     """
     for name, value, low in (("group_index", group_index, 0),
                              ("policy_version", policy_version, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        whole_number(name, value, minimum=low)
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
     config = (run_config if run_config is not None

@@ -64,6 +64,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from store.arguments import whole_number
 from store.events import (
     AttemptFailed,
     CheckpointCreated,
@@ -436,8 +437,7 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
     for name, value in (("max_turns", max_turns), ("max_total_tokens", max_total_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        whole_number(name, value)
     if sampling is None:
         sampling = SamplingParams()
     if not isinstance(sampling, SamplingParams):
