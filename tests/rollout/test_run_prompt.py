@@ -124,3 +124,17 @@ def test_tokenizer_name_is_the_tokenizer_else_the_model() -> None:
     assert RunConfig().tokenizer_name is None
     assert RunConfig(model="/m").tokenizer_name == "/m"
     assert RunConfig(model="/m", tokenizer="qwen3").tokenizer_name == "qwen3"
+
+
+def test_the_rollout_task_takes_no_group_size() -> None:
+    """The group size comes from the run: a message in the older form, with the size as a
+    third argument, fails before anything is played instead of naming another group."""
+    import inspect
+
+    from workers.rollout.celery_tasks import rollout_group
+
+    parameters = inspect.signature(rollout_group.run).parameters
+    assert list(parameters) == ["run_id", "task_id", "group_index"]
+    assert parameters["group_index"].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(TypeError):
+        rollout_group("run-x", "arith-0-0", 2)
