@@ -109,6 +109,17 @@ def test_a_tokenizer_that_cannot_be_loaded_fails_the_group_before_any_episode(
     assert store.list_episodes(run_id) == []
 
 
+def test_a_template_that_refuses_a_request_ends_that_episode_as_an_error(
+        store: EventStore, hf_backend: TransformersBackend, registry: ToolRegistry,
+        tiny_model_dir: Path) -> None:
+    run_id, _ = _run(store, group_size=1, tokenizer=str(tiny_model_dir),
+                     chat_template="{{ raise_exception('refused by the run template') }}")
+    result = _play(store, hf_backend, registry, run_id)
+    assert result.slots[0].status == "error"
+    finished = store.get_episode(result.slots[0].episode_id)[-1].event
+    assert "refused by the run template" in (finished.reason or "")
+
+
 def test_run_prompt_refuses_bad_input(hf_backend: TransformersBackend) -> None:
     with pytest.raises(TypeError, match="chat_template must be a string"):
         RunPrompt(hf_backend.tokenizer, chat_template=3)  # type: ignore[arg-type]
