@@ -71,6 +71,12 @@ def test_tool_calls_outside_the_token_ids_are_run_and_replay_trains_on_the_ids_o
     assert response["metrics"]["tool_calls"] == 2
     assert response["metrics"]["tool_calls_outside_ids"] == 2
     assert response["metrics"]["trainer_endpoint"] == "/v1/chat/completions"
+    # The reference RolloutMetrics' names, which its trainer reads.
+    assert response["metrics"]["num_llm_calls"] == 3
+    assert response["metrics"]["num_tool_calls"] == 2
+    assert response["metrics"]["response_tokens"] == sum(
+        len(c.token_ids) for c in chat_trainer.calls_of(request["rollout_id"]))
+    assert response["metrics"]["total_latency_ms"] > 0
     final = response["final_messages"]
     assert [m["role"] for m in final] == ["system", "user", "assistant", "tool", "assistant",
                                           "tool", "assistant"]

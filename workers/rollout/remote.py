@@ -27,7 +27,10 @@ and returns the RolloutResponse::
      "metrics": {"llm_calls": …, "tool_calls": …, "generated_tokens": …, "turns": …,
                  "prompt_length_mismatches": …, "tool_calls_outside_ids": …,
                  "trainer_endpoint": "/v1/chat/completions" | "/v1/completions" | null,
-                 "duration_s": …}}
+                 "duration_s": …,
+                 # the reference RolloutMetrics' names for the same counts:
+                 "num_llm_calls": …, "num_tool_calls": …, "response_tokens": …,
+                 "total_latency_ms": …}}
 
 Semantics:
 
@@ -321,6 +324,7 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
     message = None
     if result.status == "error":
         message = f"{category}: {error}" if error is not None else result.reason
+    duration = time.perf_counter() - started
     turns = sum(1 for m in result.messages if m.get("role") == "assistant") - sum(
         1 for m in parsed.messages if m.get("role") == "assistant")
     return {
@@ -339,6 +343,12 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
             "prompt_length_mismatches": backend.prompt_length_mismatches,
             "tool_calls_outside_ids": backend.tool_calls_outside_ids,
             "trainer_endpoint": None if backend.endpoint == "auto" else backend.path,
-            "duration_s": time.perf_counter() - started,
+            "duration_s": duration,
+            # the same counts under the reference RolloutMetrics' names, which its trainer
+            # reads (num_llm_calls becomes the sample's number of turns)
+            "num_llm_calls": result.llm_calls,
+            "num_tool_calls": result.tool_calls,
+            "response_tokens": result.generated_tokens,
+            "total_latency_ms": duration * 1000.0,
         },
     }
