@@ -9,7 +9,8 @@ Generation is the tiny model forced through scripted texts (``script``), so the 
 logprobs are the model's. A scripted text is split at its first ``<tool_call>``: the part
 before is the content; the blocks after are the tool calls, answered as OpenAI
 ``tool_calls`` (``form="tool_calls"``, arguments as JSON text) or left as text in
-``message.content`` (``form="content"``). The content's ids are the shortest prefix of the
+``message.content`` (``form="content"``), with a ``finish_reason`` or without
+(``finish_reason=False``). The content's ids are the shortest prefix of the
 generated ids that decodes to the content.
 
 Per rollout it keeps the trainer's buffer (each prompt, then the returned ``token_ids``) and
@@ -60,6 +61,7 @@ class _Rollout:
     buffer: list[int] = field(default_factory=list)
     engine: ReplayBackend | None = None
     form: str = "tool_calls"
+    finish_reason: bool = True
 
 
 class ChatTrainer:
@@ -96,9 +98,10 @@ class ChatTrainer:
                                                     log_level="error", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def script(self, rollout_id: str, texts: list[str], *, form: str = "tool_calls") -> None:
+    def script(self, rollout_id: str, texts: list[str], *, form: str = "tool_calls",
+               finish_reason: bool = True) -> None:
         self.rollouts[rollout_id] = _Rollout(engine=ReplayBackend(self.backend, texts),
-                                             form=form)
+                                             form=form, finish_reason=finish_reason)
 
     def calls_of(self, rollout_id: str) -> list[ChatCall]:
         return [c for c in self.calls if c.rollout_id == rollout_id]
@@ -159,10 +162,11 @@ class ChatTrainer:
         state.buffer = prompt + content_ids
         self.calls.append(ChatCall(path, rollout_id, body.get("response_mask"), expected,
                                    extends, prompt, new, content_ids, message))
+        choice: dict[str, Any] = {"index": 0, "message": message}
+        if state.finish_reason:
+            choice["finish_reason"] = "tool_calls" if cut >= 0 else "stop"
         return JSONResponse({
             "id": f"chat-{rollout_id}-{len(self.calls)}", "object": "chat.completion",
-            "created": int(time.time()), "model": "tiny",
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": "tool_calls" if cut >= 0 else "stop"}],
+            "created": int(time.time()), "model": "tiny", "choices": [choice],
             "token_ids": content_ids, "logprobs": logprobs[: len(content_ids)],
             "prompt_token_ids": prompt})

@@ -57,16 +57,21 @@ def request_for(trainer: ChatTrainer, tiny_model_dir: Path, **changes: Any) -> d
             "tool_server_url": None, **changes}
 
 
-@pytest.mark.parametrize("form", ["tool_calls", "content"])
+@pytest.mark.parametrize("form,finish_reason", [("tool_calls", True), ("content", True),
+                                                ("tool_calls", False)])
 def test_tool_calls_outside_the_token_ids_are_run_and_replay_trains_on_the_ids_only(
         chat_trainer: ChatTrainer, tiny_model_dir: Path, hf_backend: TransformersBackend,
-        store: EventStore, settings: Settings, form: str) -> None:
+        store: EventStore, settings: Settings, form: str, finish_reason: bool) -> None:
+    """Without a finish_reason, a turn whose ids lack the end token but whose answer carries
+    tool calls finished with those calls (not a ``length`` cut); the last answer, with
+    neither an end token nor tool calls, is taken as cut by the token limit."""
     request = request_for(chat_trainer, tiny_model_dir)
     rid = request["rollout_id"]
-    chat_trainer.script(rid, SCRIPT, form=form)
+    chat_trainer.script(rid, SCRIPT, form=form, finish_reason=finish_reason)
     response = run_remote_rollout(request, store=store, settings=settings)
 
     assert response["status"] == "COMPLETED", response["error_message"]
+    assert response["finish_reason"] == ("stop" if finish_reason else "max_tokens")
     assert response["metrics"]["llm_calls"] == 3
     assert response["metrics"]["tool_calls"] == 2
     assert response["metrics"]["tool_calls_outside_ids"] == 2
@@ -102,7 +107,8 @@ def test_tool_calls_outside_the_token_ids_are_run_and_replay_trains_on_the_ids_o
     assert [e.response_ids.tolist() for e in llm] == [c.token_ids for c in calls]
     assert llm[0].response["tool_calls"][0]["function"]["name"] == "calculator"
     assert llm[0].response["content"] == "Let me multiply."
-    assert llm[0].finish_reason == "tool_calls"
+    assert [e.finish_reason for e in llm] == [
+        "tool_calls", "tool_calls", "stop" if finish_reason else "length"]
     tools = [e for e in events if isinstance(e, ToolReturned)]
     assert [(t.name, t.output) for t in tools] == [("calculator", "42"), ("calculator", "42")]
 

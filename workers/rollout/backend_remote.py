@@ -58,7 +58,10 @@ trainer sampled: ``response_ids`` and ``logprobs`` are the answer's ``token_ids`
 tool-call tokens are then not generated tokens of this call: they reach the trainer in the
 next prompt, among the tokens the ``response_mask`` marks 0, exactly as the trainer's own
 buffer (prompt + ``token_ids``) holds them; replay, which trains only on recorded response
-ids, gives them loss mask 0 too. ``tool_calls_outside_ids`` counts such calls.
+ids, gives them loss mask 0 too. ``tool_calls_outside_ids`` counts such calls. An answer
+without ``finish_reason`` finished its turn (``stop``) when its ids end in the end-of-turn
+token, a stop string cut it, or it carries such tool calls; otherwise it was cut by
+``max_tokens`` (``length``).
 
 Trainer failures raise :class:`RemoteTrainerError` with a category:
 
@@ -370,15 +373,19 @@ class RemoteTrainerBackend:
         self.last_prompt_length = len(prompt) + len(token_ids)
         text, stopped_on_string = decode_response(self.tokenizer, token_ids,
                                                    stop=request.sampling.stop)
+        outside = False
         if not parse_response(text, call_id="probe").attempted_tool_call:
             # Tool calls the answer carries outside its token ids (module docstring).
             calls = answer_tool_calls_text(message)
+            outside = bool(calls)
             if calls:
                 self.tool_calls_outside_ids += 1
                 text = f"{text}\n{calls}" if text.strip() else calls
         if finish is None:
+            # Ids without their end token (content only) and tool calls beside them: the
+            # model finished its turn with those calls.
             ended = bool(token_ids) and token_ids[-1] in self.stop_token_ids
-            finish = "stop" if ended or stopped_on_string else "length"
+            finish = "stop" if ended or stopped_on_string or outside else "length"
         return GenerationResult(
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             response_ids=np.asarray(token_ids, dtype=np.int32),
