@@ -28,11 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tests.rollout.remote_trainer import free_port
+from tests.servers import ThreadedServer
 from workers.rollout.backend import GenerationRequest, SamplingParams
 from workers.rollout.backend_replay import ReplayBackend
 from workers.rollout.backend_transformers import TransformersBackend
@@ -76,8 +75,6 @@ class ChatTrainer:
         self.paths: list[str] = []
         self.rollouts: dict[str, _Rollout] = {}
         self.lock = threading.Lock()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         app = FastAPI()
 
         @app.middleware("http")
@@ -94,9 +91,8 @@ class ChatTrainer:
 
         for path in paths:
             app.post(path)(completions)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = ThreadedServer(app, lifespan="off")
+        self.port, self.url = self.server.port, self.server.url
 
     def script(self, rollout_id: str, texts: list[str], *, form: str = "tool_calls",
                finish_reason: bool = True) -> None:
@@ -107,17 +103,11 @@ class ChatTrainer:
         return [c for c in self.calls if c.rollout_id == rollout_id]
 
     def __enter__(self) -> ChatTrainer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("chat trainer did not start")
-            time.sleep(0.02)
+        self.server.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.server.stop()
 
     def _content_ids(self, ids: list[int], content: str) -> list[int]:
         """The shortest prefix of ``ids`` that decodes to ``content`` (stripped)."""
