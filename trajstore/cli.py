@@ -72,6 +72,13 @@ class Backend(StrEnum):
     vllm = "vllm"
 
 
+class Estimator(StrEnum):
+    """The advantage estimators the demo can train with."""
+
+    egpo = "egpo"
+    grpo = "grpo"
+
+
 class Pool(StrEnum):
     """Celery's worker pools that trajstore's tasks run in."""
 
@@ -264,6 +271,16 @@ def demo(
                                           "the trainer trains (off-policy by at most 2 "
                                           "versions, corrected by importance sampling).")
                        ] = True,
+    lr: Annotated[float | None, typer.Option(help="Learning rate, > 0 "
+                                             "(default: the task's).")] = None,
+    estimator: Annotated[Estimator, typer.Option(help="Advantage estimator: EGPO (entropy "
+                                                 "bonus on <think> tokens) or GRPO.")
+                         ] = Estimator.egpo,
+    negatives: Annotated[bool, typer.Option(help="Train on failed tool calls as negative "
+                                            "samples.")] = True,
+    rollback: Annotated[bool, typer.Option(help="Roll a failed tool call back to its "
+                                           "checkpoint and retry (off: the error stays in "
+                                           "the context).")] = True,
 ) -> None:
     """The main job: roll out groups with a tiny model through Celery workers, replay them,
     train with EGPO, push each new policy to the rollout engine, and chart the result."""
@@ -275,7 +292,8 @@ def demo(
     settings = get_settings()
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
                           backend=backend.value, seed=seed, resume=resume, task=task,
-                          overlap=overlap)
+                          overlap=overlap, lr=lr, estimator=estimator.value,
+                          negatives=negatives, rollback=rollback)
     try:
         options.check()
     except ValueError as exc:

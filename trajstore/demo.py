@@ -34,7 +34,14 @@ from typing import Any
 
 from store import queries
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
-from store.events import PolicyUpdated, RolloutConfig, RunConfig, RunCreated
+from store.events import (
+    NegativeConfig,
+    PolicyUpdated,
+    RollbackConfig,
+    RolloutConfig,
+    RunConfig,
+    RunCreated,
+)
 from store.settings import Settings
 
 __all__ = ["DemoOptions", "VersionRow", "json_summary", "run_demo", "version_rows",
@@ -42,6 +49,8 @@ __all__ = ["DemoOptions", "VersionRow", "json_summary", "run_demo", "version_row
 
 TASK_ID = "digits"
 TASKS = ("digits", "calc")
+#: Advantage estimators the demo can train with (EGPO with its entropy bonus, or plain GRPO).
+ESTIMATORS = ("egpo", "grpo")
 #: Largest accepted ``--seed`` and ``--steps`` (task ids and versions stay small).
 MAX_SEED = 10_000
 MAX_STEPS = 1_000
@@ -60,6 +69,9 @@ class DemoOptions:
     timeout_s: float = 900.0
     task: str = "digits"
     overlap: bool = True
+    estimator: str = "egpo"
+    negatives: bool = True
+    rollback: bool = True
 
     @property
     def generation_tokens(self) -> int:
@@ -84,6 +96,9 @@ class DemoOptions:
     def check(self) -> None:
         """Raise ValueError naming the first option out of range (``--task`` not digits or
         calc, ``--seed`` outside 0..MAX_SEED, ``--steps`` outside 1..MAX_STEPS, ...)."""
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"--estimator must be one of {list(ESTIMATORS)}, "
+                             f"got {self.estimator!r}")
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {list(TASKS)}, got {self.task!r}")
         if not 0 <= self.seed <= MAX_SEED:
@@ -230,7 +245,10 @@ def _create_run(store: EventStore, settings: Settings, options: DemoOptions) -> 
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
     config = RunConfig(group_size=options.group_size, model=model, tokenizer=model,
                        rollout=RolloutConfig(max_tokens=options.generation_tokens,
-                                             max_turns=3 if options.task == "calc" else 2))
+                                             max_turns=3 if options.task == "calc" else 2),
+                       rollback=RollbackConfig(enable_tool_rollback=options.rollback),
+                       negatives=NegativeConfig(
+                           max_negative_samples_per_group=1 if options.negatives else 0))
     store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project="demo",
                                                      config=config)], NO_STREAM)
     return run_id
@@ -260,7 +278,8 @@ def run_demo(
     app = ensure_configured()
     leasing_version = _policy_version(store, run_id)
     train_config = {"lr": options.learning_rate, "groups_per_step": options.groups_per_step,
-                    "micro_batch_size": 16, "seed": options.seed}
+                    "micro_batch_size": 16, "seed": options.seed,
+                    "advantage_estimator": options.estimator}
     if options.overlap:
         # The batch played while version v trains comes from version v (or v + 1 when the
         # step ends first) and is trained at v + 1; an older leftover group is 2 behind.
@@ -343,7 +362,9 @@ def summary(rows: list[VersionRow]) -> dict[str, float]:
 def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
     """The demo's closing summary with exactly the keys of ``--json``: run id, versions,
     reward and tool error rate at the first and last version, rollbacks and negative samples
-    over the run, and the mean EGPO entropy bonus of the training steps (0 without any)."""
+    over the run, the mean EGPO entropy bonus of the training steps (0 without any), and the
+    mean reward and tool error rate of every version (the curves ``bench/learning.py``
+    compares)."""
     bonuses = [value for r in rows for key, value in r.train.items() if "bonus" in key]
     first = rows[0] if rows else VersionRow(0)
     last = rows[-1] if rows else VersionRow(0)
@@ -353,4 +374,6 @@ def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
             "tool_error_rate_last": last.tool_error_rate,
             "rollbacks": sum(r.rollbacks for r in rows),
             "negatives_trained": sum(r.negatives for r in rows),
-            "egpo_bonus_mean": statistics.mean(bonuses) if bonuses else 0.0}
+            "egpo_bonus_mean": statistics.mean(bonuses) if bonuses else 0.0,
+            "reward_by_version": [r.reward_mean for r in rows],
+            "tool_error_rate_by_version": [r.tool_error_rate for r in rows]}

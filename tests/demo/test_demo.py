@@ -101,10 +101,12 @@ def test_vllm_backend_without_vllm_fails_at_once(tmp_path: Path) -> None:
 
 def test_out_of_range_seed_steps_and_task_are_named(tmp_path: Path) -> None:
     for args, name in ((["--seed", "10001"], "--seed"), (["--steps", "5000"], "--steps"),
-                       (["--task", "chess"], "--task")):
+                       (["--task", "chess"], "--task"), (["--lr", "0"], "--lr must be > 0"),
+                       (["--estimator", "ppo"], "'ppo' is not one of 'egpo', 'grpo'")):
         bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", *args],
                              env=_env(tmp_path), capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and name in bad.stdout + bad.stderr, (args, bad.stdout)
+        said = " ".join((bad.stdout + bad.stderr).replace("│", " ").split())
+        assert bad.returncode == 2 and name in said, (args, bad.stdout)
 
 
 @pytest.mark.timeout(900)
@@ -114,13 +116,15 @@ def test_calc_warm_start_makes_tool_calls_and_some_fail(tmp_path: Path) -> None:
     import json
 
     done = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--task", "calc",
-                           "--steps", "1", "--groups", "1", "--group-size", "4", "--json"],
+                           "--steps", "1", "--groups", "2", "--group-size", "8", "--json"],
                           env=_env(tmp_path), capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith('{"run_id"'))
     result = json.loads(line)
     assert list(result) == ["run_id", "versions", "reward_first", "reward_last",
                             "tool_error_rate_first", "tool_error_rate_last", "rollbacks",
-                            "negatives_trained", "egpo_bonus_mean"]
+                            "negatives_trained", "egpo_bonus_mean", "reward_by_version",
+                            "tool_error_rate_by_version"]
+    assert len(result["reward_by_version"]) == result["versions"]
     assert result["versions"] == 1
     assert 0 < result["tool_error_rate_first"] and result["rollbacks"] > 0

@@ -19,7 +19,7 @@ from workers.rollout.warmstart import (
     warm_start_path,
 )
 
-SMALL = WarmStartOptions(transcripts=8, steps=2, batch_size=4)
+SMALL = WarmStartOptions(transcripts=8, steps=2, batch_size=4, drills=2)
 
 
 def test_solver_makes_mistakes_at_the_set_rate_then_recovers() -> None:
@@ -49,6 +49,46 @@ def test_bad_options_are_named(tmp_path: Path) -> None:
         warm_start_path(tmp_path, options=WarmStartOptions(steps=0))
     with pytest.raises(ValueError, match="seed"):
         warm_start_path(tmp_path, seed=-1)
+    with pytest.raises(ValueError, match="hidden_size"):
+        warm_start_path(tmp_path, options=WarmStartOptions(hidden_size=0))
+    with pytest.raises(ValueError, match="drills"):
+        warm_start_path(tmp_path, options=WarmStartOptions(drills=-1))
+
+
+def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
+    """The fine-tuning loss computed over the shared prefix's cached keys and values is the
+    loss of the whole transcripts (the same forward pass, computed once for the prefix)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from workers.rollout.agent_tasks import calc_task
+    from workers.rollout.tinymodel import build_tiny_model
+    from workers.rollout.warmstart import _common_prefix, _encode, _suffix_loss
+
+    path = build_tiny_model(tmp_path / "m", seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tools = [dict(t) for t in calc_task(0, 0).tools]
+    data = [_encode(tokenizer, t, tools) for t in solver_transcripts(6, seed=2)]
+    prefix = _common_prefix([ids for ids, _ in data])
+    assert 300 < prefix < min(len(ids) for ids, _ in data)
+    width = max(len(ids) for ids, _ in data)
+    input_ids = torch.zeros((len(data), width), dtype=torch.long)
+    labels = torch.full((len(data), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(data), width), dtype=torch.long)
+    for row, (ids, mask) in enumerate(data):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        attention[row, :len(ids)] = 1
+        labels[row, :len(ids)] = torch.tensor(
+            [t if m else -100 for t, m in zip(ids, mask, strict=True)])
+    with torch.no_grad():
+        full = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        cached = _suffix_loss(model, data, prefix, pad=0)
+        drill = _suffix_loss(model, [(ids[prefix:], mask[prefix:]) for ids, mask in data], 0,
+                             pad=0)
+    assert abs(float(cached) - float(full)) < 1e-5
+    # A drill (the same suffixes without the prefix) is another loss: the prefix matters.
+    assert abs(float(drill) - float(full)) > 1e-3
 
 
 def test_cache_is_checked_and_a_corrupt_one_rebuilt(tmp_path: Path,

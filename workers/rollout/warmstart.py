@@ -81,6 +81,10 @@ class WarmStartOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"warm start {name} must be a positive integer, got {value!r}")
+        if (isinstance(self.drills, bool) or not isinstance(self.drills, int)
+                or self.drills < 0):
+            raise ValueError(f"warm start drills must be a non-negative integer, "
+                             f"got {self.drills!r}")
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError(f"warm start error_rate must be in [0, 1], got {self.error_rate!r}")
         if not self.lr > 0:

@@ -1,0 +1,163 @@
+"""Benchmark: a learning ablation on the ``calc`` tool-use task — which parts of the recipe help.
+
+Each arm runs ``trajstore demo --task calc`` as a user runs it (real Celery workers on the
+embedded servers of one data folder, so every arm of a seed starts from the same cached
+warm-started policy), with the same seeds, the same budget of episodes (``--steps`` versions
+of ``--groups`` × ``--group-size`` episodes) and the same learning rate:
+
+========================  =====================================================================
+arm                       ``trajstore demo`` options
+========================  =====================================================================
+``grpo``                  ``--estimator grpo --no-negatives``
+``grpo+neg``              ``--estimator grpo`` (failed tool calls trained as negative samples)
+``egpo``                  ``--no-negatives`` (EGPO's clip-form entropy bonus on ``<think>``)
+``egpo+neg``              the defaults
+``egpo+neg, no rollback`` ``--no-rollback`` (a failed call's error stays in the context)
+========================  =====================================================================
+
+For every arm it prints the mean strict reward and tool error rate per policy version
+(averaged over the seeds), then the final values — the mean over the last three versions of
+each run — as mean ± standard deviation over the seeds, and saves one plot with all arms
+(``--plot``). The last line is
+
+    RESULT <arm>=<final reward> ... (arm names with ``+`` as ``_neg`` and spaces removed)
+
+    python bench/learning.py                          # 5 arms × 3 seeds × 12 versions
+    python bench/learning.py --arms grpo egpo+neg --seeds 0 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ARMS", "main"]
+
+#: Arm name -> the ``trajstore demo`` options that make it.
+ARMS: dict[str, tuple[str, ...]] = {
+    "grpo": ("--estimator", "grpo", "--no-negatives"),
+    "grpo+neg": ("--estimator", "grpo"),
+    "egpo": ("--no-negatives",),
+    "egpo+neg": (),
+    "egpo+neg, no rollback": ("--no-rollback",),
+}
+
+
+def _run(arm: str, seed: int, data_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env["TRAJSTORE_DATA_DIR"] = str(data_dir)
+    command = [sys.executable, "-m", "trajstore", "demo", "--task", "calc", "--json",
+               "--seed", str(seed), "--steps", str(args.steps),
+               "--group-size", str(args.group_size), "--groups", str(args.groups),
+               *(("--lr", str(args.lr)) if args.lr else ()), *ARMS[arm]]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
+    if done.returncode != 0:
+        raise SystemExit(f"{arm} seed {seed}: the demo failed:\n{done.stdout[-2000:]}\n"
+                         f"{done.stderr[-2000:]}")
+    summary = json.loads(next(line for line in reversed(done.stdout.splitlines())
+                              if line.startswith('{"run_id"')))
+    summary["seconds"] = time.perf_counter() - started
+    return summary
+
+
+def _final(values: list[float]) -> float:
+    return statistics.mean(values[-3:]) if values else 0.0
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.3f}" if values else "-"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def _per_version(runs: list[dict[str, Any]], key: str) -> list[float]:
+    length = min(len(r[key]) for r in runs)
+    return [statistics.mean(r[key][v] for r in runs) for v in range(length)]
+
+
+def _plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, runs in results.items():
+        rewards = _per_version(runs, "reward_by_version")
+        errors = _per_version(runs, "tool_error_rate_by_version")
+        left.plot(range(len(rewards)), rewards, marker="o", label=arm)
+        right.plot(range(len(errors)), errors, marker="o", label=arm)
+    left.set(title="strict reward (mean over seeds)", xlabel="policy version")
+    right.set(title="tool error rate (mean over seeds)", xlabel="policy version")
+    left.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                        metavar="ARM", help=f"arms to run, of {list(ARMS)}")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=None, help="learning rate of every arm "
+                        "(default: the demo's for calc)")
+    parser.add_argument("--data-dir", type=Path, default=None, help="data folder shared by "
+                        "the runs (default: a fresh temporary one)")
+    parser.add_argument("--plot", type=Path, default=Path("learning.png"))
+    args = parser.parse_args(argv)
+    for name in ("steps", "group_size", "groups"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if any(seed < 0 for seed in args.seeds):
+        parser.error("--seeds must be >= 0")
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench-learning-"))
+    results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
+    # Seeds outside, arms inside: load drift over the run hits every arm alike.
+    for seed in args.seeds:
+        for arm in args.arms:
+            run = _run(arm, seed, data_dir, args)
+            results[arm].append(run)
+            print(f"{arm:<22} seed {seed}: reward "
+                  + " ".join(f"{x:.2f}" for x in run["reward_by_version"])
+                  + " | tool errors " + " ".join(f"{x:.2f}" for x in
+                                                  run["tool_error_rate_by_version"])
+                  + f" ({run['seconds']:.0f} s)", flush=True)
+    print(f"\n{len(args.seeds)} seeds × {args.steps} versions × "
+          f"{args.groups * args.group_size} episodes; final = mean of the last 3 versions")
+    print(f"{'arm':<22} {'reward v0':>10} {'final reward':>16} {'tool err v0':>12} "
+          f"{'final tool err':>16} {'rollbacks':>9} {'negatives':>9}")
+    finals: dict[str, float] = {}
+    for arm, runs in results.items():
+        rewards = [_final(r["reward_by_version"]) for r in runs]
+        errors = [_final(r["tool_error_rate_by_version"]) for r in runs]
+        finals[arm] = statistics.mean(rewards)
+        print(f"{arm:<22} {statistics.mean(r['reward_first'] for r in runs):>10.3f} "
+              f"{_spread(rewards):>16} "
+              f"{statistics.mean(r['tool_error_rate_first'] for r in runs):>12.3f} "
+              f"{_spread(errors):>16} "
+              f"{statistics.mean(r['rollbacks'] for r in runs):>9.0f} "
+              f"{statistics.mean(r['negatives_trained'] for r in runs):>9.0f}")
+    _plot(results, args.plot)
+    print(f"plot: {args.plot}")
+    key = {arm: arm.replace("+", "_").replace(", no rollback", "_no_rollback")
+           for arm in results}
+    print("RESULT " + " ".join(f"{key[arm]}={value:.3f}" for arm, value in finals.items()))
+    return {"results": results, "finals": finals}
+
+
+if __name__ == "__main__":
+    main()
