@@ -37,6 +37,7 @@ __all__ = ["RolloutEngine", "base_model_dir", "engine_id", "make_backend", "work
 
 _lock = threading.Lock()
 _engine: RolloutEngine | None = None
+_ids_lock = threading.Lock()  # not _lock: engines are made while it is held
 _numbers: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 _counts: dict[str, int] = {}
 
@@ -50,7 +51,7 @@ def engine_id(backend: object) -> str:
     if isinstance(own, str) and own:
         return own
     name = type(backend).__name__
-    with _lock:
+    with _ids_lock:
         number = _numbers.get(backend)
         if number is None:
             number = _numbers[backend] = _counts[name] = _counts.get(name, 0) + 1
