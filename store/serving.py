@@ -33,6 +33,7 @@ __all__ = [
     "EngineTakeup",
     "VersionTakeup",
     "append_policy_updated",
+    "newest_policy",
     "newest_policy_version",
     "policy_takeup",
     "record_policy_served",
@@ -98,6 +99,19 @@ def _newest(store: EventStore, run_id: str) -> int:
             conn,
             f"SELECT coalesce(max(({safe_data('data')}->>'version')::int), 0) FROM events"
             " WHERE stream_id = %s AND type = 'policy_updated'", (run_stream_id(run_id),)))
+
+
+def newest_policy(store: EventStore, run_id: str) -> tuple[int, str | None]:
+    """The version and checkpoint of the run's newest ``policy_updated`` (``(0, None)`` when
+    it has none, or when there is no such run), read without the engines' reports."""
+    data = safe_data("data")
+    with store.db.connection() as conn:
+        row = conn.execute(
+            f"SELECT ({data}->>'version')::int, {data}->>'checkpoint' FROM events"
+            " WHERE stream_id = %s AND type = 'policy_updated'"
+            f" ORDER BY ({data}->>'version')::int DESC, stream_version DESC LIMIT 1",
+            (run_stream_id(run_id),)).fetchone()
+    return (int(row[0]), row[1]) if row else (0, None)
 
 
 def newest_policy_version(store: EventStore, run_id: str) -> int:

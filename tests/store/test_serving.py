@@ -55,6 +55,8 @@ def test_reports_are_read_back_per_version_with_lags(store: EventStore) -> None:
     assert second.engines == () and second.lag_max_seconds is None
     assert [v.version for v in serving.policy_takeup(store, run_id, version=1)] == [1]
     assert serving.newest_policy_version(store, run_id) == 2
+    assert serving.newest_policy(store, run_id) == (2, "/ckpt/v2")
+    assert serving.newest_policy(store, "no-such-run") == (0, None)
 
 
 @pytest.mark.parametrize("changes,error,words", [

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from store import errors
-from store.eventlog import EventStore, run_stream_id
-from store.events import EpisodeFinished, Event, PolicyUpdated, RewardAssigned, RunConfig
-from store.serving import record_policy_served
+from store.eventlog import EventStore
+from store.events import EpisodeFinished, Event, RewardAssigned, RunConfig
+from store.serving import newest_policy, record_policy_served
 
 __all__ = ["ApiGroupLog", "GroupLog", "PolicyState", "StoreGroupLog", "StreamState"]
 
@@ -120,12 +120,9 @@ class StoreGroupLog:
         return self.store.get_run(run_id).config
 
     def policy(self, run_id: str) -> PolicyState:
-        newest = PolicyState()
-        for record in self.store.read_stream(run_stream_id(run_id)):
-            event = record.event
-            if isinstance(event, PolicyUpdated) and event.version >= newest.version:
-                newest = PolicyState(event.version, event.checkpoint)
-        return newest
+        # One row, whatever the number of engines' reports in the run's stream.
+        version, checkpoint = newest_policy(self.store, run_id)
+        return PolicyState(version, checkpoint)
 
     def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
                       source: str | None = None, load_seconds: float | None = None) -> None:
