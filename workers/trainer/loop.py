@@ -263,18 +263,25 @@ class Trainer:
             units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
                               is_negative=batch.is_negative.tolist())
                      if self.run_config.rollout_level else None)
-            changed = True
             renewed = [started]
 
             def keep_lease() -> None:
                 renewed[0] = self._keep_lease(lease, renewed[0])
 
-            update = update_batch(
-                self.model, batch, optimizer=self.optimizer, config=config,
-                estimator=self.estimator, advantage_settings=self.advantage_settings,
-                correction=self.correction, reference=self.reference, units=units,
-                unit_weights=unit_loss_weights(units) if units is not None else None,
-                between_steps=keep_lease)
+            def stepping(*_: Any) -> None:
+                nonlocal changed
+                changed = True  # the weights change from the first optimizer step on
+
+            hook = self.optimizer.register_step_pre_hook(stepping)
+            try:
+                update = update_batch(
+                    self.model, batch, optimizer=self.optimizer, config=config,
+                    estimator=self.estimator, advantage_settings=self.advantage_settings,
+                    correction=self.correction, reference=self.reference, units=units,
+                    unit_weights=unit_loss_weights(units) if units is not None else None,
+                    between_steps=keep_lease)
+            finally:
+                hook.remove()
             stats = update.stats
             self.steps_done += stats.optimizer_steps
 
