@@ -280,7 +280,7 @@ def _prompt_batches(store: EventStore, run_id: str, *, data_source: str,
 def _pad_token_id(config: RunConfig, loader: Callable[[str | None], Any] | None) -> int:
     from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
-    name = config.tokenizer or config.model
+    name = config.tokenizer_name
     try:
         tokenizer = (loader or load_tokenizer)(name)
     except TokenizerNotFound as exc:

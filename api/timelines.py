@@ -63,7 +63,7 @@ def replay_stored(store: EventStore, episode_id: str, *,
     config = run[0].event.config
     plain = [r.event for r in events]
     try:
-        tokenizer = (tokenizer_loader(config.tokenizer or config.model)
+        tokenizer = (tokenizer_loader(config.tokenizer_name)
                      if needs_tokenizer(plain) else None)
         result = replay_episode(plain, config=config,
                                 tokenizer=tokenizer, episode_id=episode_id)

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from store.arguments import whole_number
 from store.events import Event
 
 if TYPE_CHECKING:
@@ -39,8 +40,7 @@ class AppendBatcher:
     appends of one transaction; raises ValueError otherwise."""
 
     def __init__(self, store: EventStore, *, max_batches: int = 256) -> None:
-        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
-            raise ValueError(f"max_batches must be a positive integer, got {max_batches!r}")
+        whole_number("max_batches", max_batches)
         self.store = store
         self.max_batches = max_batches
         self.transactions = 0

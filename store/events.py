@@ -303,6 +303,13 @@ class RunConfig(_Frozen):
     tokenizer: str | None = None
     chat_template: str | None = None
 
+    @property
+    def tokenizer_name(self) -> str | None:
+        """The tokenizer the run's prompts are rendered and replayed with: ``tokenizer``,
+        else ``model`` (the model folder's own tokenizer), else None (the run names none).
+        Rollout, replay, the gateway, exports and the trainer all read it here."""
+        return self.tokenizer or self.model
+
 
 # --- events ------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from store.arguments import whole_number
 from store.codec import pack_ids, pack_logprobs, pack_mask
 from store.db import scalar
 from store.eventlog import EventStore, LogPosition
@@ -524,8 +525,7 @@ class Projections:
         """The latest projection conflicts, newest first (optionally of one episode or run):
         what a re-projection wanted to do to a leased or consumed sample and did not do.
         Raises ValueError when ``limit`` is not a positive integer."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be a positive integer, not {limit!r}")
+        whole_number("limit", limit)
         with self.db.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(

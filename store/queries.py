@@ -39,6 +39,7 @@ __all__ = [
     "episode_run",
     "iter_episode_starts",
     "iter_samples",
+    "span_call_stored",
     "stored_event_ids",
     "lease_run",
     "list_episodes",
@@ -418,6 +419,17 @@ def stored_event_ids(store: EventStore, event_ids: Sequence[uuid.UUID]) -> set[u
         rows = conn.execute("SELECT event_id FROM events WHERE event_id = ANY(%s)",
                             (list(event_ids),)).fetchall()
     return {row[0] for row in rows}
+
+
+def span_call_stored(store: EventStore, event_id: uuid.UUID) -> bool | None:
+    """What the log holds under ``event_id``: None when nothing; True when an
+    ``llm_called`` recorded from an OTLP span (its response carries ``otlp``); False when
+    any other event."""
+    with store.db.connection() as conn:
+        row = conn.execute(
+            "SELECT type = 'llm_called' AND (data->'response'->'otlp') IS NOT NULL "
+            "FROM events WHERE event_id = %s", (event_id,)).fetchone()
+    return None if row is None else bool(row[0])
 
 
 def ping(store: EventStore) -> None:

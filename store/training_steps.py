@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 
+from store.arguments import whole_number
 from store.db import Database
 
 __all__ = ["EXCLUSION_CATEGORIES", "Exclusion", "TrainingStep", "exclusions", "training_steps"]
@@ -44,8 +45,7 @@ def training_steps(db: Database, run_id: str, *, limit: int = 1000) -> list[Trai
     run gives no rows. Raises ValueError for an empty ``run_id`` or ``limit`` < 1."""
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    whole_number("limit", limit)
     with db.connection() as conn:
         rows = conn.execute(
             f"SELECT {_COLUMNS} FROM analytics_training_steps(run => %s) "  # noqa: S608
@@ -86,8 +86,7 @@ def exclusions(db: Database, *, run_id: str | None = None, episode_id: str | Non
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     if run_id is None and episode_id is None:
         raise ValueError("give run_id or episode_id")
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    whole_number("limit", limit)
     with db.connection() as conn:
         if episode_id is not None:
             found = conn.execute("SELECT run_id FROM episodes WHERE episode_id = %s",

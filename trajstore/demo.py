@@ -297,9 +297,8 @@ def _send_batch(app: Any, options: DemoOptions, run_id: str, index: int) -> None
     Group indexes run on across batches: with overlap two batches can be played at the same
     policy version, and a group's id is made of its run, task, version and index."""
     for g in range(options.groups_per_step):
-        app.send_task("trajstore.rollout_group",
-                      args=[run_id, options.task_id(index, g), options.group_size,
-                            index * options.groups_per_step + g],
+        app.send_task("trajstore.rollout_group", args=[run_id, options.task_id(index, g)],
+                      kwargs={"group_index": index * options.groups_per_step + g},
                       queue="rollout")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from api.access import Access
+from api.call_ids import call_event_id
 from api.errors import ApiError
 from api.gateway.openai_format import Captured
 from api.keys import ApiKey
@@ -158,30 +159,60 @@ class Capture:
         """Append the call as an ``llm_called`` of ``agent``, after those of ``facts`` (events
         with derived ids: ``api.gateway.tool_facts``) the episode does not hold yet, in one
         append. Store errors propagate (validation of token ids and logprobs, a conflict
-        under ``expected_version``)."""
+        under ``expected_version``).
+
+        ``call_id`` is the id of the answer the client gets, and the event's id derives from
+        it (``api.call_ids``), so an OTLP span of the same call is recognised when it comes.
+        When the span came first (the log holds an ``llm_called`` from a span under that id),
+        the call is not stored a second time: only the facts are appended. An id the log
+        holds for anything else (an upstream server that reuses answer ids) gives the call
+        a fresh event id."""
         response = dict(captured.message)
         if mask_check is not None:
             response["mask_check"] = mask_check
+        event_id = call_event_id(call_id)
+        seen = queries.span_call_stored(self.store, event_id)
+        if seen:
+            return self._facts_only(target, facts, expected_version)
+        if seen is not None:
+            event_id = uuid.uuid4()
         event = LLMCalled(
-            event_id=uuid.uuid4(), agent=agent, call_id=call_id, messages=messages,
+            event_id=event_id, agent=agent, call_id=call_id, messages=messages,
             tools=tools or None, prompt_ids=np.asarray(captured.prompt_ids, dtype=np.int64),
             response_ids=np.asarray(captured.response_ids, dtype=np.int64),
             logprobs=np.asarray(captured.logprobs, dtype=np.float64),
             response=response, finish_reason=captured.finish_reason,
             policy_version=target.policy_version if policy_version is None else policy_version,
             latency_ms=latency_ms, usage=captured.usage)
+        try:
+            pending = self._unstored(facts)
+            while pending:
+                try:
+                    return self.store.append(target.episode_id, [*pending, event],
+                                             expected_version)
+                except (store_errors.ValidationError, store_errors.IdempotencyError):
+                    # A concurrent call of the same history may have stored some facts first.
+                    left = self._unstored(pending)
+                    if len(left) == len(pending):
+                        raise
+                    pending = left
+            return self.store.append(target.episode_id, [event], expected_version)
+        except (store_errors.IdempotencyError, store_errors.ValidationError):
+            # The call's span may have been stored between the look above and this append.
+            if not queries.span_call_stored(self.store, event_id):
+                raise
+            return self._facts_only(target, facts, expected_version)
+
+    def _facts_only(self, target: EpisodeTarget, facts: Sequence[Event],
+                    expected_version: ExpectedVersion) -> AppendResult:
+        """The facts of a call whose span was recorded first: appended when new, the call
+        itself not again."""
         pending = self._unstored(facts)
-        while pending:
-            try:
-                return self.store.append(target.episode_id, [*pending, event],
-                                         expected_version)
-            except (store_errors.ValidationError, store_errors.IdempotencyError):
-                # A concurrent call of the same history may have stored some facts first.
-                left = self._unstored(pending)
-                if len(left) == len(pending):
-                    raise
-                pending = left
-        return self.store.append(target.episode_id, [event], expected_version)
+        if pending:
+            return self.store.append(target.episode_id, pending, expected_version)
+        return AppendResult(stream_id=target.episode_id, positions=(),
+                            version=self.store.stream_version(target.episode_id),
+                            duplicate=True)
 
     def _unstored(self, facts: Sequence[Event]) -> list[Event]:
         if not facts:

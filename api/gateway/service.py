@@ -309,7 +309,7 @@ class Gateway:
             return
         self.ctx.access.check_run(key, run_id)
         config = store.get_run(run_id).config
-        name = config.tokenizer or config.model
+        name = config.tokenizer_name
         if not name:
             return  # stored, but gives no samples until the run names a tokenizer
         engine = self.engine()
@@ -597,8 +597,7 @@ class Gateway:
         tools = body.tools or target.tools or None
         config = target.config
         try:
-            tokenizer = await run_in_threadpool(load_tokenizer,
-                                                config.tokenizer or config.model)
+            tokenizer = await run_in_threadpool(load_tokenizer, config.tokenizer_name)
         except TokenizerNotFound as exc:
             raise ApiError(409, "tokenizer_not_found", str(exc)) from None
         try:

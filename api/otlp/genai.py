@@ -23,7 +23,10 @@ Pure: spans in, events out, no I/O. ``docs/otlp.md`` has the full table; in shor
   ``gen_ai.evaluation.score.value`` → ``reward_assigned``.
 
 Other spans (HTTP, database…) are ignored. Event ids are uuid5 of the trace id, span id and
-what the event is, so an export sent twice maps to the same ids. Within an episode events go
+what the event is, so an export sent twice maps to the same ids; an LLM call whose span
+carries the answer's id (``gen_ai.response.id``, OpenInference's JSON ``output.value``) takes
+the id the capture gateway gives the call it answered (``api.call_ids``), so a call recorded
+by both is stored once. Within an episode events go
 in start-time order, its ``episode_finished`` last. A span whose GenAI attributes cannot be
 read raises ``OtlpError`` naming the span and the attribute.
 """
@@ -39,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from api.call_ids import call_event_id
 from api.otlp.decode import STATUS_ERROR, OtlpError, Span, SpanEvent
 from store.events import EpisodeFinished, Event, LLMCalled, RewardAssigned, ToolReturned
 
@@ -565,6 +569,9 @@ def _llm_call(batch: _Batch, span: Span) -> tuple[LLMCalled, list[dict[str, Any]
     response = dict(response or {"role": "assistant", "content": ""})
     response["role"] = "assistant"
     response["otlp"] = {"trace_id": span.trace_id, "span_id": span.span_id}
+    answer_id = _response_id(span)
+    if answer_id is not None:
+        response["otlp"]["response_id"] = answer_id
     if span.status_code == STATUS_ERROR or a.get("error.type") is not None:
         # The request failed (refused, timed out, rate-limited): recorded with its error.
         response["error"] = {"type": _text(a.get("error.type") or "error"),
@@ -591,7 +598,10 @@ def _llm_call(batch: _Batch, span: Span) -> tuple[LLMCalled, list[dict[str, Any]
                                                  a.get("llm.model_name")))
     try:
         event = LLMCalled(
-            event_id=event_id(span.trace_id, span.span_id, "llm"),
+            # The answer's id, when the span knows it, names the call as the capture gateway
+            # names it: the log keeps one of the two records (api.call_ids).
+            event_id=(call_event_id(answer_id) if answer_id is not None
+                      else event_id(span.trace_id, span.span_id, "llm")),
             occurred_at=_time(span.start_ns), agent=_agent(batch, span),
             call_id=span.span_id, messages=messages, tools=tools or None,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
@@ -603,6 +613,25 @@ def _llm_call(batch: _Batch, span: Span) -> tuple[LLMCalled, list[dict[str, Any]
         raise OtlpError(f"the span does not make an llm_called event: {_first(exc)}",
                         where=span.where) from None
     return event, messages, tools, str(model) if isinstance(model, str) else None
+
+
+def _response_id(span: Span) -> str | None:
+    """The id of the answer the span's call got: ``gen_ai.response.id``, else the ``id`` of
+    OpenInference's JSON ``output.value``; None when the span has neither (a failed call)."""
+    a = span.attributes
+    value = a.get("gen_ai.response.id")
+    if isinstance(value, str) and value:
+        return value
+    output = a.get("output.value")
+    if a.get("output.mime_type") == "application/json" and isinstance(output, str):
+        try:
+            decoded = json.loads(output)
+        except ValueError:
+            return None
+        if isinstance(decoded, Mapping) and isinstance(decoded.get("id"), str) \
+                and decoded["id"]:
+            return str(decoded["id"])
+    return None
 
 
 def _first(exc: ValueError) -> str:

@@ -4,8 +4,8 @@
   (``rollout_id``) gets its reward (when the report carries one) and ``episode_finished``.
   Event ids are derived from the rollout id, so a retried report is stored once.
 - ``POST /rollout``: this process as the RolloutServer: it drives the agent loop of one
-  rollout, calling back ``server_url``'s ``/v1/completions``
-  (``workers.rollout.remote.run_remote_rollout``).
+  rollout, calling back the trainer at ``server_url`` (``/v1/chat/completions``, else
+  ``/v1/completions``: ``workers.rollout.remote.run_remote_rollout``).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _check_tokenizer_name(ctx: Ctx, run_id: str, name: str) -> None:
     from workers.tokenizers import TokenizerNotFound, canonical_tokenizer, load_tokenizer
 
     config = ctx.store.get_run(run_id).config
-    run_name = config.tokenizer or config.model
+    run_name = config.tokenizer_name
     if not run_name or canonical_tokenizer(run_name) == canonical_tokenizer(name):
         return
     where = "body.tokenizer_name"

@@ -66,7 +66,7 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
     if project != key.project:
         raise ApiError(403, "forbidden", f"this key may create runs in project "
                                          f"{key.project!r} only, not {project!r}")
-    named = body.config.tokenizer or body.config.model
+    named = body.config.tokenizer_name
     problem = tokenizer_problem(named) if named and check_text(named) is None else None
     if problem is not None:
         raise ApiError(422, "invalid", problem,

@@ -68,10 +68,14 @@ class RolloutSamplingParams(BaseModel):
 
 
 class RolloutRequest(BaseModel):
-    """``POST /rollout`` (the seed's RolloutRequest): drive one rollout, calling back
-    ``server_url``'s ``/v1/completions`` for every generation. ``run_id`` (default
-    ``remote``) names the run of this store the rollout is recorded in, which must be the
-    key's project's; ``group_id`` its GRPO group."""
+    """``POST /rollout`` (the protocol's RolloutRequest): drive one rollout, calling back
+    the trainer at ``server_url`` for every generation (``/v1/chat/completions``, or
+    ``/v1/completions`` when the trainer serves only that; a ``server_url`` ending in either
+    path uses that one). ``run_id`` (default ``remote``) names the run of this store the
+    rollout is recorded in, which must be the key's project's; ``group_id`` its GRPO group.
+    ``metadata`` and ``tool_server_url`` (sent by every revision of the reference
+    RolloutRequest) are accepted and not used; other unknown fields are refused (422 naming
+    them)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -86,6 +90,8 @@ class RolloutRequest(BaseModel):
     callback_api_key: str | None = Field(default=None, max_length=1000)
     run_id: str | None = Field(default=None, min_length=1, max_length=200)
     group_id: str | None = Field(default=None, min_length=1, max_length=200)
+    metadata: dict[str, Any] | None = None
+    tool_server_url: str | None = Field(default=None, max_length=2000)
 
     @field_validator("rollout_id", "tokenizer_name")
     @classmethod

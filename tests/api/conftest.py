@@ -4,17 +4,12 @@ projects, a real ``trajstore serve`` process for the gateway tests, tiny models.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -23,6 +18,7 @@ from api.keys import KeyStore
 from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings
+from tests.servers import ServerProcess, free_port
 
 
 @dataclass
@@ -82,20 +78,13 @@ def other_project(key_store: KeyStore) -> Project:
     return make_project(key_store)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A ``trajstore serve`` process (its own process group) on a free port."""
+class Server(ServerProcess):
+    """A ``trajstore serve`` process on ``settings``' database and data folder, with ``env``
+    added, launched at once (:class:`tests.servers.ServerProcess`: its own process group on
+    a free port); ``wait_ready()`` before use, ``stop()`` after."""
 
     def __init__(self, settings: Settings, log: Path, **env: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        self._log = open(log, "ab")
+        port = free_port()
         environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
         environ.update({
             "TRAJSTORE_DATABASE_URL": settings.database_url or "",
@@ -104,33 +93,9 @@ class Server:
             "TRAJSTORE_LOG_LEVEL": "WARNING",
         })
         environ.update(env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port)],
-            env=environ, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not up: {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log.close()
+        super().__init__([sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1",
+                          "--port", str(port)], port=port, log=log, env=environ)
+        self.launch()
 
 
 @pytest.fixture

@@ -241,7 +241,7 @@ def test_gateway_forwarding_to_an_upstream_server(
 @pytest.fixture
 def unreachable_upstream(api_settings: Settings, api_store: EventStore
                          ) -> Iterator[TestClient]:
-    from tests.api.conftest import free_port
+    from tests.servers import free_port
 
     settings = api_settings.model_copy(update={
         "gateway_upstream_url": f"http://127.0.0.1:{free_port()}"})

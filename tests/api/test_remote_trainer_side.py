@@ -150,3 +150,46 @@ def test_a_tokenizer_name_the_run_cannot_replay_is_refused(
     assert error["field"] == "body.tokenizer_name"
     assert "Qwen/Qwen3-8B" in error["message"] and str(tiny_model_dir) in error["message"]
     assert api_store.read_stream(f"rollout-{rollout_id}") == []
+
+
+def test_rollout_route_accepts_the_reference_request_and_plays_a_chat_only_trainer(
+        gateway: TestClient, project: Project, api_store: EventStore,
+        tiny_model_dir: Path) -> None:
+    """``POST /rollout`` with the reference revision's body (``metadata``,
+    ``tool_server_url``) against a trainer serving only ``/v1/chat/completions`` that returns
+    tool calls outside its token ids."""
+    from tests.rollout.chat_trainer import ChatTrainer
+    from tests.rollout.turns import tool_call
+    from workers.rollout.backend_transformers import TransformersBackend
+
+    run_id, _ = new_rollout(gateway, project, str(tiny_model_dir))
+    body = {"rollout_id": f"r-{uuid.uuid4().hex[:8]}", "messages": QUESTION,
+            "sampling_params": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 64,
+                                "stop": None, "logprobs": True},
+            "tokenizer_name": str(tiny_model_dir), "tokenizer_revision": "main",
+            "max_turns": 4, "max_tokens_total": 4096, "callback_api_key": None,
+            "metadata": {"max_assistant_turns": 4}, "tool_server_url": None,
+            "run_id": run_id}
+    for field, value, code in (("metadata", [1], 422), ("tool_server_url", 5, 422),
+                               ("vendor_field", 1, 422)):
+        r = gateway.post("/rollout", headers=project.headers("ingest"),
+                         json=body | {"server_url": "http://127.0.0.1:9", field: value})
+        assert r.status_code == code, r.text
+        assert field in (r.json()["error"].get("field") or "") + r.json()["error"]["message"]
+    assert api_store.read_stream(f"rollout-{body['rollout_id']}") == []
+
+    with ChatTrainer(TransformersBackend(tiny_model_dir)) as trainer:
+        trainer.script(body["rollout_id"], [tool_call("calculator", expression="5 + 3"),
+                                            "It is 8."])
+        r = gateway.post("/rollout", headers=project.headers("ingest"),
+                         json=body | {"server_url": trainer.url})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["status"] == "COMPLETED", answer["error_message"]
+    assert answer["metrics"]["trainer_endpoint"] == "/v1/chat/completions"
+    assert answer["metrics"]["tool_calls"] == 1
+    assert answer["metrics"]["tool_calls_outside_ids"] == 1
+    tool = answer["final_messages"][-2]
+    assert (tool["role"], tool["content"]) == ("tool", "8")
+    assert tool["tool_call_id"] == answer["final_messages"][-3]["tool_calls"][0]["id"]
+    assert [c.path for c in trainer.calls] == ["/v1/chat/completions"] * 2

@@ -4,8 +4,6 @@ restarted between attempts: no event is lost and none is stored twice."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,40 +17,7 @@ import pytest
 
 from store import migrate
 from tests.conftest import PostgresServer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ApiServer:
-    def __init__(self, env: dict[str, str], port: int, log: Path) -> None:
-        self.env, self.port, self.log = env, port, log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trajstore", "serve", "--port", str(self.port)],
-            env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
-            start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code \
-                        == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            time.sleep(0.2)
-        raise AssertionError("API did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
+from tests.servers import trajstore_serve
 
 
 def _key(env: dict[str, str], role: str) -> str:
@@ -72,7 +37,7 @@ def test_retried_appends_across_api_restarts_store_each_event_once(
     env.update(TRAJSTORE_DATABASE_URL=url, TRAJSTORE_DATA_DIR=str(tmp_path),
                TRAJSTORE_REDIS_URL="redis://127.0.0.1:1/0")  # no broker: the sweep projects
     key = _key(env, "ingest")
-    server = ApiServer(env, _free_port(), tmp_path / "api.log")
+    server = trajstore_serve(env=env, log=tmp_path / "api.log")  # restarted on its port
     server.start()
     base = f"http://127.0.0.1:{server.port}"
     headers = {"Authorization": f"Bearer {key}"}

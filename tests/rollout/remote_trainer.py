@@ -19,29 +19,22 @@ With ``api_key`` set, calls without ``Authorization: Bearer <api_key>`` get 401.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from tests.servers import ThreadedServer
 from workers.rollout.backend import GenerationRequest, SamplingParams
 from workers.rollout.backend_replay import ReplayBackend
 from workers.rollout.backend_transformers import TransformersBackend
 from workers.rollout.prompt import render_prompt_ids
 from workers.rollout.toolcall import parse_response
 
-__all__ = ["CallRecord", "TrainerServer", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["CallRecord", "TrainerServer"]
 
 
 @dataclass
@@ -74,13 +67,9 @@ class TrainerServer:
         self.failures: dict[str, tuple[Any, int]] = {}
         self.vllm_forms: set[str] = set()
         self.lock = threading.Lock()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.app = self._make_app()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
-                                lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = ThreadedServer(self.app, lifespan="off")
+        self.port, self.url = self.server.port, self.server.url
 
     def script(self, rollout_id: str, texts: list[str]) -> None:
         self.scripts[rollout_id] = ReplayBackend(self.backend, texts)
@@ -95,17 +84,11 @@ class TrainerServer:
         return [r for r in self.records if r.rollout_id == rollout_id]
 
     def __enter__(self) -> TrainerServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("trainer server did not start")
-            time.sleep(0.02)
+        self.server.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.server.stop()
 
     def _make_app(self) -> FastAPI:
         app = FastAPI()
@@ -143,7 +126,8 @@ class TrainerServer:
                 time.sleep(3.0)
         request = GenerationRequest(
             sampling=SamplingParams(temperature=body["temperature"], top_p=body["top_p"],
-                                    max_tokens=body["max_tokens"], seed=body.get("seed")),
+                                    max_tokens=body["max_tokens"], seed=body.get("seed"),
+                                    stop=tuple(body.get("stop") or ())),
             messages=tuple(body["messages"]), tools=tuple(body.get("tools") or ()) or None)
         prompt = render_prompt_ids(self.backend.tokenizer, request)
         mask = body.get("response_mask")

@@ -4,15 +4,12 @@ the API's refusals come back as the store's errors."""
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from api.app import create_app
 from api.keys import KeyStore
@@ -21,7 +18,7 @@ from store.db import Database
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig, RunCreated, ToolReturned
 from store.settings import Settings
-from tests.rollout.remote_trainer import free_port
+from tests.servers import ThreadedServer, free_port
 from workers.rollout.agent_tasks import arithmetic_tasks
 from workers.rollout.backend import SamplingParams
 from workers.rollout.backend_transformers import TransformersBackend
@@ -36,18 +33,8 @@ TASK = arithmetic_tasks(1, seed=9)[0]
 def api(tmp_path: Path, pg_url: str) -> Iterator[tuple[str, EventStore, Settings]]:
     settings = Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024)
     store = EventStore(Database(pg_url, max_size=4), settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, store=store),
-                                          host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "API server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", store, settings
-    server.should_exit = True
-    thread.join(timeout=30)
+    with ThreadedServer(create_app(settings, store=store)) as server:
+        yield server.url, store, settings
     store.close()
 
 
@@ -69,7 +56,7 @@ def test_group_through_the_api(api: tuple[str, EventStore, Settings],
         assert log.policy(run_id) == PolicyState(3, None)
 
         def play() -> Any:
-            return play_group(log=log, run_id=run_id, task=TASK, n=2, backend=hf_backend,
+            return play_group(log=log, run_id=run_id, task=TASK, backend=hf_backend,
                               tools=registry, policy_version=3,
                               sampling=SamplingParams(max_tokens=24), max_turns=2)
 

@@ -49,8 +49,9 @@ def new_run(store: EventStore, **config: Any) -> str:
 
 
 def play(store: EventStore, backend: Any, registry: ToolRegistry, run_id: str, *,
-         n: int = 3, version: int = 0, log: Any = None, index: int = 0) -> Any:
-    return play_group(log=log or StoreGroupLog(store), run_id=run_id, task=TASK, n=n,
+         version: int = 0, log: Any = None, index: int = 0) -> Any:
+    """Play the group: as many episodes as the run's group_size."""
+    return play_group(log=log or StoreGroupLog(store), run_id=run_id, task=TASK,
                       backend=backend, tools=registry, policy_version=version,
                       group_index=index, sampling=SAMPLING, max_turns=2)
 
@@ -124,12 +125,12 @@ def test_abandoned_episode_is_aborted_and_replaced(
     run_id = new_run(store, group_size=2)
     crashing = CrashingLog(store, stop_at=3)
     with pytest.raises(KeyboardInterrupt):
-        play(store, hf_backend, registry, run_id, n=2, log=crashing)
+        play(store, hf_backend, registry, run_id, log=crashing)
     group_id = group_id_for(run_id, TASK.task_id, 0, 0)
     before = {e.episode_id: e.status for e in store.list_episodes(run_id)}
     assert "running" in before.values()
 
-    result = play(store, hf_backend, registry, run_id, n=2)
+    result = play(store, hf_backend, registry, run_id)
     by_id = {e.episode_id: e for e in store.list_episodes(run_id)}
     abandoned = [eid for eid, status in before.items() if status == "running"]
     assert abandoned  # the slots play concurrently: one or both were cut off
@@ -142,17 +143,17 @@ def test_abandoned_episode_is_aborted_and_replaced(
         assert by_id[replaced.episode_id].status not in ("running", "aborted")
     finished = [e for e in by_id.values() if e.status not in ("running", "aborted")]
     assert len(finished) == 2
-    assert play(store, hf_backend, registry, run_id, n=2).played == 0
+    assert play(store, hf_backend, registry, run_id).played == 0
 
 
 def test_a_live_writer_keeps_its_slot(store: EventStore, hf_backend: TransformersBackend,
                                       registry: ToolRegistry) -> None:
-    run_id = new_run(store)
+    run_id = new_run(store, group_size=1)
     group_id = group_id_for(run_id, TASK.task_id, 0, 0)
     first = episode_id_for(group_id, 0)
     crashing = CrashingLog(store, stop_at=2)
     with pytest.raises(KeyboardInterrupt):
-        play(store, hf_backend, registry, run_id, n=1, log=crashing)
+        play(store, hf_backend, registry, run_id, log=crashing)
     version = store.stream_version(first)
 
     class RacingLog(StoreGroupLog):
@@ -164,7 +165,7 @@ def test_a_live_writer_keeps_its_slot(store: EventStore, hf_backend: Transformer
                 store.append(first, [_tool_event()], version)
             return state
 
-    result = play(store, hf_backend, registry, run_id, n=1, log=RacingLog(store))
+    result = play(store, hf_backend, registry, run_id, log=RacingLog(store))
     assert result.played == 0 and result.slots[0].status is None
     assert store.list_episodes(run_id)[0].status == "running"
 
@@ -177,18 +178,18 @@ def _tool_event() -> Event:
 
 def test_policy_version_names_the_group(store: EventStore, hf_backend: TransformersBackend,
                                         registry: ToolRegistry) -> None:
-    run_id = new_run(store)
+    run_id = new_run(store, group_size=1)
     log = StoreGroupLog(store)
     assert log.policy(run_id) == PolicyState(0, None)
     store.append(run_stream_id(run_id), [PolicyUpdated(version=1, step=1, checkpoint="/c1"),
                                          PolicyUpdated(version=2, step=2)])
     assert log.policy(run_id) == PolicyState(2, None)
-    result = play(store, hf_backend, registry, run_id, n=1, version=2)
+    result = play(store, hf_backend, registry, run_id, version=2)
     assert result.group_id == group_id_for(run_id, TASK.task_id, 2, 0)
     assert result.group_id != group_id_for(run_id, TASK.task_id, 0, 0)
     started = store.get_episode(result.slots[0].episode_id)[0].event
     assert started.policy_version == 2
-    assert log.run_config(run_id) == RunConfig()
+    assert log.run_config(run_id) == RunConfig(group_size=1)
 
 
 def test_rollback_config_of_the_run_is_used(store: EventStore,
@@ -201,15 +202,15 @@ def test_rollback_config_of_the_run_is_used(store: EventStore,
 
 def test_bad_arguments(store: EventStore, hf_backend: TransformersBackend,
                        registry: ToolRegistry) -> None:
-    run_id = new_run(store)
-    for name, value in (("n", 0), ("group_index", -1), ("policy_version", -2)):
-        kwargs = {"n": 1, "group_index": 0, "policy_version": 0, name: value}
+    run_id = new_run(store, group_size=1)
+    for name, value in (("group_index", -1), ("policy_version", -2)):
+        kwargs = {"group_index": 0, "policy_version": 0, name: value}
         with pytest.raises(ValueError, match=name):
             play_group(log=StoreGroupLog(store), run_id=run_id, task=TASK,
                        backend=hf_backend, tools=registry, **kwargs)
     with pytest.raises(TypeError, match="task"):
         play_group(log=StoreGroupLog(store), run_id=run_id, task="arith-0-0",  # type: ignore
-                   n=1, backend=hf_backend, tools=registry, policy_version=0)
+                   backend=hf_backend, tools=registry, policy_version=0)
     with pytest.raises(TypeError, match="EventStore"):
         StoreGroupLog("postgres://")  # type: ignore[arg-type]
 

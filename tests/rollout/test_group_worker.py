@@ -33,10 +33,11 @@ def new_run(store: EventStore, settings: Settings, group_size: int) -> str:
     return run_id
 
 
-def send(run_id: str, task_id: str, n: int) -> None:
+def send(run_id: str, task_id: str) -> None:
+    """Queue a group: its size is the run's group_size, not an argument of the task."""
     from workers.app import ensure_configured
 
-    ensure_configured().send_task("trajstore.rollout_group", args=[run_id, task_id, n],
+    ensure_configured().send_task("trajstore.rollout_group", args=[run_id, task_id],
                                   queue="rollout")
 
 
@@ -57,7 +58,7 @@ def test_worker_plays_a_group_once_and_replays_it(
     run_id = new_run(worker_store, worker_settings, group_size=2)
     worker = start_worker("--queues", "rollout,replay")
     worker.wait_ready()
-    send(run_id, "arith-0-1", 2)
+    send(run_id, "arith-0-1")
     wait_for(lambda: len(finished(worker_store, run_id)) == 2, 240, "the group's 2 episodes")
     group_id = group_id_for(run_id, "arith-0-1", 0, 0)
     episodes = finished(worker_store, run_id)
@@ -70,10 +71,10 @@ def test_worker_plays_a_group_once_and_replays_it(
     wait_for(lambda: projected(worker_store, run_id) == 2, 120, "replay of both episodes")
 
     # The same task delivered again, then another one as a barrier (one task at a time).
-    send(run_id, "arith-0-1", 2)
-    send(run_id, "fc-0-0", 1)
-    wait_for(lambda: len(finished(worker_store, run_id)) == 3, 240, "the barrier group")
-    assert len(worker_store.list_episodes(run_id)) == 3
+    send(run_id, "arith-0-1")
+    send(run_id, "fc-0-0")
+    wait_for(lambda: len(finished(worker_store, run_id)) == 4, 240, "the barrier group")
+    assert len(worker_store.list_episodes(run_id)) == 4
     assert "ready." in worker.log_path.read_text()
 
 
@@ -93,7 +94,7 @@ def test_killed_worker_leaves_the_group_to_be_completed(
     run_id = new_run(worker_store, worker_settings, group_size=n)
     first = start_worker("--queues", "rollout")
     first.wait_ready()
-    send(run_id, "arith-0-2", n)
+    send(run_id, "arith-0-2")
     wait_for(lambda: running(worker_store, run_id) >= 4, 240, "episodes in flight")
     first.kill()
     in_flight = running(worker_store, run_id)

@@ -38,7 +38,7 @@ def test_worker_reports_each_version_its_engine_takes(
     run_id = new_run(worker_store, worker_settings, group_size=2)
     worker = start_worker("--queues", "rollout,replay")
     worker.wait_ready()
-    send(run_id, "arith-0-1", 2)
+    send(run_id, "arith-0-1")
     wait_for(lambda: projected(worker_store, run_id) == 2, 300, "the first group replayed")
     (base,) = took(worker_store, run_id, 0)
     # The worker's own engine: its host and process, not this test's.
@@ -51,7 +51,7 @@ def test_worker_reports_each_version_its_engine_takes(
                            data_dir=worker_settings.data_dir / "trainer")
     step = trainer.step()
     assert step.version == 1 and not took(worker_store, run_id, 1)
-    send(run_id, "arith-0-2", 2)
+    send(run_id, "arith-0-2")
     wait_for(lambda: took(worker_store, run_id, 1), 300, "the worker to take version 1")
     (engine,) = took(worker_store, run_id, 1)
     assert engine.engine == base.engine and engine.source == str(step.checkpoint)

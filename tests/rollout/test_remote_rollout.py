@@ -13,8 +13,9 @@ import pytest
 
 from store.eventlog import EventStore
 from store.settings import Settings
-from tests.rollout.remote_trainer import TrainerServer, free_port
+from tests.rollout.remote_trainer import TrainerServer
 from tests.rollout.turns import tool_call, turn
+from tests.servers import free_port
 from workers.rollout.backend_transformers import TransformersBackend
 from workers.rollout.remote import (
     DuplicateRolloutError,

@@ -7,18 +7,14 @@ Skipped when ``vllm`` is not importable. The offline engine runs in process on C
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.servers import vllm_server
 from workers.rollout.agent_tasks import arithmetic_tasks
 from workers.rollout.backend import GenerationRequest, SamplingParams
 from workers.rollout.backend_openai import OpenAIServerBackend, ServerResponseError
@@ -128,50 +124,13 @@ def test_offline_bad_arguments(tmp_path: Path, engine: VLLMBackend) -> None:
         engine.generate(GenerationRequest(sampling=SamplingParams(), prompt_ids=(5,) * 2048))
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[str]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     # Development mode: the weight-update routes (test_server_reloads_a_checkpoint...).
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                   "VLLM_CACHE_ROOT": str(log.parent / "cache"), "VLLM_SERVER_DEV_MODE": "1"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(tiny_model_dir), "--served-model-name", "tiny",
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-               "--host", "127.0.0.1", "--port", str(port),
-               "--logprobs-mode", "processed_logprobs"]
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                   env=environment)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vLLM server exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("vLLM server did not start within 300 s")
-            time.sleep(1)
+    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server"),
+                     env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.mark.slow

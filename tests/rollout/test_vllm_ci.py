@@ -34,10 +34,10 @@ pytestmark = [
 ]
 
 
-def _send(run_id: str, task_id: str, n: int) -> None:
+def _send(run_id: str, task_id: str) -> None:
     from workers.app import ensure_configured
 
-    ensure_configured().send_task("trajstore.rollout_group", args=[run_id, task_id, n],
+    ensure_configured().send_task("trajstore.rollout_group", args=[run_id, task_id],
                                   queue="rollout")
 
 
@@ -58,7 +58,7 @@ def test_vllm_worker_plays_groups_and_loads_a_checkpoint(
     def finished() -> list[Any]:
         return [e for e in worker_store.list_episodes(run_id) if e.status != "running"]
 
-    _send(run_id, "arith-0-0", 2)
+    _send(run_id, "arith-0-0")
     wait_for(lambda: len(finished()) == 2, 400, "the vLLM group")
     first = [worker_store.get_episode(e.episode_id) for e in finished()]
     for events in first:
@@ -76,7 +76,7 @@ def test_vllm_worker_plays_groups_and_loads_a_checkpoint(
     save_file(state, str(checkpoint / "model.safetensors"))
     worker_store.append(run_stream_id(run_id), [PolicyUpdated(
         version=1, step=1, checkpoint=str(checkpoint))])
-    _send(run_id, "arith-0-0", 2)
+    _send(run_id, "arith-0-0")
     wait_for(lambda: len(finished()) == 4, 400, "the group at policy version 1")
     group_v1 = group_id_for(run_id, "arith-0-0", 1, 0)
     second = [worker_store.get_episode(e.episode_id) for e in finished()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from store.arguments import whole_number
 from store.events import failure_order_key
 from workers.replay.samples import Sample, build_sample
 from workers.replay.timeline import Timeline
@@ -110,8 +111,7 @@ def build_negative(
             or not position_key[5:].isdigit():
         raise ValueError(f"position_key must look like 'turn_N', got {position_key!r}")
     for label, number in (("retry_index", retry_index), ("failure_index", failure_index)):
-        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-            raise ValueError(f"{label} must be a non-negative integer, got {number!r}")
+        whole_number(label, number, minimum=0)
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
             or not math.isfinite(reward):
         raise ValueError(f"reward must be a finite number, got {reward!r}")
@@ -154,10 +154,7 @@ def select_negatives(
     by ``order`` (earliest failure first by default); none when ``enabled`` is False. The
     result is sorted by ``order``. Raises TypeError when an item is not a ``NegativeSample``
     and ValueError when ``max_per_group`` is negative."""
-    if isinstance(max_per_group, bool) or not isinstance(max_per_group, int) \
-            or max_per_group < 0:
-        raise ValueError(f"max_per_group must be a non-negative integer, got "
-                         f"{max_per_group!r}")
+    whole_number("max_per_group", max_per_group, minimum=0)
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {enabled!r}")
     items = list(negatives)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from store.arguments import whole_number
 from workers.replay.timeline import Timeline, loss_mask
 
 __all__ = ["Sample", "build_sample", "rollout_logprobs"]
@@ -81,8 +82,7 @@ def build_sample(timeline: Timeline, *, timeline_index: int = 0, drifted_message
         raise TypeError(f"timeline must be a Timeline, got {type(timeline).__name__}")
     for name, value in (("timeline_index", timeline_index),
                         ("drifted_messages", drifted_messages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        whole_number(name, value, minimum=0)
     if reward is not None:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
                 or reward != reward or reward in (float("inf"), float("-inf")):

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from store.arguments import whole_number
 from workers.rollout.backend import GenerationRequest, GenerationResult
 
 __all__ = ["OpenAIServerBackend", "ServerResponseError"]
@@ -60,10 +61,7 @@ class OpenAIServerBackend:
                  max_connections: int = 64) -> None:
         import httpx
 
-        if (isinstance(max_connections, bool) or not isinstance(max_connections, int)
-                or max_connections < 1):
-            raise ValueError(f"max_connections must be a positive integer, "
-                             f"got {max_connections!r}")
+        whole_number("max_connections", max_connections)
 
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")

@@ -2,14 +2,28 @@
 remote-rollout protocol).
 
 In the remote-rollout protocol the trainer owns the inference engine and this process drives
-the agent loop. Each LLM call is one ``POST {server_url}/v1/completions`` (or
-``/v1/chat/completions``) carrying the *full* conversation:
+the agent loop. Each LLM call is one ``POST`` to the trainer's completions endpoint carrying
+the *full* conversation:
 
 .. code-block:: json
 
     {"model": "default", "rollout_id": "…", "messages": […], "tools": […],
      "response_mask": null, "temperature": 1.0, "top_p": 1.0, "max_tokens": 256,
      "logprobs": true}
+
+Which endpoint. The protocol's first revision serves ``/v1/completions``, the later one
+``/v1/chat/completions``, with the same body and answer; a RolloutRequest does not say which
+revision its trainer speaks. So (``endpoint="auto"``, the default):
+
+- a ``server_url`` that ends in ``/v1/chat/completions`` or ``/v1/completions`` names the
+  endpoint itself: that path is used and stripped from the base URL;
+- otherwise the first call goes to ``/v1/chat/completions`` (the current revision) and, when
+  the trainer answers it 404 or 405 (no such route: nothing was generated, the trainer's
+  buffer is untouched), the same body goes once to ``/v1/completions``. The path that
+  answered is kept for the rest of the rollout (``path``); a trainer serving neither is a
+  ``client_error`` naming both paths.
+
+``endpoint="chat"`` or ``"completions"`` fixes the path without probing.
 
 ``response_mask`` follows the protocol's RolloutSession exactly. The trainer keeps one
 append-only token buffer per rollout; the mask tells it how many of the prompt tokens that are
@@ -33,6 +47,22 @@ and the ``prompt_token_ids`` the engine saw, either at the top level (the TrainG
 decoded here from ``token_ids`` with the rollout's tokenizer, so tool calls are parsed from the
 exact tokens the engine produced.
 
+Tool calls outside the token ids. Trainers of the later revision may answer with
+``token_ids`` that hold only the message's content and put the tool calls in
+``choices[0].message.tool_calls`` (OpenAI's form), or leave them as ``<tool_call>`` text in
+``message.content``. When the text decoded from ``token_ids`` holds no tool-call tag, the
+answer's tool calls are appended to it as ``<tool_call>`` blocks (``tool_calls`` first, else
+the blocks found in ``content``), so the agent loop runs them. What is recorded stays what the
+trainer sampled: ``response_ids`` and ``logprobs`` are the answer's ``token_ids`` and
+``logprobs`` (content only), the recorded response message carries the tool calls. The
+tool-call tokens are then not generated tokens of this call: they reach the trainer in the
+next prompt, among the tokens the ``response_mask`` marks 0, exactly as the trainer's own
+buffer (prompt + ``token_ids``) holds them; replay, which trains only on recorded response
+ids, gives them loss mask 0 too. ``tool_calls_outside_ids`` counts such calls. An answer
+without ``finish_reason`` finished its turn (``stop``) when its ids end in the end-of-turn
+token, a stop string cut it, or it carries such tool calls; otherwise it was cut by
+``max_tokens`` (``length``).
+
 Trainer failures raise :class:`RemoteTrainerError` with a category:
 
 ==================  ===========================================================
@@ -47,6 +77,7 @@ Trainer failures raise :class:`RemoteTrainerError` with a category:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -55,18 +86,76 @@ import numpy as np
 
 from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.rollout.prompt import decode_response, end_of_turn_ids, render_prompt_ids
+from workers.rollout.toolcall import parse_response
 
 __all__ = [
     "TRAINER_ERROR_CATEGORIES",
     "RemoteTrainerBackend",
     "RemoteTrainerError",
+    "answer_tool_calls_text",
     "session_response_mask",
+    "split_endpoint",
 ]
 
 TRAINER_ERROR_CATEGORIES = ("rate_limited", "server_error", "client_error", "network",
                             "malformed", "response_mask")
 
 _ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+#: ``endpoint="auto"``: the order in which the paths are tried (module docstring).
+_PROBE_ORDER = ("chat", "completions")
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def split_endpoint(server_url: str) -> tuple[str, str | None]:
+    """``server_url`` without a trailing completions path, and the endpoint that path names
+    (``"chat"``, ``"completions"``, or None when the URL is a base URL)."""
+    base = server_url.rstrip("/")
+    for name in _PROBE_ORDER:  # the chat path first: it ends with the other one's tail
+        path = _ENDPOINTS[name]
+        if base.endswith(path):
+            return base[: -len(path)], name
+    return base, None
+
+
+def _tool_call_text(call: Any) -> str | None:
+    """One OpenAI ``tool_calls`` entry as the ``<tool_call>`` block the loop parses; None for
+    an entry that is not an object with a ``function``. Arguments given as JSON text that
+    decodes to an object are written as that object; anything else is written as given, so
+    the parser reports it as a format error answered in the conversation."""
+    if not isinstance(call, Mapping):
+        return None
+    function = call.get("function")
+    if not isinstance(function, Mapping):
+        return None
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict):
+            arguments = decoded
+    payload = json.dumps({"name": function.get("name"), "arguments": arguments},
+                         ensure_ascii=False)
+    return f"{_CALL_OPEN}\n{payload}\n{_CALL_CLOSE}"
+
+
+def answer_tool_calls_text(message: Any) -> str:
+    """The tool calls of an answer's ``choices[0].message`` as ``<tool_call>`` blocks joined
+    by newlines (module docstring): its ``tool_calls``, else the blocks in its ``content``;
+    empty when it has none."""
+    if not isinstance(message, Mapping):
+        return ""
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        blocks = [b for b in map(_tool_call_text, calls) if b is not None]
+        return "\n".join(blocks)
+    content = message.get("content")
+    if isinstance(content, str) and _CALL_OPEN in content:
+        start = content.index(_CALL_OPEN)
+        end = content.rfind(_CALL_CLOSE)
+        return content[start:end + len(_CALL_CLOSE)] if end > start else content[start:]
+    return ""
 
 
 class RemoteTrainerError(RuntimeError):
@@ -136,12 +225,13 @@ class RemoteTrainerBackend:
     trainer's completions endpoint, keeping the RolloutSession state of one rollout (module
     docstring). Use one instance per rollout.
 
-    ``server_url`` the trainer's base URL (``/v1/completions`` is appended); ``rollout_id``
+    ``server_url`` the trainer's base URL (or the endpoint's full URL); ``rollout_id``
     sent with every call; ``tokenizer`` the rollout's tokenizer (a transformers tokenizer with
     a chat template) used to measure prompts and decode generations; ``api_key`` sent as
-    ``Authorization: Bearer``; ``endpoint`` ``"completions"`` (default, the protocol's) or
-    ``"chat"``; ``model`` the ``model`` field; ``extra_body`` further sampling fields sent
-    verbatim (``top_k``…); ``timeout_s`` per call.
+    ``Authorization: Bearer``; ``endpoint`` ``"auto"`` (default: the path the URL names, else
+    ``/v1/chat/completions`` falling back to ``/v1/completions``, module docstring),
+    ``"chat"`` or ``"completions"``; ``model`` the ``model`` field; ``extra_body`` further
+    sampling fields sent verbatim (``top_k``…); ``timeout_s`` per call.
 
     Raises ValueError for a URL that is not http(s), an empty ``rollout_id``, an unknown
     ``endpoint``, a non-positive timeout or a tokenizer without a chat template.
@@ -151,7 +241,7 @@ class RemoteTrainerBackend:
     """
 
     def __init__(self, server_url: str, *, rollout_id: str, tokenizer: Any,
-                 api_key: str | None = None, endpoint: str = "completions",
+                 api_key: str | None = None, endpoint: str = "auto",
                  model: str = "default", extra_body: Mapping[str, Any] | None = None,
                  timeout_s: float = 120.0, policy_version: int = 0) -> None:
         import httpx
@@ -161,8 +251,9 @@ class RemoteTrainerBackend:
             raise ValueError(f"server_url must be an http(s) URL, got {server_url!r}")
         if not isinstance(rollout_id, str) or not rollout_id:
             raise ValueError(f"rollout_id must be a non-empty string, got {rollout_id!r}")
-        if endpoint not in _ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {sorted(_ENDPOINTS)}, got {endpoint!r}")
+        if endpoint not in (*_ENDPOINTS, "auto"):
+            raise ValueError(f"endpoint must be one of {sorted(_ENDPOINTS) + ['auto']}, "
+                             f"got {endpoint!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
                 math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
@@ -170,11 +261,15 @@ class RemoteTrainerBackend:
             raise ValueError("tokenizer must have a chat_template to measure prompts")
         if api_key is not None and not isinstance(api_key, str):
             raise TypeError(f"api_key must be a string or None, got {type(api_key).__name__}")
-        self.server_url = server_url.rstrip("/")
+        base, named = split_endpoint(server_url)
+        if endpoint == "auto":
+            endpoint = named or "auto"
+        self.server_url = base
         self.rollout_id = rollout_id
         self.tokenizer = tokenizer
+        #: the endpoint in use; "auto" until the first call found the one the trainer serves
         self.endpoint = endpoint
-        self.path = _ENDPOINTS[endpoint]
+        self.path = _ENDPOINTS[_PROBE_ORDER[0] if endpoint == "auto" else endpoint]
         self.model = model
         self.extra_body = dict(extra_body or {})
         self.policy_version = policy_version
@@ -182,6 +277,7 @@ class RemoteTrainerBackend:
         self.last_prompt_length = 0
         self.calls = 0
         self.prompt_length_mismatches = 0
+        self.tool_calls_outside_ids = 0
         self.error: RemoteTrainerError | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.server_url, timeout=timeout_s,
@@ -244,17 +340,24 @@ class RemoteTrainerBackend:
             raise
 
     def _generate(self, request: GenerationRequest) -> GenerationResult:
-        import httpx
-
         prompt = self.prompt_ids(request)
         mask = session_response_mask(prompt_length=len(prompt),
                                      last_prompt_length=self.last_prompt_length)
-        try:
-            response = self.client.post(self.path, json=self.request_body(request, mask))
-        except httpx.TransportError as exc:  # connect, read, write, timeout, protocol
-            raise RemoteTrainerError(
-                "network", f"POST {self.server_url}{self.path} failed: "
-                f"{type(exc).__name__}: {exc}") from None
+        body = self.request_body(request, mask)
+        response = self._post(body)
+        if self.endpoint == "auto":
+            if response.status_code in (404, 405):  # no such route: try the other revision's
+                tried = self.path
+                self.path = _ENDPOINTS[_PROBE_ORDER[1]]
+                response = self._post(body)
+                if response.status_code in (404, 405):
+                    raise RemoteTrainerError(
+                        "client_error", f"the trainer at {self.server_url} answered "
+                        f"{tried} and {self.path} with HTTP 404/405: it serves neither "
+                        "completions path (or knows no such rollout)",
+                        status_code=response.status_code)
+            if response.status_code < 400:
+                self.endpoint = next(k for k, v in _ENDPOINTS.items() if v == self.path)
         status = response.status_code
         if status >= 400:
             category = ("rate_limited" if status == 429 else
@@ -262,7 +365,7 @@ class RemoteTrainerBackend:
             raise RemoteTrainerError(
                 category, f"POST {self.path} returned HTTP {status} "
                 f"({len(response.content)} bytes, not shown)", status_code=status)
-        token_ids, logprobs, prompt_ids, finish = self._read_answer(response)
+        token_ids, logprobs, prompt_ids, finish, message = self._read_answer(response)
         self.calls += 1
         if len(prompt_ids) != len(prompt):
             self.prompt_length_mismatches += 1
@@ -270,9 +373,19 @@ class RemoteTrainerBackend:
         self.last_prompt_length = len(prompt) + len(token_ids)
         text, stopped_on_string = decode_response(self.tokenizer, token_ids,
                                                    stop=request.sampling.stop)
+        outside = False
+        if not parse_response(text, call_id="probe").attempted_tool_call:
+            # Tool calls the answer carries outside its token ids (module docstring).
+            calls = answer_tool_calls_text(message)
+            outside = bool(calls)
+            if calls:
+                self.tool_calls_outside_ids += 1
+                text = f"{text}\n{calls}" if text.strip() else calls
         if finish is None:
+            # Ids without their end token (content only) and tool calls beside them: the
+            # model finished its turn with those calls.
             ended = bool(token_ids) and token_ids[-1] in self.stop_token_ids
-            finish = "stop" if ended or stopped_on_string else "length"
+            finish = "stop" if ended or stopped_on_string or outside else "length"
         return GenerationResult(
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             response_ids=np.asarray(token_ids, dtype=np.int32),
@@ -282,8 +395,18 @@ class RemoteTrainerBackend:
             policy_version=self.policy_version,
         )
 
+    def _post(self, body: dict[str, Any]) -> Any:
+        import httpx
+
+        try:
+            return self.client.post(self.path, json=body)
+        except httpx.TransportError as exc:  # connect, read, write, timeout, protocol
+            raise RemoteTrainerError(
+                "network", f"POST {self.server_url}{self.path} failed: "
+                f"{type(exc).__name__}: {exc}") from None
+
     def _read_answer(self, response: Any
-                     ) -> tuple[list[int], list[float], list[int], FinishReason | None]:
+                     ) -> tuple[list[int], list[float], list[int], FinishReason | None, Any]:
         def malformed(problem: str) -> RemoteTrainerError:
             return RemoteTrainerError("malformed", f"POST {self.path} answer {problem}",
                                       status_code=response.status_code)
@@ -333,5 +456,5 @@ class RemoteTrainerBackend:
             finish = "length" if reason == "length" else "stop"
         else:
             raise malformed(f"has finish_reason {reason!r}")
-        return token_ids, logprobs, prompt_ids, finish
+        return token_ids, logprobs, prompt_ids, finish, choice.get("message")
 

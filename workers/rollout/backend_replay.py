@@ -76,7 +76,10 @@ class ReplayBackend:
         return self.scorer.prompt_ids(request)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
-        """The next recorded response, scored by the model (module docstring)."""
+        """The next recorded response, scored by the model (module docstring). Raises
+        TypeError for anything but a :class:`GenerationRequest`."""
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
         if not self._script:
             raise ValueError(f"the replay script is exhausted after {self._used} responses")
         recorded = self._script.popleft()

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from store.arguments import whole_number
 from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.rollout.batching import BatchScheduler
 from workers.rollout.logprobs import sampled_token_logprobs
@@ -140,8 +141,7 @@ class TransformersBackend:
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id
                              is not None else self.stop_token_ids[0])
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        whole_number("max_batch", max_batch)
         self.max_batch = max_batch
         self._engine_lock = threading.RLock()
         self._scheduler_lock = threading.Lock()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from store.arguments import whole_number
 from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.rollout.batching import EngineStopped
 from workers.rollout.prompt import end_of_turn_ids, render_prompt_ids
@@ -49,8 +50,7 @@ def cpu_engine_environment(cache_root: str | os.PathLike[str], *, kv_cache_gib: 
     """Environment variables for an in-process vLLM CPU engine: single process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a KV cache of ``kv_cache_gib`` GiB and vLLM's
     compile/cache files under ``cache_root``. Raises ValueError when ``kv_cache_gib`` < 1."""
-    if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
-        raise ValueError(f"kv_cache_gib must be a positive integer, got {kv_cache_gib!r}")
+    whole_number("kv_cache_gib", kv_cache_gib)
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from store.arguments import whole_number
 from workers.rollout.backend import GenerationRequest, GenerationResult
 
 __all__ = ["BatchScheduler", "EngineStopped"]
@@ -41,8 +42,7 @@ class BatchScheduler:
                                            Sequence[GenerationResult]],
                  *, key: Callable[[GenerationRequest], Hashable], max_batch: int = 64,
                  gather_s: float = 0.002, name: str = "batch") -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        whole_number("max_batch", max_batch)
         if not isinstance(gather_s, (int, float)) or not 0 <= gather_s < 1:
             raise ValueError(f"gather_s must be in [0, 1) seconds, got {gather_s!r}")
         self.run_batch = run_batch

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from store.arguments import whole_number
 from store.events import Event
 
 __all__ = ["EpisodeWriter", "VersionedLog", "deterministic_event_id"]
@@ -45,8 +46,7 @@ class VersionedLog(Protocol):
 def deterministic_event_id(namespace: uuid.UUID, stream_id: str, version: int) -> uuid.UUID:
     """The id of the event at ``version`` (1-based) of ``stream_id`` under ``namespace``.
     Raises ValueError for a version below 1."""
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ValueError(f"version must be a positive integer, got {version!r}")
+    whole_number("version", version)
     return uuid.uuid5(namespace, f"{stream_id}/{version}")
 
 
@@ -72,8 +72,7 @@ class EpisodeWriter:
     def start(self, stream_id: str, version: int) -> None:
         """Continue ``stream_id`` from ``version`` (its current number of events).
         Raises ValueError for a negative version."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative integer, got {version!r}")
+        whole_number("version", version, minimum=0)
         self.versions[stream_id] = version
 
     def append(self, stream_id: str, events: Sequence[Event]) -> object:

@@ -1,4 +1,5 @@
-"""Rolling out one GRPO group: the n episodes of one task at one policy version.
+"""Rolling out one GRPO group: the n episodes of one task at one policy version, n being
+the run's ``RunConfig.group_size`` (the size the trainer leases complete groups at).
 
 Identity is deterministic, so a redelivered task finds what an earlier delivery did:
 
@@ -35,6 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from store.arguments import whole_number
 from store.errors import ConflictError, IdempotencyError
 from store.events import EpisodeFinished, RunConfig
 from workers.rollout.agent_tasks import Task
@@ -43,6 +45,7 @@ from workers.rollout.backend import AsyncGenerationBackend, GenerationBackend, S
 from workers.rollout.episode_writer import EpisodeWriter
 from workers.rollout.group_log import GroupLog
 from workers.rollout.loop import arun_episode
+from workers.rollout.prompt import RunPrompt, run_prompt
 from workers.rollout.tool_runner import ToolRunner
 from workers.rollout.tools import ToolRegistry
 
@@ -152,6 +155,7 @@ class _Plan:
     max_total_tokens: int
     tool_runner: ToolRunner | None
     gate: asyncio.Semaphore | None
+    prompt: RunPrompt | None
 
 
 async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
@@ -181,7 +185,8 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
                     sampling=plan.sampling.replace(seed=episode_seed(episode_id)),
                     rollback=plan.config, group_id=plan.group_id, episode_id=episode_id,
                     max_turns=plan.max_turns, max_total_tokens=plan.max_total_tokens,
-                    policy_version=plan.policy_version, tool_runner=plan.tool_runner)
+                    policy_version=plan.policy_version, tool_runner=plan.tool_runner,
+                    prompt=plan.prompt)
         except (ConflictError, IdempotencyError):
             # Another delivery of this task got to the slot first: it is theirs.
             outcome = SlotOutcome(slot, episode_id, None, None, False)
@@ -200,7 +205,6 @@ async def aplay_group(
     log: GroupLog,
     run_id: str,
     task: Task,
-    n: int,
     backend: GenerationBackend | AsyncGenerationBackend,
     tools: ToolRegistry,
     policy_version: int,
@@ -212,24 +216,26 @@ async def aplay_group(
     tool_runner: ToolRunner | None = None,
     gate: asyncio.Semaphore | None = None,
 ) -> GroupResult:
-    """Play the ``n`` episodes of ``task``'s group at ``policy_version`` concurrently (module
+    """Play the episodes of ``task``'s group at ``policy_version`` concurrently (module
     docstring), appending their events to ``log``.
 
-    ``backend`` must already hold that policy's weights; ``run_config`` (read from ``log``
-    when None) gives the rollback configuration; ``sampling`` defaults to
-    the run's ``RunConfig.rollout`` (which then also sets ``max_turns`` and
-    ``max_total_tokens``), with each episode's seed derived from its id. ``gate``, when given,
-    is held by each episode while it plays (the worker's bound on episodes in flight across
-    groups); ``tool_runner`` runs the tool calls (the process's default when None). Raises
-    ValueError for ``n`` < 1, a negative ``group_index`` or ``policy_version``, and the log's
-    errors (``NotFoundError`` for an unknown run, ``TransientError`` when it is unreachable).
-    Failures inside an episode (backend, tools, reward) end that episode with status
-    ``error`` and do not raise.
+    ``run_config`` (read from ``log`` when None) is the run's configuration, the one source
+    of the group's behaviour: ``group_size`` episodes, the rollback rules, the prompt
+    rendering (the run's tokenizer and chat template, as replay renders them,
+    :func:`~workers.rollout.prompt.run_prompt`) and, unless ``sampling`` is given, the
+    sampling and limits of ``RunConfig.rollout`` (which then also sets ``max_turns`` and
+    ``max_total_tokens``); each episode's seed is derived from its id. ``backend`` must
+    already hold that policy's weights. ``gate``, when given, is held by each episode while
+    it plays (the worker's bound on episodes in flight across groups); ``tool_runner`` runs
+    the tool calls (the process's default when None). Raises ValueError for a negative
+    ``group_index`` or ``policy_version``, ``TokenizerNotFound`` when the run's tokenizer
+    cannot be loaded here, and the log's errors (``NotFoundError`` for an unknown run,
+    ``TransientError`` when it is unreachable). Failures inside an episode (backend, tools,
+    reward, the template) end that episode with status ``error`` and do not raise.
     """
-    for name, value, low in (("n", n, 1), ("group_index", group_index, 0),
+    for name, value, low in (("group_index", group_index, 0),
                              ("policy_version", policy_version, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        whole_number(name, value, minimum=low)
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
     config = (run_config if run_config is not None
@@ -241,14 +247,16 @@ async def aplay_group(
             max_tokens=config.rollout.max_tokens)
         max_turns = config.rollout.max_turns
         max_total_tokens = config.rollout.max_total_tokens
+    prompt = await asyncio.to_thread(run_prompt, config, backend=backend)
     group_id = group_id_for(run_id, task.task_id, policy_version, group_index)
     plan = _Plan(log=log, run_id=run_id, task=task, group_id=group_id, backend=backend,
                  tools=tools, writer=EpisodeWriter(log, namespace=uuid.uuid5(_NAMESPACE,
                                                                              group_id)),
                  config=config, sampling=sampling, policy_version=policy_version,
                  max_turns=max_turns, max_total_tokens=max_total_tokens,
-                 tool_runner=tool_runner, gate=gate)
-    slots = await asyncio.gather(*(_play_slot(plan, slot) for slot in range(n)))
+                 tool_runner=tool_runner, gate=gate, prompt=prompt)
+    slots = await asyncio.gather(*(_play_slot(plan, slot)
+                                   for slot in range(config.group_size)))
     return GroupResult(run_id, task.task_id, group_id, policy_version, tuple(slots))
 
 
@@ -257,7 +265,6 @@ def play_group(
     log: GroupLog,
     run_id: str,
     task: Task,
-    n: int,
     backend: GenerationBackend | AsyncGenerationBackend,
     tools: ToolRegistry,
     policy_version: int,
@@ -271,7 +278,7 @@ def play_group(
     """:func:`aplay_group` for callers without an event loop (same arguments and errors):
     the group's episodes play concurrently in a private event loop."""
     return run_sync(aplay_group(
-        log=log, run_id=run_id, task=task, n=n, backend=backend, tools=tools,
+        log=log, run_id=run_id, task=task, backend=backend, tools=tools,
         policy_version=policy_version, group_index=group_index, run_config=run_config,
         sampling=sampling, max_turns=max_turns, max_total_tokens=max_total_tokens,
         tool_runner=tool_runner))

@@ -39,9 +39,13 @@ Semantics:
   ``stop_at_tool_calls`` task), ``terminated`` (retries exhausted), ``truncated`` (``max_turns``
   reached with tool calls pending, a response cut at ``max_tokens``, or ``max_total_tokens``
   reached: each call's ``max_tokens`` is capped so that prompt + response fit in it, exactly
-  for backends that render prompts themselves (:class:`~workers.rollout.backend.PromptRenderer`)
-  and, for the others, by the room the previous call left), ``error`` (the backend, a tool
+  when the loop renders the prompt (``prompt``) or the backend renders it and says how
+  (:class:`~workers.rollout.backend.PromptRenderer`), and otherwise by the room the previous
+  call left), ``error`` (the backend, a tool
   registry or the reward raised: reward 0 with source "error", the exception text as reason).
+- Prompts: with ``prompt`` (a :class:`~workers.rollout.prompt.RunPrompt`, the run's tokenizer
+  and chat template) the loop renders each request and gives the engine its token ids, so
+  rollout renders as replay does; without it the backend renders ``messages`` itself.
 - Sampling seeds: with ``sampling.seed`` set, the k-th call of the episode uses ``seed + k``.
 - Writing: events are appended in order, one batch per LLM call (the events since the last
   call go to the sink as the next call starts, and the episode's last events as it ends), in
@@ -60,6 +64,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from store.arguments import whole_number
 from store.events import (
     AttemptFailed,
     CheckpointCreated,
@@ -83,6 +88,7 @@ from workers.rollout.backend import (
     PromptRenderer,
     SamplingParams,
 )
+from workers.rollout.prompt import RunPrompt
 from workers.rollout.rewards import Reward, Transcript
 from workers.rollout.rollback import format_error_feedback, matches_rollback, rollback_config
 from workers.rollout.sink import EventSink
@@ -142,8 +148,9 @@ class _Episode:
                  sink: EventSink, run_id: str, group_id: str, episode_id: str,
                  sampling: SamplingParams, rollback: RollbackConfig, max_turns: int,
                  max_total_tokens: int, agent: str, policy_version: int,
-                 tool_runner: ToolRunner) -> None:
+                 tool_runner: ToolRunner, prompt: RunPrompt | None) -> None:
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
+        self.prompt = prompt
         self.run_id, self.group_id, self.episode_id = run_id, group_id, episode_id
         self.sampling, self.rollback, self.agent = sampling, rollback, agent
         self.max_turns = task.max_turns if task.max_turns is not None else max_turns
@@ -209,7 +216,11 @@ class _Episode:
         request = GenerationRequest(sampling=self.sampling,
                                     messages=tuple(dict(m) for m in messages),
                                     tools=self.task.tools or None)
-        if isinstance(self.backend, PromptRenderer):
+        ids: tuple[int, ...] | None = None
+        if self.prompt is not None:  # the run's rendering, which replay expects
+            ids = tuple(self.prompt.ids(request.messages or (), request.tools))
+            used = len(ids)
+        elif isinstance(self.backend, PromptRenderer):
             used = len(self.backend.prompt_ids(request))
         else:  # a lower bound: the previous call's prompt + response
             used = self.last_total
@@ -219,8 +230,10 @@ class _Episode:
         seed = None if self.sampling.seed is None else self.sampling.seed + self.calls
         params = self.sampling.replace(max_tokens=min(self.sampling.max_tokens, room),
                                        seed=seed)
-        request = GenerationRequest(sampling=params, messages=request.messages,
-                                    tools=request.tools)
+        asked = request
+        request = (GenerationRequest(sampling=params, prompt_ids=ids) if ids is not None
+                   else GenerationRequest(sampling=params, messages=request.messages,
+                                          tools=request.tools))
         started = time.perf_counter()
         self.flush()  # what happened so far is on its way to the store meanwhile
         result = await generate_async(self.backend, request)
@@ -232,7 +245,7 @@ class _Episode:
                   else result.finish_reason)
         await self.emit(LLMCalled(
             **self.stamp(), agent=self.agent, call_id=call_id,
-            messages=list(request.messages or ()),
+            messages=list(asked.messages or ()),
             tools=list(self.task.tools) or None, prompt_ids=result.prompt_ids,
             response_ids=result.response_ids, logprobs=result.logprobs,
             response=parsed.to_message(), finish_reason=finish,
@@ -408,7 +421,8 @@ class _Episode:
 def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id: str,
              sampling: SamplingParams | None, rollback: Any, group_id: str | None,
              episode_id: str | None, max_turns: int, max_total_tokens: int, agent: str,
-             policy_version: int | None, tool_runner: ToolRunner | None) -> _Episode:
+             policy_version: int | None, tool_runner: ToolRunner | None,
+             prompt: RunPrompt | None) -> _Episode:
     """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
@@ -423,14 +437,15 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
     for name, value in (("max_turns", max_turns), ("max_total_tokens", max_total_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        whole_number(name, value)
     if sampling is None:
         sampling = SamplingParams()
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
     if tool_runner is not None and not isinstance(tool_runner, ToolRunner):
         raise TypeError(f"tool_runner must be a ToolRunner, got {type(tool_runner).__name__}")
+    if prompt is not None and not isinstance(prompt, RunPrompt):
+        raise TypeError(f"prompt must be a RunPrompt, got {type(prompt).__name__}")
     if policy_version is None:
         policy_version = int(getattr(backend, "policy_version", 0))
     if episode_id is None:
@@ -444,7 +459,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
                     rollback=rollback_config(rollback), max_turns=max_turns,
                     max_total_tokens=max_total_tokens, agent=agent,
                     policy_version=policy_version,
-                    tool_runner=tool_runner if tool_runner is not None else default_tool_runner())
+                    tool_runner=tool_runner if tool_runner is not None else default_tool_runner(),
+                    prompt=prompt)
 
 
 async def arun_episode(
@@ -463,6 +479,7 @@ async def arun_episode(
     agent: str = "main",
     policy_version: int | None = None,
     tool_runner: ToolRunner | None = None,
+    prompt: RunPrompt | None = None,
 ) -> EpisodeResult:
     """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
     ``episode_id`` (a new UUID string when None); see the module docstring for the event
@@ -478,15 +495,18 @@ async def arun_episode(
     ``group_id`` is the GRPO group (default ``"<run_id>:<task_id>:v<policy_version>"``);
     ``policy_version`` defaults to the backend's ``policy_version`` attribute (0 without one);
     ``rollback`` accepts the run config, its rollback part, a dict of its fields or None for
-    the defaults; ``task.max_turns`` overrides ``max_turns``. Failures of the backend, tools or
-    reward end the episode with status ``error``; failures of the sink propagate (the episode
-    cannot be recorded). Invalid arguments raise ValueError/TypeError naming them.
+    the defaults; ``task.max_turns`` overrides ``max_turns``; ``prompt`` renders requests
+    for the engine (the run's tokenizer and template; None: the backend renders). Failures
+    of the backend, tools, the template or the reward end the episode with status
+    ``error``; failures of the sink propagate (the episode cannot be recorded). Invalid
+    arguments raise ValueError/TypeError naming them.
     """
     episode = _episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
                        sampling=sampling, rollback=rollback, group_id=group_id,
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
-                       policy_version=policy_version, tool_runner=tool_runner)
+                       policy_version=policy_version, tool_runner=tool_runner,
+                       prompt=prompt)
     return await episode.run()
 
 
@@ -506,6 +526,7 @@ def run_episode(
     agent: str = "main",
     policy_version: int | None = None,
     tool_runner: ToolRunner | None = None,
+    prompt: RunPrompt | None = None,
 ) -> EpisodeResult:
     """:func:`arun_episode` for callers without an event loop: plays the one episode to its
     end and returns its result (same arguments, same errors). Called from a thread that runs
@@ -514,5 +535,6 @@ def run_episode(
                        sampling=sampling, rollback=rollback, group_id=group_id,
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
-                       policy_version=policy_version, tool_runner=tool_runner)
+                       policy_version=policy_version, tool_runner=tool_runner,
+                       prompt=prompt)
     return run_sync(episode.run())

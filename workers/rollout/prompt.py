@@ -3,19 +3,70 @@
 Backends that own a tokenizer (transformers, vLLM offline, replay) render ``messages`` with the
 tokenizer's chat template themselves and hand token ids to the engine, so the ``prompt_ids``
 they report are exactly the ids the engine consumed.
+
+A run that names its tokenizer or its own chat template (``RunConfig.tokenizer_name``,
+``RunConfig.chat_template``) is rendered by the agent loop instead, with :class:`RunPrompt`:
+the tokenizer and template replay segments the run's prompts with, so the prompt ids the
+engine is given are the rendering replay expects, whatever the engine's own template.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from store.events import RunConfig
 from workers.replay.render import prompt_ids
 from workers.rollout.backend import GenerationRequest
 
-__all__ = ["decode_response", "end_of_turn_ids", "render_prompt_ids"]
+__all__ = ["RunPrompt", "decode_response", "end_of_turn_ids", "render_prompt_ids",
+           "run_prompt"]
+
+
+class RunPrompt:
+    """A run's prompt rendering: ``tokenizer`` with ``chat_template`` (the tokenizer's own
+    when None), as replay renders the run's prompts (module docstring). Raises ValueError
+    when there is no template at all, TypeError for a template that is not a string."""
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a string, got "
+                            f"{type(chat_template).__name__}")
+        if not chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the run's tokenizer has no chat_template and the run sets none")
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or None
+
+    def ids(self, messages: Sequence[Mapping[str, Any]],
+            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The prompt ids of ``messages`` and ``tools`` with the generation prompt appended
+        (:func:`workers.replay.render.prompt_ids`); the template's own errors propagate."""
+        return prompt_ids(self.tokenizer, messages, tools=tools,
+                          chat_template=self.chat_template)
+
+
+def run_prompt(config: RunConfig, *, backend: Any = None) -> RunPrompt | None:
+    """The rendering rollout uses for a run with ``config``: the run's tokenizer
+    (``tokenizer_name``, loaded with :func:`workers.tokenizers.load_tokenizer`) with its
+    ``chat_template``; a template without a tokenizer name is used with ``backend``'s
+    ``tokenizer``. None when the run names neither (the backend renders with its own).
+    Raises ``TokenizerNotFound`` for a tokenizer that cannot be loaded here, ValueError for
+    a template with neither a tokenizer name nor a backend tokenizer."""
+    name = config.tokenizer_name
+    if name is None and config.chat_template is None:
+        return None
+    if name is not None:
+        from workers.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(name)
+    else:
+        tokenizer = getattr(backend, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("the run sets a chat_template but names no tokenizer "
+                             "(RunConfig.tokenizer or .model) and the backend has none")
+    return RunPrompt(tokenizer, chat_template=config.chat_template)
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>")
 

@@ -4,7 +4,7 @@ RolloutRequest, this process drives the agent loop and generates at the trainer'
 :func:`run_remote_rollout` takes the request as a plain dict::
 
     {"rollout_id": "550e8400-…",                    # required, at most 150 characters
-     "server_url": "http://trainer:8081",           # required: {server_url}/v1/completions
+     "server_url": "http://trainer:8081",           # required: the trainer's base URL
      "messages": [{"role": "user", "content": "What is 15 * 23?"}],   # required
      "sampling_params": {"temperature": 0.7, "top_p": 0.9, "max_tokens": 512,
                          "logprobs": true},          # optional
@@ -13,7 +13,9 @@ RolloutRequest, this process drives the agent loop and generates at the trainer'
      "max_turns": 10,                               # optional, default 10
      "max_tokens_total": 8192,                      # optional, default 8192
      "callback_api_key": "…",                       # optional: Bearer token for the trainer
-     "run_id": "remote", "group_id": "…"}           # optional (this store's extensions)
+     "run_id": "remote", "group_id": "…",           # optional (this store's extensions)
+     "metadata": {…}, "tool_server_url": "…"}       # optional, later revisions: accepted,
+                                                    # checked for type, not used
 
 and returns the RolloutResponse::
 
@@ -23,15 +25,27 @@ and returns the RolloutResponse::
      "error_category": null | "rate_limited" | …,   # extension: why it failed
      "episode_id": "rollout-…",                     # extension: the recorded episode
      "metrics": {"llm_calls": …, "tool_calls": …, "generated_tokens": …, "turns": …,
-                 "prompt_length_mismatches": …, "duration_s": …}}
+                 "prompt_length_mismatches": …, "tool_calls_outside_ids": …,
+                 "trainer_endpoint": "/v1/chat/completions" | "/v1/completions" | null,
+                 "duration_s": …,
+                 # the reference RolloutMetrics' names for the same counts:
+                 "num_llm_calls": …, "num_tool_calls": …, "response_tokens": …,
+                 "total_latency_ms": …}}
 
 Semantics:
 
 - Every LLM call goes to the trainer through
   :class:`~workers.rollout.backend_remote.RemoteTrainerBackend`, which sends the explicit
-  ``response_mask`` of the protocol. The trainer's append-only token buffer cannot represent a
-  rollback, so remote rollouts run with tool rollback disabled: failed tool calls and
-  malformed tool-call text are answered in the conversation, as the protocol expects.
+  ``response_mask`` of the protocol. The endpoint is the path ``server_url`` ends with when it
+  names one, else ``/v1/chat/completions`` (the later revision's), falling back to
+  ``/v1/completions`` (the first revision's) when the trainer answers 404/405;
+  ``metrics.trainer_endpoint`` says which answered (null when none did). Tool calls a trainer
+  returns outside its ``token_ids`` (in ``message.tool_calls`` or as text in
+  ``message.content``) are run; the recorded response ids stay the trainer's, and
+  ``metrics.tool_calls_outside_ids`` counts the calls whose tool calls came that way. The
+  trainer's append-only token buffer cannot represent a rollback, so remote rollouts run
+  with tool rollback disabled: failed tool calls and malformed tool-call text are answered
+  in the conversation, as the protocol expects.
 - The episode is recorded like any other (``episode_started`` … ``reward_assigned``,
   ``episode_finished``) under episode id ``rollout-<rollout_id>`` in run ``run_id``. Its
   reward is ``unscored`` (0): the trainer scores ``final_messages`` itself.
@@ -183,7 +197,7 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
     parts = urllib.parse.urlsplit(server_url)
     if parts.query or parts.fragment or "?" in server_url or "#" in server_url:
         raise ValueError("rollout request field 'server_url' must be a base URL without a "
-                         "query string or fragment (/v1/completions is appended to it)")
+                         "query string or fragment (the completions path is appended to it)")
     if parts.username or parts.password:
         raise ValueError("rollout request field 'server_url' must not carry credentials")
     tokenizer_name = _string(data, "tokenizer_name", limit=500, required=True)
@@ -310,6 +324,7 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
     message = None
     if result.status == "error":
         message = f"{category}: {error}" if error is not None else result.reason
+    duration = time.perf_counter() - started
     turns = sum(1 for m in result.messages if m.get("role") == "assistant") - sum(
         1 for m in parsed.messages if m.get("role") == "assistant")
     return {
@@ -326,6 +341,14 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
             "generated_tokens": result.generated_tokens,
             "turns": turns,
             "prompt_length_mismatches": backend.prompt_length_mismatches,
-            "duration_s": time.perf_counter() - started,
+            "tool_calls_outside_ids": backend.tool_calls_outside_ids,
+            "trainer_endpoint": None if backend.endpoint == "auto" else backend.path,
+            "duration_s": duration,
+            # the same counts under the reference RolloutMetrics' names, which its trainer
+            # reads (num_llm_calls becomes the sample's number of turns)
+            "num_llm_calls": result.llm_calls,
+            "num_tool_calls": result.tool_calls,
+            "response_tokens": result.generated_tokens,
+            "total_latency_ms": duration * 1000.0,
         },
     }

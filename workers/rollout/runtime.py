@@ -23,6 +23,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
+from store.arguments import whole_number
+
 __all__ = ["RolloutRuntime", "WeightsGate", "worker_runtime"]
 
 T = TypeVar("T")
@@ -80,9 +82,7 @@ class RolloutRuntime:
     """
 
     def __init__(self, *, concurrency: int) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"rollout_concurrency must be a positive integer, "
-                             f"got {concurrency!r}")
+        whole_number("rollout_concurrency", concurrency)
         self.concurrency = concurrency
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop",

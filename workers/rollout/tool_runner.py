@@ -23,6 +23,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from store.arguments import whole_number
 from workers.rollout.tools import ToolOutcome, ToolRegistry
 
 __all__ = ["TOOL_TIMEOUT_ERROR", "ToolRunner", "default_tool_runner"]
@@ -41,8 +42,7 @@ class ToolRunner:
     """
 
     def __init__(self, *, workers: int = 4, timeout_s: float = 60.0) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        whole_number("workers", workers)
         if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                 or not math.isfinite(timeout_s) or timeout_s <= 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")

@@ -59,12 +59,14 @@ def _worker_tools() -> ToolRegistry:
         return _tools
 
 
-def run_rollout_group(run_id: str, task_id: str, n: int, *, settings: Settings,
+def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
                       group_index: int = 0) -> GroupResult:
-    """Play (or complete) the group of ``task_id`` at the run's newest policy version.
-    Raises ValueError for an unknown task, a bad ``n``/``group_index`` or a run whose model
-    is not a local folder; ``NotFoundError`` for an unknown run; ``TransientError`` when the
-    log is unreachable (the task is retried)."""
+    """Play (or complete) the group of ``task_id`` at the run's newest policy version, with
+    the run's ``group_size`` episodes rendered with the run's tokenizer and chat template
+    (:func:`~workers.rollout.group.aplay_group`). Raises ValueError for an unknown task, a
+    bad ``group_index`` or a run whose model is not a local folder; ``TokenizerNotFound``
+    when the run's tokenizer cannot be loaded here; ``NotFoundError`` for an unknown run;
+    ``TransientError`` when the log is unreachable (the task is retried)."""
     from workers.rollout.engine import worker_engine
 
     log = worker_log(settings)
@@ -80,7 +82,7 @@ def run_rollout_group(run_id: str, task_id: str, n: int, *, settings: Settings,
                                         lambda: engine.ensure(run_id, policy,
                                                               report=log.policy_served)):
             return await aplay_group(
-                log=log, run_id=run_id, task=task, n=n, backend=engine.backend, tools=tools,
+                log=log, run_id=run_id, task=task, backend=engine.backend, tools=tools,
                 policy_version=policy.version, group_index=group_index, run_config=config,
                 gate=runtime.episodes)
 

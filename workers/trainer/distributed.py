@@ -398,7 +398,7 @@ class DistributedTrainer(Trainer):
             reference_sharding = RankSharding(shard_model(reference_lm, bf16=bf16, pack=pack),
                                               rank, world)
         run_config: RunConfig = plan["run_config"]
-        tokenizer = load_tokenizer(run_config.tokenizer or run_config.model or plan["initial"])
+        tokenizer = load_tokenizer(run_config.tokenizer_name or plan["initial"])
         trainer = cls(store=store if rank == 0 else cast(EventStore, _Offline()),
                       run_id=run_id, run_config=run_config, model=lm, tokenizer=tokenizer,
                       config=config, data_dir=Path(plan["data_dir"]), device=device,

@@ -222,7 +222,7 @@ class Trainer:
         if config.kl_coef > 0:
             reference = load_model(initial, device=device, dtype=config.dtype)
             reference.requires_grad_(False)
-        tokenizer = load_tokenizer(run.config.tokenizer or run.config.model or initial)
+        tokenizer = load_tokenizer(run.config.tokenizer_name or initial)
         trainer = cls(store=store, run_id=run_id, run_config=run.config, model=policy,
                       tokenizer=tokenizer, config=config,
                       data_dir=Path(data_dir) if data_dir else store.settings.data_dir,

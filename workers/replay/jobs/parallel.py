@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from types import TracebackType
 
+from store.arguments import whole_number
 from store.db import Database
 from store.eventlog import EventStore
 from workers.replay.jobs.project import ProjectOutcome, project_episodes
@@ -51,8 +52,7 @@ class ProjectionPool:
 
         batch = BATCH if batch is None else batch
         for name, value in (("jobs", jobs), ("batch", batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            whole_number(name, value)
         if not isinstance(database_url, str) or not database_url:
             raise ValueError(f"database_url must be a non-empty string, got {database_url!r}")
         self.jobs = jobs

@@ -468,7 +468,7 @@ def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
     try:
         tokenizer = None
         if needs_tokenizer(plain):  # calls recorded without token ids need none
-            name = config.tokenizer or config.model
+            name = config.tokenizer_name
             if name not in tokenizers:
                 tokenizers[name] = tokenizer_loader(name)
             tokenizer = tokenizers[name]
