@@ -17,7 +17,7 @@ from store.events import Event
 __all__ = ["EPISODE_TYPES", "RUN_TYPES", "append_batch"]
 
 #: Types that belong to a run's own stream; episodes hold every other type.
-RUN_TYPES = frozenset({"run_created", "policy_updated"})
+RUN_TYPES = frozenset({"run_created", "policy_updated", "policy_served"})
 EPISODE_TYPES = frozenset({
     "episode_started", "llm_called", "tool_returned", "checkpoint_created", "attempt_failed",
     "rolled_back", "reward_assigned", "episode_finished",

@@ -796,7 +796,7 @@ def _columns(rows: list[EventRow]) -> tuple[list[Any], ...]:
     )
 
 
-_RUN_EVENTS = ("run_created", "policy_updated")
+_RUN_EVENTS = ("run_created", "policy_updated", "policy_served")
 
 
 def _check_order(stream_id: str, events: list[Event], current: int) -> None:
@@ -810,7 +810,8 @@ def _check_order(stream_id: str, events: list[Event], current: int) -> None:
         if run_stream != (event.type in _RUN_EVENTS):
             raise errors.ValidationError(
                 f"{event.type} cannot go to stream {stream_id!r}: streams named 'run-…' hold "
-                "a run's own events (run_created, policy_updated) and nothing else",
+                "a run's own events (run_created, policy_updated, policy_served) and nothing "
+                "else",
                 event_index=i, field="type")
         if isinstance(event, RunCreated) and stream_id != run_stream_id(event.run_id):
             raise errors.ValidationError(

@@ -50,6 +50,7 @@ __all__ = [
     "RolledBack",
     "RewardAssigned",
     "EpisodeFinished",
+    "PolicyServed",
     "PolicyUpdated",
     "parse_event",
     "event_type",
@@ -458,6 +459,21 @@ class PolicyUpdated(Event):
     step: int = Field(ge=0)
     metrics: dict[str, float] = Field(default_factory=dict)
     checkpoint: str | None = None
+
+
+@event_type
+class PolicyServed(Event):
+    """A rollout engine took a policy version of the run (``store.serving``): its stable id
+    (host, process, backend), the backend kind, where the weights came from (a checkpoint
+    folder or URL, ``push`` from a trainer in the same process, a server's weight-update
+    route) and how long loading them took."""
+
+    type: ClassVar[str] = "policy_served"
+    version: int = Field(ge=0)
+    engine: str = Field(min_length=1, max_length=200)
+    backend: str = Field(min_length=1, max_length=100)
+    source: str | None = Field(default=None, max_length=2000)
+    load_seconds: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 # --- upcasting ---------------------------------------------------------------------------

@@ -167,12 +167,14 @@ class ThreadedServer:
 
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, directory: Path, *, served_name: str = "tiny",
-                timeout_s: float = 300.0) -> Iterator[str]:
+                timeout_s: float = 300.0, env: dict[str, str] | None = None
+                ) -> Iterator[str]:
     """vLLM's OpenAI-compatible server over ``model_dir`` on the CPU settings the vLLM tests
-    use (float32, eager, ``processed_logprobs``), logging to ``directory``; yields its URL."""
+    use (float32, eager, ``processed_logprobs``), logging to ``directory``, with ``env``
+    added to its environment; yields its URL."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CACHE_ROOT": str(directory / "cache")}
+           "VLLM_CACHE_ROOT": str(directory / "cache"), **(env or {})}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model_dir), "--served-model-name", served_name,
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",

@@ -120,9 +120,15 @@ def migrate(
 
 
 @app.command()
-def status() -> None:
-    """Where the data lives, the schema revision and the number of events of each type."""
-    from store import embedded
+def status(
+    run: Annotated[str | None, typer.Option(
+        "--run", help="Also list every policy version of this run: which rollout engines "
+                      "took it, when, and how long after its policy_updated.")] = None,
+) -> None:
+    """Where the data lives, the schema revision, the number of events of each type, and per
+    run the policy version rollout engines serve (``policy_served`` reports). An unknown
+    ``--run`` is an error naming it."""
+    from store import embedded, serving
     from store import migrate as migrations
 
     settings = get_settings()
@@ -140,8 +146,48 @@ def status() -> None:
             table.add_row(name, str(n))
         table.add_row("[bold]total[/bold]", str(sum(counts.values())))
         console.print(table)
+        if counts.get("policy_served"):
+            engines = Table("run", "policy version", "engines serving it", "engines behind",
+                            "slowest take-up (s)", title="rollout engines")
+            for record in store.list_runs():
+                if record.run_id is None:
+                    continue
+                versions = serving.policy_takeup(store, record.run_id)
+                if not versions:
+                    continue
+                newest = versions[-1]
+                known = {e.engine for v in versions for e in v.engines}
+                on_newest = {e.engine for e in newest.engines}
+                lag = newest.lag_max_seconds
+                engines.add_row(record.run_id, str(newest.version),
+                                str(len(on_newest)), str(len(known - on_newest)),
+                                f"{lag:.1f}" if lag is not None else "-")
+            console.print(engines)
+        if run is not None:
+            _print_takeup(run, serving.policy_takeup(store, run))
+    except errors.NotFoundError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
     finally:
         store.close()
+
+
+def _print_takeup(run_id: str, versions: list[Any]) -> None:
+    table = Table("version", "step", "recorded", "engine", "backend", "took it",
+                  "after (s)", "load (s)", title=f"policy take-up of run {run_id}")
+    for item in versions:
+        recorded = item.updated_at.isoformat(timespec="seconds") if item.updated_at else "-"
+        if not item.engines:
+            table.add_row(str(item.version), str(item.step), recorded, "(none yet)", "", "",
+                          "", "")
+        for engine in item.engines:
+            table.add_row(str(item.version), str(item.step if item.step is not None else "-"),
+                          recorded, engine.engine, engine.backend,
+                          engine.served_at.isoformat(timespec="seconds"),
+                          f"{engine.lag_seconds:.2f}" if engine.lag_seconds is not None else "-",
+                          f"{engine.load_seconds:.2f}" if engine.load_seconds is not None
+                          else "-")
+    console.print(table)
 
 
 def _event_json(r: Any) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Runs: create one (its configuration), list and read them, append to a run's own stream
-(``policy_updated``)."""
+(``policy_updated``), report and read which rollout engines serve which policy version
+(``policy_served``, ``store.serving``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,19 @@ from api.deps import Ctx, IngestKey, ReadKey
 from api.errors import ERROR_RESPONSES, ApiError
 from api.ingest import append_batch
 from api.schemas.episodes import AppendRequest, AppendResult
-from api.schemas.runs import RunCreate, RunCreated, RunList, RunOut
+from api.schemas.runs import (
+    EngineTakeupOut,
+    PolicyServedIn,
+    PolicyServedOut,
+    PolicyTakeup,
+    RunCreate,
+    RunCreated,
+    RunList,
+    RunOut,
+    VersionTakeupOut,
+)
 from store import errors as store_errors
-from store import queries
+from store import queries, serving
 from store.eventlog import NO_STREAM, run_stream_id
 from store.events import RunCreated as RunCreatedEvent
 from store.validation import check_text
@@ -100,3 +111,38 @@ def append_run_events(run_id: str, body: AppendRequest, key: IngestKey, ctx: Ctx
                           expected_version=body.expected_version, allowed={"policy_updated"})
     return AppendResult(stream_id=stream, version=result.version,
                         positions=list(result.positions), duplicate=result.duplicate)
+
+
+@router.post("/{run_id}/served", status_code=201, response_model=PolicyServedOut)
+def report_policy_served(run_id: str, body: PolicyServedIn, key: IngestKey, ctx: Ctx
+                         ) -> PolicyServedOut:
+    """A rollout engine reports that it now serves ``version`` of the run (appends
+    ``policy_served`` to the run's stream). 404 for an unknown run; 422 naming the field for
+    a wrong type, a negative version, a version the run never recorded, a blank engine or
+    backend, or a negative ``load_seconds``."""
+    ctx.access.check_run(key, run_id)
+    result = serving.record_policy_served(
+        ctx.store, run_id, version=body.version, engine=body.engine, backend=body.backend,
+        source=body.source,
+        load_seconds=None if body.load_seconds is None else float(body.load_seconds))
+    return PolicyServedOut(run_id=run_id, version=result.version, position=result.positions[0])
+
+
+@router.get("/{run_id}/policies", response_model=PolicyTakeup)
+def policy_takeup(run_id: str, key: ReadKey, ctx: Ctx) -> PolicyTakeup:
+    """Every policy version of the run, oldest first: when it was recorded, which engines
+    took it, when, and the lag from ``policy_updated`` to each take-up; and the highest
+    version each engine reported. Checkpoint locations are not shown (server paths). 404
+    for an unknown run."""
+    ctx.access.check_run(key, run_id)
+    versions = serving.policy_takeup(ctx.store, run_id)
+    now: dict[str, int] = {}
+    for item in versions:
+        for engine in item.engines:
+            now[engine.engine] = item.version
+    return PolicyTakeup(run_id=run_id, serving=now, versions=[VersionTakeupOut(
+        version=v.version, step=v.step, updated_at=v.updated_at,
+        lag_max_seconds=v.lag_max_seconds,
+        engines=[EngineTakeupOut(engine=e.engine, backend=e.backend, served_at=e.served_at,
+                                 lag_seconds=e.lag_seconds, load_seconds=e.load_seconds,
+                                 source=e.source) for e in v.engines]) for v in versions])

@@ -6,11 +6,12 @@ import datetime as dt
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from store.events import RunConfig
 
-__all__ = ["RunCreate", "RunCreated", "RunOut", "RunList"]
+__all__ = ["EngineTakeupOut", "PolicyServedIn", "PolicyServedOut", "PolicyTakeup",
+           "RunCreate", "RunCreated", "RunList", "RunOut", "VersionTakeupOut"]
 
 
 class RunCreate(BaseModel):
@@ -50,3 +51,60 @@ class RunOut(BaseModel):
 
 class RunList(BaseModel):
     runs: list[RunOut]
+
+
+class PolicyServedIn(BaseModel):
+    """A rollout engine reports the policy version it now serves (``policy_served``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: StrictInt = Field(ge=0, description="The policy version the engine loaded; one "
+                                                 "the run recorded (0: the base weights).")
+    engine: StrictStr = Field(min_length=1, max_length=200,
+                              description="A stable id of the engine (host:pid/backend, or "
+                                          "a server's address).",
+                              examples=["rollout-3:4121/AsyncVLLMBackend"])
+    backend: StrictStr = Field(min_length=1, max_length=100, examples=["AsyncVLLMBackend"])
+    source: StrictStr | None = Field(default=None, max_length=2000,
+                                     description="Where the weights came from: the "
+                                                 "checkpoint folder or URL, 'push', a route.")
+    load_seconds: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                       description="How long loading took.")
+
+    @field_validator("load_seconds", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError("must be a number of seconds")
+        return value
+
+
+class PolicyServedOut(BaseModel):
+    run_id: str
+    version: int = Field(description="Version of the run's stream after the append.")
+    position: int = Field(description="Position of the policy_served event in the log.")
+
+
+class EngineTakeupOut(BaseModel):
+    engine: str
+    backend: str
+    served_at: dt.datetime
+    lag_seconds: float | None = Field(description="From the version's policy_updated to the "
+                                                  "engine's report (None for version 0).")
+    load_seconds: float | None
+    source: str | None
+
+
+class VersionTakeupOut(BaseModel):
+    version: int
+    step: int | None
+    updated_at: dt.datetime | None = Field(description="When policy_updated was recorded "
+                                                       "(None for version 0).")
+    lag_max_seconds: float | None
+    engines: list[EngineTakeupOut]
+
+
+class PolicyTakeup(BaseModel):
+    run_id: str
+    versions: list[VersionTakeupOut] = Field(description="Oldest first.")
+    serving: dict[str, int] = Field(description="The highest version each engine reported.")

@@ -38,6 +38,9 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("POST", f"/v1/runs/{run}/events", "ingest", lambda: {
             "expected_version": "any",
             "events": [{"type": "policy_updated", "version": 1, "step": 1}]}),
+        ("POST", f"/v1/runs/{run}/served", "ingest", lambda: {
+            "version": 0, "engine": "host:1/TransformersBackend", "backend": "transformers"}),
+        ("GET", f"/v1/runs/{run}/policies", "read", lambda: None),
         ("POST", f"/v1/runs/{run}/episodes", "ingest", lambda: {"group_id": "gx"}),
         ("POST", f"/v1/episodes/{episode}/events", "ingest", lambda: {
             "expected_version": "any", "events": [{"type": "reward_assigned", "value": 0.5}]}),

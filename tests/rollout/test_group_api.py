@@ -96,3 +96,34 @@ def test_group_through_the_api(api: tuple[str, EventStore, Settings],
         ApiGroupLog("ftp://x", api_key="k")
     with pytest.raises(ValueError, match="api_key"):
         ApiGroupLog(url, api_key="")
+
+
+def test_engine_reports_its_policy_version_through_the_api(
+        api: tuple[str, EventStore, Settings]) -> None:
+    from store.serving import policy_takeup
+
+    url, store, settings = api
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    admin = KeyStore(store.db, settings).create(project=project, role="admin").token
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project=project)],
+                 NO_STREAM)
+    store.append(run_stream_id(run_id), [PolicyUpdated(version=1, step=1)])
+    log = ApiGroupLog(url, api_key=admin)
+    try:
+        log.policy_served(run_id, version=1, engine="far:7/AsyncVLLMBackend",
+                          backend="AsyncVLLMBackend", source="/shared/v1", load_seconds=0.5)
+        (version,) = policy_takeup(store, run_id)
+        (engine,) = version.engines
+        assert (engine.engine, engine.source, engine.load_seconds) == (
+            "far:7/AsyncVLLMBackend", "/shared/v1", 0.5)
+        # The API's refusals come back as the store's errors, naming what is wrong.
+        with pytest.raises(errors.ValidationError, match="has no policy version 2"):
+            log.policy_served(run_id, version=2, engine="far:7/X", backend="X")
+        with pytest.raises(errors.ValidationError, match="greater than or equal to 0"):
+            log.policy_served(run_id, version=-1, engine="far:7/X", backend="X")
+        with pytest.raises(errors.NotFoundError):
+            log.policy_served("no-such-run", version=0, engine="far:7/X", backend="X")
+        assert len(policy_takeup(store, run_id)[0].engines) == 1
+    finally:
+        log.close()

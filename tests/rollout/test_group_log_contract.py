@@ -8,7 +8,8 @@ the current version, and a finished episode with a ``ConflictError`` too (it is 
 retried batch (the same event ids) is stored once, while a reused event id with other content
 is an ``IdempotencyError``; the state of a stream gives its version, final status and reward;
 a run's configuration comes back as created and an unknown run is ``NotFoundError``; the
-newest policy version is the highest ``policy_updated``. The one documented difference: the
+newest policy version is the highest ``policy_updated``; an engine's report of the version it
+serves lands, and a bad one is refused naming what is wrong. The one documented difference: the
 API does not tell checkpoint paths (``PolicyState.checkpoint`` is None through it).
 """
 
@@ -170,3 +171,24 @@ def test_policy_is_the_newest_version(subject: Subject) -> None:
     assert policy.version == 2
     # The one documented difference: the API does not tell checkpoint paths.
     assert policy.checkpoint == ("/ckpt/v2" if subject.name == "store" else None)
+
+
+def test_engine_reports_land_alike_and_bad_ones_are_refused_alike(subject: Subject) -> None:
+    from store.serving import policy_takeup
+
+    run_id = subject.new_run()
+    subject.store.append(run_stream_id(run_id), [PolicyUpdated(version=1, step=1)])
+    subject.log.policy_served(run_id, version=1, engine="h:1/X", backend="X",
+                              source="/ckpt/v1", load_seconds=0.5)
+    assert subject.log.policy(run_id).version == 1  # reports do not move the policy
+    (version,) = policy_takeup(subject.store, run_id)
+    assert [(e.engine, e.backend, e.source, e.load_seconds) for e in version.engines] == [
+        ("h:1/X", "X", "/ckpt/v1", 0.5)]
+    with pytest.raises(errors.ValidationError, match="has no policy version 2"):
+        subject.log.policy_served(run_id, version=2, engine="h:1/X", backend="X")
+    with pytest.raises(errors.ValidationError, match="engine must be 1 to 200 characters"):
+        subject.log.policy_served(run_id, version=1, engine=" ", backend="X")
+    with pytest.raises(errors.NotFoundError):
+        subject.log.policy_served(f"no-such-run-{uuid.uuid4().hex}", version=0,
+                                  engine="h:1/X", backend="X")
+    assert len(policy_takeup(subject.store, run_id)[0].engines) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,7 +127,9 @@ def test_offline_bad_arguments(tmp_path: Path, engine: VLLMBackend) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[str]:
-    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server")) as url:
+    # Development mode: the weight-update routes (test_server_reloads_a_checkpoint...).
+    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server"),
+                     env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url
 
 
@@ -152,3 +155,66 @@ def test_server_chat_and_completions_return_engine_tokens(
     finally:
         client.close()
 
+
+
+@pytest.mark.slow
+def test_server_reloads_a_checkpoint_and_reports_the_version(
+        server: str, tiny_model_dir: Path, tmp_path: Path, store: Any) -> None:
+    """A remote server wrapped as a rollout engine loads the checkpoint ``policy_updated``
+    names through its weight-update route, serves the new weights, and reports the version
+    under its own address; back to the base weights for another run."""
+    import uuid
+
+    from safetensors.torch import save_file
+
+    from store.eventlog import NO_STREAM, run_stream_id
+    from store.events import PolicyUpdated, RunCreated
+    from store.serving import policy_takeup
+    from workers.rollout.engine import RolloutEngine
+    from workers.rollout.group_log import PolicyState, StoreGroupLog
+
+    reference = TransformersBackend(tiny_model_dir)
+    checkpoint = tmp_path / "v000001"
+    checkpoint.mkdir()
+    weights = {name: (tensor * 3).contiguous()
+               for name, tensor in reference.model.state_dict().items()}
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    run_id = f"srv-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id)], NO_STREAM)
+    store.append(run_stream_id(run_id), [PolicyUpdated(version=1, step=1,
+                                                       checkpoint=str(checkpoint))])
+    client = OpenAIServerBackend(server, model="tiny")
+    request = GenerationRequest(sampling=SamplingParams(temperature=0.0, max_tokens=12),
+                                prompt_ids=tuple(reference.prompt_ids(_request())))
+    try:
+        base = client.generate(request)
+        engine = RolloutEngine(client, kind="vllm-server", model_dir=tiny_model_dir)
+        log = StoreGroupLog(store)
+        engine.ensure(run_id, log.policy(run_id), report=log.policy_served)
+        reference.update_weights(weights.items(), version=1)
+        updated, expected = client.generate(request), reference.generate(request)
+        assert updated.policy_version == 1 and engine.loads == 1
+        assert np.array_equal(updated.response_ids, expected.response_ids)
+        np.testing.assert_allclose(updated.logprobs, expected.logprobs, atol=1e-4)
+        (version,) = policy_takeup(store, run_id)
+        (took,) = version.engines
+        assert (took.engine, took.backend, took.source) == (
+            server, "OpenAIServerBackend", str(checkpoint))
+        assert took.lag_seconds is not None and took.lag_seconds >= 0
+
+        engine.ensure("another-run", PolicyState(0))  # the base weights, from its folder
+        again = client.generate(request)
+        assert again.policy_version == 0
+        assert np.array_equal(again.response_ids, base.response_ids)
+        np.testing.assert_allclose(again.logprobs, base.logprobs, atol=1e-4)
+        with pytest.raises(TypeError, match="update_weights_from"):
+            client.update_weights([], version=2)
+        with pytest.raises(ValueError, match="version must be >= 0"):
+            client.update_weights_from(checkpoint, version=-1)
+        with pytest.raises(TypeError, match="version must be an integer"):
+            client.update_weights_from(checkpoint, version="2")  # type: ignore[arg-type]
+        with pytest.raises(ServerResponseError, match="returned"):
+            client.update_weights_from(tmp_path / "missing", version=2)
+        assert client.policy_version == 0
+    finally:
+        client.close()

@@ -160,3 +160,26 @@ def test_long_steps_renew_their_lease(trainer_store, tiny_model: Path) -> None:
                                   (lease.lease_id,)).fetchone()[0]
     assert (expires_at - lease.expires_at).total_seconds() > 30  # 1 s became about 60 s
     leasing.release(lease.lease_id)
+
+
+def test_failure_before_the_first_optimizer_step_keeps_the_trainer(
+        trainer_store, tiny_model: Path) -> None:
+    run_id = new_run(trainer_store, tiny_model, group_size=2)
+    engine = TransformersBackend(tiny_model)
+    record_group(trainer_store, engine, run_id, size=2, seed=5)
+    trainer = Trainer.open(trainer_store, run_id, config=TrainerConfig(lr=1e-3))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    failures = ["the optimizer could not step"]
+
+    def fail_once(*_: object) -> None:
+        if failures:
+            raise RuntimeError(failures.pop())
+
+    # Scored, advantages computed, gradients taken; the optimizer fails before changing a
+    # weight: the samples go back and the trainer stays usable.
+    trainer.optimizer.register_step_pre_hook(fail_once)
+    with pytest.raises(RuntimeError, match="could not step"):
+        trainer.step()
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert Leasing(trainer_store).stats(run_id)["ready"] == 2
+    assert trainer.step().version == 1

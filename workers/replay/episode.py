@@ -36,7 +36,7 @@ __all__ = ["ReplayResult", "has_token_ids", "merge_policy_of", "needs_tokenizer"
            "replay_episode", "untokenized_reason"]
 
 #: Event types that belong to a run's own stream, never to an episode's.
-_RUN_STREAM_TYPES = ("run_created", "policy_updated")
+_RUN_STREAM_TYPES = ("run_created", "policy_updated", "policy_served")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,15 @@ chat requests send the tool schemas with ``tool_choice: "none"``: the server ren
 the prompt but does not need a tool parser. For logprobs under the sampling distribution
 (:mod:`workers.rollout.backend`) start the server with ``--logprobs-mode processed_logprobs``;
 with vLLM's default (``raw_logprobs``) the logprobs are those of the unscaled model
-distribution. The server cannot take weight updates through this client.
+distribution.
+
+Weight updates: :meth:`OpenAIServerBackend.update_weights_from` asks a vLLM server to reload its
+weights in place from a checkpoint folder the *server* can read (shared storage), through
+vLLM's development routes (``POST /collective_rpc`` with ``reload_weights``, then ``POST
+/reset_prefix_cache``; start the server with ``VLLM_SERVER_DEV_MODE=1``). Wrapped in a
+:class:`~workers.rollout.engine.RolloutEngine`, the server then reports the version it took
+like any engine (``policy_served``, engine id: the server's address). Tensors cannot be pushed
+to it (:meth:`OpenAIServerBackend.update_weights` refuses).
 
 The same client serves the remote-rollout protocol's trainer endpoint, which speaks
 ``/v1/completions`` with token ids.
@@ -24,6 +32,7 @@ The same client serves the remote-rollout protocol's trainer endpoint, which spe
 from __future__ import annotations
 
 import asyncio
+import os
 import weakref
 from typing import Any
 
@@ -61,6 +70,8 @@ class OpenAIServerBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.policy_version = policy_version
+        #: The server's address: its id in ``policy_served`` reports.
+        self.engine_id = base_url.rstrip("/")
         self.client = httpx.Client(base_url=base_url.rstrip("/") + "/v1", timeout=timeout_s,
                                    headers=headers)
         self._async_settings = {"base_url": base_url.rstrip("/") + "/v1", "timeout": timeout_s,
@@ -73,6 +84,36 @@ class OpenAIServerBackend:
     def close(self) -> None:
         """Close the HTTP connection pool."""
         self.client.close()
+
+    def update_weights_from(self, folder: str | os.PathLike[str], *, version: int) -> None:
+        """Have the server reload its weights in place from the safetensors files of
+        ``folder`` (a path on the server's side), reset its prefix cache and set
+        ``policy_version`` (module docstring). Call it with no request in flight. Raises
+        TypeError for a non-integer ``version``, ValueError for a negative one, and
+        :class:`ServerResponseError` when the server refuses (a 404 means it runs without
+        ``VLLM_SERVER_DEV_MODE=1``); ``policy_version`` is then unchanged."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an integer, got {version!r}")
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        calls = (("/collective_rpc", {"method": "reload_weights",
+                                      "kwargs": {"weights_path": os.fspath(folder)}}),
+                 ("/reset_prefix_cache", None))
+        for path, body in calls:
+            response = self.client.post(self.engine_id + path, json=body)
+            if response.status_code >= 400:
+                hint = (" (is the server started with VLLM_SERVER_DEV_MODE=1?)"
+                        if response.status_code == 404 else "")
+                raise ServerResponseError(f"POST {path} returned {response.status_code}"
+                                          f"{hint}: {response.text[:500]}")
+        self.policy_version = version
+
+    def update_weights(self, weights: Any, *, version: int) -> None:
+        """Refused: a server on another machine cannot read this process's tensors. Save them
+        where the server can read them and call :meth:`update_weights_from`. Raises
+        TypeError."""
+        raise TypeError("an OpenAI-compatible server takes weights from a folder it can read: "
+                        "save a checkpoint on shared storage and call update_weights_from")
 
     def request_body(self, request: GenerationRequest) -> dict[str, Any]:
         """The JSON body sent for ``request`` (chat or completions, module docstring)."""

@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
+import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +33,30 @@ from store.settings import Settings
 from workers.rollout.backend import GenerationBackend, WeightUpdatable
 from workers.rollout.group_log import PolicyState
 
-__all__ = ["RolloutEngine", "base_model_dir", "make_backend", "worker_engine"]
+__all__ = ["RolloutEngine", "base_model_dir", "engine_id", "make_backend", "worker_engine"]
 
 _lock = threading.Lock()
 _engine: RolloutEngine | None = None
+_ids_lock = threading.Lock()  # not _lock: engines are made while it is held
+_numbers: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+_counts: dict[str, int] = {}
+
+
+def engine_id(backend: object) -> str:
+    """A stable id of a generation engine for ``policy_served`` reports: the backend's own
+    ``engine_id`` string when it has one (a remote server names itself), else
+    ``<host>:<pid>/<backend class>``, with ``#2``, ``#3``... for the second, third... backend
+    of that class in the process; the same for as long as the backend lives."""
+    own = getattr(backend, "engine_id", None)
+    if isinstance(own, str) and own:
+        return own
+    name = type(backend).__name__
+    with _ids_lock:
+        number = _numbers.get(backend)
+        if number is None:
+            number = _numbers[backend] = _counts[name] = _counts.get(name, 0) + 1
+    suffix = f"#{number}" if number > 1 else ""
+    return f"{socket.gethostname()}:{os.getpid()}/{name}{suffix}"
 
 
 def base_model_dir(config: RunConfig, *, settings: Settings) -> Path:
@@ -88,7 +112,8 @@ class RolloutEngine:
     """One backend over one base model and the policy whose weights it holds.
 
     ``loaded`` is ``(run_id, version)`` of those weights (``None``: the base model's, as
-    built). Raises TypeError when ``backend`` is not a generation backend.
+    built); ``engine_id`` names the engine in ``policy_served`` reports (:func:`engine_id`).
+    Raises TypeError when ``backend`` is not a generation backend.
     """
 
     def __init__(self, backend: GenerationBackend, *, kind: str, model_dir: Path) -> None:
@@ -99,14 +124,30 @@ class RolloutEngine:
         self.model_dir = Path(model_dir)
         self.loaded: tuple[str, int] | None = None
         self.loads = 0
+        self.engine_id = engine_id(backend)
+        self.reported: tuple[str, int] | None = None
+        self.last_load: tuple[str | None, float] = (None, 0.0)
 
-    def ensure(self, run_id: str, policy: PolicyState) -> None:
-        """Bring the weights to ``policy`` of ``run_id`` (module docstring). Raises
-        FileNotFoundError when the checkpoint folder named has no ``model.safetensors``, and
-        TypeError when new weights are needed but the backend cannot take them."""
+    def ensure(self, run_id: str, policy: PolicyState,
+               report: Callable[..., None] | None = None) -> None:
+        """Bring the weights to ``policy`` of ``run_id`` (module docstring), then, unless this
+        take-up was reported already, call ``report(run_id, version=, engine=, backend=,
+        source=, load_seconds=)`` (a ``GroupLog.policy_served``: the take-up is recorded;
+        ``source`` is the folder loaded, None when nothing was). A report that fails is made
+        again by the next call, without loading again. Raises FileNotFoundError
+        when the checkpoint folder named has no ``model.safetensors``, TypeError when new
+        weights are needed but the backend cannot take them, and what ``report`` raises."""
         target = (run_id, policy.version)
-        if self.loaded == target:
-            return
+        if self.loaded != target:
+            self._load(run_id, policy)
+        if report is not None and self.reported != target:
+            source, seconds = self.last_load
+            report(run_id, version=policy.version, engine=self.engine_id,
+                   backend=type(self.backend).__name__, source=source, load_seconds=seconds)
+            self.reported = target
+
+    def _load(self, run_id: str, policy: PolicyState) -> None:
+        started = time.monotonic()
         if policy.version == 0:
             base_now = self.loaded is None or self.loaded[1] == 0
             source: Path | None = None if base_now else self.model_dir
@@ -132,7 +173,9 @@ class RolloutEngine:
             self.loads += 1
         else:
             self.backend.policy_version = policy.version  # type: ignore[attr-defined]
-        self.loaded = target
+        self.loaded = (run_id, policy.version)
+        self.last_load = (str(source) if source is not None else None,
+                          time.monotonic() - started)
 
 
 def worker_engine(config: RunConfig, *, settings: Settings) -> RolloutEngine:

@@ -2,13 +2,15 @@
 
 A :class:`GroupLog` appends events with expected versions (the store's signature), tells a
 stream's version and whether it finished, and reads a run's configuration and newest policy.
-Two implementations:
+It also records which policy version the worker's engine took (``policy_served``,
+:mod:`store.serving`). Two implementations:
 
 - :class:`StoreGroupLog` on an :class:`~store.eventlog.EventStore` (workers that reach the
   database);
 - :class:`ApiGroupLog` on a trajstore API (workers on other machines): ``POST
   /v1/episodes/{id}/events`` to append, ``GET /v1/episodes/{id}?tokens=false`` and ``GET
-  /v1/runs/{id}`` to read, with a key that may read and ingest (role ``admin``). The API's
+  /v1/runs/{id}`` to read, ``POST /v1/runs/{id}/served`` to report the policy version an
+  engine took, with a key that may read and ingest (role ``admin``). The API's
   answers are translated into the store's errors (409 → ``ConflictError`` /
   ``IdempotencyError``, 422 → ``ValidationError``, 404 → ``NotFoundError``, 5xx and network
   failures → ``TransientError``, other refusals (401, 403, 413) → ``StoreError``), so callers
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from store import errors
-from store.eventlog import EventStore, run_stream_id
-from store.events import EpisodeFinished, Event, PolicyUpdated, RewardAssigned, RunConfig
+from store.eventlog import EventStore
+from store.events import EpisodeFinished, Event, RewardAssigned, RunConfig
+from store.serving import newest_policy, record_policy_served
 
 __all__ = ["ApiGroupLog", "GroupLog", "PolicyState", "StoreGroupLog", "StreamState"]
 
@@ -78,6 +81,12 @@ class GroupLog(Protocol):
         """The run's newest policy version and checkpoint."""
         ...
 
+    def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
+                      source: str | None = None, load_seconds: float | None = None) -> None:
+        """Record that ``engine`` now serves ``version`` of the run
+        (``store.serving.record_policy_served``; its errors)."""
+        ...
+
 
 class StoreGroupLog:
     """:class:`GroupLog` on an event store. Raises TypeError for anything else."""
@@ -111,12 +120,14 @@ class StoreGroupLog:
         return self.store.get_run(run_id).config
 
     def policy(self, run_id: str) -> PolicyState:
-        newest = PolicyState()
-        for record in self.store.read_stream(run_stream_id(run_id)):
-            event = record.event
-            if isinstance(event, PolicyUpdated) and event.version >= newest.version:
-                newest = PolicyState(event.version, event.checkpoint)
-        return newest
+        # One row, whatever the number of engines' reports in the run's stream.
+        version, checkpoint = newest_policy(self.store, run_id)
+        return PolicyState(version, checkpoint)
+
+    def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
+                      source: str | None = None, load_seconds: float | None = None) -> None:
+        record_policy_served(self.store, run_id, version=version, engine=engine,
+                             backend=backend, source=source, load_seconds=load_seconds)
 
 
 def _state(version: int, tail: Sequence[Event]) -> StreamState:
@@ -222,3 +233,9 @@ class ApiGroupLog:
     def policy(self, run_id: str) -> PolicyState:
         run = self._request("GET", f"/v1/runs/{run_id}")
         return PolicyState(int(run.get("policy_version") or 0), None)
+
+    def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
+                      source: str | None = None, load_seconds: float | None = None) -> None:
+        self._request("POST", f"/v1/runs/{run_id}/served", json={
+            "version": version, "engine": engine, "backend": backend, "source": source,
+            "load_seconds": load_seconds})

@@ -79,7 +79,8 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
 
     async def play() -> GroupResult:
         async with runtime.weights.hold((id(engine), run_id, policy.version),
-                                        lambda: engine.ensure(run_id, policy)):
+                                        lambda: engine.ensure(run_id, policy,
+                                                              report=log.policy_served)):
             return await aplay_group(
                 log=log, run_id=run_id, task=task, backend=engine.backend, tools=tools,
                 policy_version=policy.version, group_index=group_index, run_config=config,

@@ -35,6 +35,9 @@ class TrainerConfig:
     ``egpo.lam`` is above 0, GRPO otherwise. ``cot_start_id``/``cot_end_id`` override the
     ``<think>``/``</think>`` ids read from the tokenizer.
 
+    Old log-probs: with one epoch over one mini-batch they are taken from the update's own
+    forward unless ``separate_scoring`` (see :mod:`workers.trainer.update`).
+
     Loss: ``ppo_policy_loss`` with the clip ratios and ``loss_agg_mode``; ``entropy_coeff``
     subtracts the aggregated entropy; ``kl_coef > 0`` adds ``kl_kind`` KL to a frozen
     reference model (the run's initial weights).
@@ -76,6 +79,9 @@ class TrainerConfig:
     # Log-probs: the sampling temperature the rollouts used, and tokens per logit chunk.
     temperature: float = 1.0
     logit_chunk_size: int = 1024
+    # True: always recompute the old log-probs in a no-grad pass before the update; False:
+    # take them from the update's own forward where that is exact (workers.trainer.update).
+    separate_scoring: bool = False
 
     # Where and how.
     device: str | None = None
@@ -116,8 +122,9 @@ class TrainerConfig:
                 and self.advantage_estimator not in ADVANTAGE_ESTIMATOR_NAMES):
             raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATOR_NAMES} "
                              f"or None, got {self.advantage_estimator!r}")
-        if not isinstance(self.norm_adv_by_std, bool):
-            raise TypeError(f"norm_adv_by_std must be a bool, got {self.norm_adv_by_std!r}")
+        for name in ("norm_adv_by_std", "separate_scoring"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("cot_start_id", "cot_end_id"):
             value = getattr(self, name)
             if value is not None:

@@ -47,10 +47,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from store.errors import ConflictError
-from store.eventlog import EventStore, run_stream_id
+from store.eventlog import EventStore
 from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired
+from store.serving import append_policy_updated
 from workers.trainer.advantages import ADVANTAGE_ESTIMATORS
 from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
 from workers.trainer.checkpoint import (
@@ -580,10 +580,8 @@ class DistributedTrainer(Trainer):
                              optimizer_dir: Path) -> tuple[int, Path]:
         """Rank 0: save the consolidated checkpoint and append ``policy_updated`` under the
         next free version (retrying on a race, as :meth:`Trainer._record`)."""
-        stream = run_stream_id(self.run_id)
         model = _Consolidated(self.model, state_dict)
         while True:
-            expected = self.store.stream_version(stream)
             version = self.leasing.current_policy_version(self.run_id) + 1
             path = save_checkpoint(
                 checkpoint_dir(self.data_dir, self.run_id, version=version,
@@ -593,11 +591,9 @@ class DistributedTrainer(Trainer):
                        "metrics": metrics, "config": self.config.to_dict(),
                        "world_size": self.sharding.world_size})
             os.replace(optimizer_dir, path / OPTIMIZER_DIR)
-            try:
-                self.store.append(stream, [PolicyUpdated(
+            if append_policy_updated(self.store, self.run_id, PolicyUpdated(
                     version=version, step=self.steps_done, metrics=metrics,
-                    checkpoint=str(path))], expected)
-            except ConflictError:
+                    checkpoint=str(path))) is None:
                 os.replace(path / OPTIMIZER_DIR, optimizer_dir)
                 shutil.rmtree(path, ignore_errors=True)
                 continue

@@ -4,16 +4,20 @@ One :meth:`Trainer.step`:
 
 1. lease complete groups of the run (``store.leasing``), stale ones skipped;
 2. pad the samples into ``(bs, seq)`` / ``(bs, response_length)`` tensors;
-3. recompute the old log-probs and entropies without gradients (and the reference model's
-   log-probs when a KL term is configured); from them and the rollout log-probs, the run's
-   off-policy correction (``workers.trainer.correction``: IS weights, rejection mask);
+3. the old log-probs and entropies (a no-grad forward, or the update's own first forward
+   where that is exact: ``workers.trainer.update``), and the reference model's log-probs when
+   a KL term is configured; from them and the rollout log-probs, the run's off-policy
+   correction (``workers.trainer.correction``: IS weights, rejection mask);
 4. place each sample's reward on its last response token;
 5. advantages: EGPO or GRPO, as the run's configuration says, over episodes when
    ``RunConfig.rollout_level`` (each episode counted once and weighted equally in the loss);
-6. PPO mini-batch epochs with gradient accumulation, one optimizer step per mini-batch;
+6. PPO mini-batch epochs with gradient accumulation, one optimizer step per mini-batch
+   (``workers.trainer.update.update_batch`` does 3 to 6);
 7. save a checkpoint (safetensors) under the data directory;
 8. append ``policy_updated`` (version, step, metrics, checkpoint) to the run's stream;
-9. push the weights to the rollout engine, when one is attached;
+9. push the weights to the rollout engine, when one is attached, and record that it serves
+   the new version (``policy_served``, ``store.serving``); the step's metrics tell how the
+   engines took the version it started from (:func:`takeup_metrics`);
 10. acknowledge the lease.
 
 A failure before the acknowledgement releases the lease, so the samples go back to ready; a
@@ -36,19 +40,15 @@ from typing import Any
 
 import torch
 
-from store.errors import ConflictError
 from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired, Leasing
+from store.serving import append_policy_updated, policy_takeup, record_policy_served
 from workers.rollout.backend import WeightUpdatable
+from workers.rollout.engine import engine_id
 from workers.tokenizers import load_tokenizer
-from workers.trainer.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageSettings,
-    choose_estimator,
-    think_token_ids,
-)
-from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
+from workers.trainer.advantages import AdvantageSettings, choose_estimator, think_token_ids
+from workers.trainer.batch import TrainingBatch, pad_samples
 from workers.trainer.checkpoint import (
     checkpoint_dir,
     load_model,
@@ -58,12 +58,12 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
-from workers.trainer.correction import Correction, CorrectionSettings, compute_correction
-from workers.trainer.ppo import ppo_update, score_batch
+from workers.trainer.correction import Correction, CorrectionSettings
+from workers.trainer.update import update_batch
 from workers.trainer.weights import push_weights
 
 __all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device",
-           "staleness_metrics", "unit_ids", "unit_loss_weights"]
+           "staleness_metrics", "takeup_metrics", "unit_ids", "unit_loss_weights"]
 
 
 class TrainerBroken(RuntimeError):
@@ -127,6 +127,22 @@ def unit_loss_weights(units: Sequence[str]) -> torch.Tensor:
     weighs the same in the loss whatever number of samples it yielded."""
     counts = Counter(units)
     return torch.tensor([1.0 / counts[u] for u in units], dtype=torch.float32)
+
+
+def takeup_metrics(store: EventStore, run_id: str, version: int) -> dict[str, float]:
+    """How rollout engines took ``version`` of the run (``store.serving``): ``takeup_engines``
+    (how many reported it) and, when they have lags, ``takeup_lag_max_s`` and
+    ``takeup_lag_mean_s`` (from its ``policy_updated`` to each report). A step records these
+    for the version it started from, so every version's take-up lands in the next step's
+    metrics."""
+    found = policy_takeup(store, run_id, version=version)
+    if not found:
+        return {"takeup_engines": 0.0}
+    out = {"takeup_engines": float(len(found[0].engines))}
+    if found[0].lag_max_seconds is not None:
+        out["takeup_lag_max_s"] = float(found[0].lag_max_seconds)
+        out["takeup_lag_mean_s"] = float(found[0].lag_mean_seconds or 0.0)
+    return out
 
 
 def default_device() -> str:
@@ -218,7 +234,7 @@ class Trainer:
                 group.update(lr=config.lr, betas=config.betas, eps=config.adam_eps,
                              weight_decay=config.weight_decay)
             if engine is not None:  # the engine may hold older weights than the checkpoint
-                push_weights(policy, engine, version=int(read_state(resume)["version"]))
+                trainer._push(int(read_state(resume)["version"]))
         return trainer
 
     def step(self, *, hooks: StepHooks | None = None) -> StepResult:
@@ -244,47 +260,41 @@ class Trainer:
             batch = pad_samples(lease.samples, pad_token_id=self.pad_token_id,
                                 vocab_size=self.vocab_size).to(self.device)
 
-            old_log_probs, entropies = score_batch(self.model, batch, config=config)
-            ref_log_probs = (score_batch(self.reference, batch, config=config)[0]
-                             if self.reference is not None else None)
-
-            correction = compute_correction(old_log_probs, batch.rollout_log_probs,
-                                            batch.response_mask, self.correction)
-
-            rewards = token_level_rewards(batch.rewards, batch.response_mask,
-                                          response_lengths=batch.response_lengths)
             units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
                               is_negative=batch.is_negative.tolist())
                      if self.run_config.rollout_level else None)
-            advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
-                rewards, batch.response_mask, batch.group_ids, entropies=entropies,
-                responses=batch.responses, settings=self.advantage_settings, units=units)
-            loss_weights = correction.weights
-            if units is not None:
-                loss_weights = loss_weights * unit_loss_weights(units).to(
-                    loss_weights.device).unsqueeze(1)
-
-            changed = True
             renewed = [started]
 
             def keep_lease() -> None:
                 renewed[0] = self._keep_lease(lease, renewed[0])
 
-            stats = ppo_update(self.model, batch, optimizer=self.optimizer,
-                               old_log_probs=old_log_probs,
-                               advantages=advantages, config=config,
-                               ref_log_probs=ref_log_probs, between_steps=keep_lease,
-                               is_weights=loss_weights,
-                               response_mask=correction.response_mask)
+            def stepping(*_: Any) -> None:
+                nonlocal changed
+                changed = True  # the weights change from the first optimizer step on
+
+            hook = self.optimizer.register_step_pre_hook(stepping)
+            try:
+                update = update_batch(
+                    self.model, batch, optimizer=self.optimizer, config=config,
+                    estimator=self.estimator, advantage_settings=self.advantage_settings,
+                    correction=self.correction, reference=self.reference, units=units,
+                    unit_weights=unit_loss_weights(units) if units is not None else None,
+                    between_steps=keep_lease)
+            finally:
+                hook.remove()
+            stats = update.stats
             self.steps_done += stats.optimizer_steps
 
-            metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
-                                    stats.metrics(), started, correction, current)
+            metrics = self._metrics(batch, lease, update.old_log_probs, update.entropies,
+                                    update.advantages, stats.metrics(), started,
+                                    update.correction, current)
+            metrics["scoring_skipped"] = float(update.single_pass)
+            metrics.update(takeup_metrics(self.store, self.run_id, current))
             version, path = self._record(metrics, lease)
             changed = False  # the weights are recorded: a reopened trainer resumes from here
             try:
                 if self.engine is not None:
-                    push_weights(self.model, self.engine, version=version)
+                    self._push(version)
             finally:
                 if hooks.before_ack is not None:
                     hooks.before_ack(lease)
@@ -327,12 +337,12 @@ class Trainer:
         """Save the checkpoint and append ``policy_updated`` under the next free version.
 
         The run stream's version is checked on append, so two trainers of one run can never
-        record the same policy version: the loser of a race saves again under the next one.
+        record the same policy version: the loser of a race saves again under the next one
+        (engines' ``policy_served`` reports in the same stream are waited out, not lost to:
+        ``store.serving.append_policy_updated``).
         Each checkpoint folder carries the lease id, so racing trainers never write into the
         same folder."""
-        stream = run_stream_id(self.run_id)
         while True:
-            expected = self.store.stream_version(stream)
             version = self.leasing.current_policy_version(self.run_id) + 1
             path = save_checkpoint(
                 checkpoint_dir(self.data_dir, self.run_id, version=version,
@@ -340,15 +350,23 @@ class Trainer:
                 model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                 state={"run_id": self.run_id, "version": version, "step": self.steps_done,
                        "metrics": metrics, "config": self.config.to_dict()})
-            try:
-                self.store.append(stream, [PolicyUpdated(
+            if append_policy_updated(self.store, self.run_id, PolicyUpdated(
                     version=version, step=self.steps_done, metrics=metrics,
-                    checkpoint=str(path))], expected)
-            except ConflictError:
+                    checkpoint=str(path))) is None:
                 shutil.rmtree(path, ignore_errors=True)
                 continue
             prune_checkpoints(path.parent, keep=self.config.keep_checkpoints)
             return version, path
+
+    def _push(self, version: int) -> None:
+        """Push the weights into the attached engine and record that it serves ``version``
+        (``policy_served``, source ``push``)."""
+        assert self.engine is not None
+        started = time.monotonic()
+        push_weights(self.model, self.engine, version=version)
+        record_policy_served(self.store, self.run_id, version=version,
+                             engine=engine_id(self.engine), backend=type(self.engine).__name__,
+                             source="push", load_seconds=time.monotonic() - started)
 
     def _keep_lease(self, lease: Lease, since: float) -> float:
         """Renew the lease when half of it has passed since ``since`` (a ``time.monotonic()``

@@ -30,7 +30,14 @@ from workers.trainer.losses import (
 )
 from workers.trainer.policy import response_log_probs
 
-__all__ = ["PPOStats", "Sharding", "micro_batches", "ppo_update", "score_batch"]
+__all__ = ["FirstPass", "PPOStats", "Sharding", "micro_batches", "ppo_update", "score_batch"]
+
+FirstPass = Callable[[list[int], torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor | None]]
+"""``first_pass(rows, log_probs, entropies) -> (advantages, is_weights)``: given a
+micro-batch's rows and their detached log-probs and entropies ``(len(rows), width)`` (zeros on
+padding) from the update's own forward, the advantages and IS weights (None: 1) of those rows,
+same shape. See :func:`ppo_update`."""
 
 
 class Sharding(Protocol):
@@ -112,6 +119,10 @@ class PPOStats:
     and the step counts."""
 
     optimizer_steps: int = 0
+    #: With ``first_pass``: the log-probs and entropies ``(bs, response_length)`` of the
+    #: update's forward (the old policy's, taken before any optimizer step; zeros on padding).
+    old_log_probs: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
     skipped_steps: int = 0
     grad_norm_sum: float = 0.0
     tokens: float = 0.0
@@ -147,14 +158,15 @@ def ppo_update(
     batch: TrainingBatch,
     *,
     optimizer: torch.optim.Optimizer,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
+    advantages: torch.Tensor | None,
     config: TrainerConfig,
     ref_log_probs: torch.Tensor | None = None,
     between_steps: Callable[[], None] | None = None,
     is_weights: torch.Tensor | None = None,
     response_mask: torch.Tensor | None = None,
     sharding: Sharding | None = None,
+    first_pass: FirstPass | None = None,
 ) -> PPOStats:
     """Run the PPO epochs over ``batch`` and return the statistics.
 
@@ -163,8 +175,19 @@ def ppo_update(
     optimizer step (the training step renews its lease there). ``is_weights`` (off-policy
 correction weights) multiply the token losses and ``response_mask`` replaces the batch's mask
 (tokens rejected by the correction), both ``(bs, response_length)``. ``sharding`` (default: one
-process) makes this one rank of a data-parallel update (:class:`Sharding`). Raises ValueError when
-    ``kl_coef > 0`` and no reference log-probs are given, and the loss functions' errors.
+process) makes this one rank of a data-parallel update (:class:`Sharding`).
+
+    Single pass: with ``old_log_probs=None`` and ``advantages=None``, ``first_pass`` gives each
+    micro-batch's advantages and IS weights from the detached log-probs and entropies of the
+    update's own forward, which are the old log-probs: with one epoch over one mini-batch no
+    optimizer step has happened yet when each micro-batch is scored, so this saves the separate
+    no-grad scoring forward and trains exactly as if it had run (the ratio is 1). Those
+    log-probs and entropies come back in ``PPOStats.old_log_probs``/``entropies``.
+
+    Raises ValueError when ``kl_coef > 0`` and no reference log-probs are given, when
+    ``old_log_probs`` and ``advantages`` are not both given or both None with ``first_pass``,
+    when the single pass is asked for with more than one epoch or mini-batch (the old
+    log-probs would no longer be those of the forward), and the loss functions' errors.
     """
     if config.kl_coef > 0 and ref_log_probs is None:
         raise ValueError("kl_coef > 0 needs ref_log_probs from a reference model")
@@ -172,6 +195,16 @@ process) makes this one rank of a data-parallel update (:class:`Sharding`). Rais
     n = len(batch)
     mini = config.mini_batch_size or n
     stats = PPOStats()
+    single = first_pass is not None
+    if single != (old_log_probs is None) or single != (advantages is None):
+        raise ValueError("give old_log_probs and advantages, or first_pass and neither of them")
+    if single:
+        if config.ppo_epochs != 1 or mini < n:
+            raise ValueError(f"first_pass needs one epoch over one mini-batch, got ppo_epochs="
+                             f"{config.ppo_epochs} and mini_batch_size={mini} for {n} samples")
+        stats.old_log_probs = torch.zeros(tuple(batch.responses.shape), dtype=torch.float32,
+                                          device=batch.responses.device)
+        stats.entropies = torch.zeros_like(stats.old_log_probs)
     if response_mask is not None:
         batch = dataclasses.replace(batch, response_mask=response_mask.to(batch.response_mask))
     model.eval()  # no dropout: the recomputed old log-probs are those of this same function
@@ -190,13 +223,26 @@ process) makes this one rank of a data-parallel update (:class:`Sharding`). Rais
                      else sharding.micro_batches(batch, rows, size=config.micro_batch_size))
             for part_rows, part in parts:
                 width = part.responses.shape[1]
-                old = old_log_probs[part_rows, :width]
-                adv = advantages[part_rows, :width]
-                weights = is_weights[part_rows, :width] if is_weights is not None else None
                 log_prob, entropy = (response_log_probs if sharding is None
                                      else sharding.log_probs)(
                     model, part, temperature=config.temperature,
                     chunk_size=config.logit_chunk_size)
+                weights = is_weights[part_rows, :width] if is_weights is not None else None
+                if first_pass is not None:
+                    assert stats.old_log_probs is not None and stats.entropies is not None
+                    # As score_batch stores them: zeros on padding.
+                    old = log_prob.detach() * part.response_mask
+                    scored_entropy = entropy.detach() * part.response_mask
+                    index = torch.tensor(part_rows, device=old.device)
+                    stats.old_log_probs[index, :width] = old
+                    stats.entropies[index, :width] = scored_entropy
+                    adv, first_weights = first_pass(part_rows, old, scored_entropy)
+                    if first_weights is not None:
+                        weights = first_weights if weights is None else weights * first_weights
+                else:
+                    assert old_log_probs is not None and advantages is not None
+                    old = old_log_probs[part_rows, :width]
+                    adv = advantages[part_rows, :width]
                 pg_loss, pg_metrics = ppo_policy_loss(
                     old, log_prob, adv, part.response_mask,
                     clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
