@@ -365,7 +365,7 @@ def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
     over the run, the mean EGPO entropy bonus of the training steps (0 without any), and the
     mean reward and tool error rate of every version (the curves ``bench/learning.py``
     compares)."""
-    bonuses = [value for r in rows for key, value in r.train.items() if "bonus" in key]
+    bonuses = [r.train["egpo_bonus_mean"] for r in rows if "egpo_bonus_mean" in r.train]
     first = rows[0] if rows else VersionRow(0)
     last = rows[-1] if rows else VersionRow(0)
     return {"run_id": run_id, "versions": len(rows),

@@ -128,3 +128,6 @@ def test_calc_warm_start_makes_tool_calls_and_some_fail(tmp_path: Path) -> None:
     assert len(result["reward_by_version"]) == result["versions"]
     assert result["versions"] == 1
     assert 0 < result["tool_error_rate_first"] and result["rollbacks"] > 0
+    # Some answers are right (the warm start copies the operands), and EGPO's entropy bonus
+    # reached the <think> tokens of the step that trained them.
+    assert result["reward_first"] > 0 and result["egpo_bonus_mean"] > 0

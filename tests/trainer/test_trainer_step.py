@@ -50,6 +50,7 @@ def test_one_step_changes_weights_records_and_pushes(trainer_store, tiny_model: 
     assert result.metrics["rollout_logprob_abs_diff"] < 1e-4
     for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm", "reward_mean"):
         assert name in result.metrics
+    assert "egpo_bonus_mean" not in result.metrics  # a GRPO run has no entropy bonus
 
     # The event, the checkpoint and the samples.
     events = [r.event for r in trainer_store.read_stream(run_stream_id(run_id))]
@@ -183,3 +184,22 @@ def test_failure_before_the_first_optimizer_step_keeps_the_trainer(
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
     assert Leasing(trainer_store).stats(run_id)["ready"] == 2
     assert trainer.step().version == 1
+
+
+def test_egpo_step_reports_its_entropy_bonus(trainer_store, tiny_model: Path) -> None:
+    """An EGPO step records the share of responses whose advantage got the entropy bonus and
+    the bonus's mean size over them; responses with a <think> block and a nonzero advantage
+    get one."""
+    from workers.rollout.backend_replay import ReplayBackend
+
+    run_id = new_run(trainer_store, tiny_model, group_size=4, lam=0.1)
+    engine = TransformersBackend(tiny_model)
+    think = "<think>\nsome thought here\n</think>\n\n"
+    for seed in (1, 2):
+        # Digits-task rewards differ inside each group, so advantages are nonzero.
+        script = ReplayBackend(engine, [think + "77", think + "a7", "77", think + "ab"])
+        record_group(trainer_store, script, run_id, size=4, seed=seed, max_tokens=32)
+    trainer = Trainer.open(trainer_store, run_id,
+                           config=TrainerConfig(lr=1e-2, groups_per_step=2))
+    metrics = trainer.step().metrics
+    assert 0.0 < metrics["egpo_bonus_frac"] <= 1.0 and metrics["egpo_bonus_mean"] > 0

@@ -47,8 +47,13 @@ from store.serving import append_policy_updated, policy_takeup, record_policy_se
 from workers.rollout.backend import WeightUpdatable
 from workers.rollout.engine import engine_id
 from workers.tokenizers import load_tokenizer
-from workers.trainer.advantages import AdvantageSettings, choose_estimator, think_token_ids
-from workers.trainer.batch import TrainingBatch, pad_samples
+from workers.trainer.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageSettings,
+    choose_estimator,
+    think_token_ids,
+)
+from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
 from workers.trainer.checkpoint import (
     checkpoint_dir,
     load_model,
@@ -289,6 +294,9 @@ class Trainer:
                                     update.advantages, stats.metrics(), started,
                                     update.correction, current)
             metrics["scoring_skipped"] = float(update.single_pass)
+            if self.estimator == "egpo":
+                metrics.update(self._egpo_bonus(batch, update.advantages, update.entropies,
+                                                 units))
             metrics.update(takeup_metrics(self.store, self.run_id, current))
             version, path = self._record(metrics, lease)
             changed = False  # the weights are recorded: a reopened trainer resumes from here
@@ -376,6 +384,24 @@ class Trainer:
             return since
         self.leasing.renew(lease.lease_id, self.config.lease_seconds)
         return now
+
+    def _egpo_bonus(self, batch: TrainingBatch, advantages: torch.Tensor,
+                    entropies: torch.Tensor, units: Any) -> dict[str, float]:
+        """EGPO's entropy bonus in this step: each response's advantage minus its plain GRPO
+        advantage. ``egpo_bonus_mean`` is the mean size of the bonus over the responses that
+        got one, ``egpo_bonus_frac`` their share (a response with a zero advantage or no
+        ``<think>`` tokens gets none)."""
+        rewards = token_level_rewards(batch.rewards, batch.response_mask,
+                                      response_lengths=batch.response_lengths)
+        plain = ADVANTAGE_ESTIMATORS.get("grpo")(
+            rewards, batch.response_mask, batch.group_ids, entropies=entropies,
+            responses=batch.responses, settings=self.advantage_settings, units=units)
+        mask = batch.response_mask
+        rows = mask.sum(dim=1).clamp(min=1)
+        bonus = ((advantages - plain).abs() * mask).sum(dim=1) / rows
+        got = bonus > 0
+        return {"egpo_bonus_mean": float(bonus[got].mean().item()) if bool(got.any()) else 0.0,
+                "egpo_bonus_frac": float(got.float().mean().item()) if len(bonus) else 0.0}
 
     def _metrics(self, batch: TrainingBatch, lease: Lease, old_log_probs: torch.Tensor,
                  entropies: torch.Tensor, advantages: torch.Tensor, ppo: dict[str, float],
