@@ -66,14 +66,14 @@ class WarmStartOptions:
     mistakes, ``steps`` optimiser steps of ``batch_size`` at learning rate ``lr``."""
 
     transcripts: int = 1024
-    error_rate: float = 0.3
-    steps: int = 300
-    batch_size: int = 8
+    error_rate: float = 0.4
+    steps: int = 400
+    batch_size: int = 4
     lr: float = 3e-3
     hidden_size: int = 64
     layers: int = 2
     heads: int = 2
-    drills: int = 32
+    drills: int = 48
 
     def check(self) -> None:
         """Raise ValueError naming the first field out of range."""
