@@ -347,7 +347,7 @@ def demo(
     store = _open_store(settings)
     progress = Progress(TextColumn("{task.description:<16}"), BarColumn(),
                         MofNCompleteColumn(), console=console)
-    task = progress.add_task("starting", total=1)
+    bar = progress.add_task("starting", total=1)
     table_rows: list[Any] = []
 
     def render() -> Any:
@@ -367,7 +367,7 @@ def demo(
     try:
         with Live(render(), console=console, refresh_per_second=4) as live:
             def on_progress(what: str, done: int, total: int) -> None:
-                progress.update(task, description=what, completed=done, total=total)
+                progress.update(bar, description=what, completed=done, total=total)
                 live.update(render())
 
             def on_version(rows: list[Any]) -> None:
