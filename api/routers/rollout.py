@@ -6,13 +6,20 @@
 - ``POST /rollout``: this process as the RolloutServer: it drives the agent loop of one
   rollout, calling back the trainer at ``server_url`` (``/v1/chat/completions``, else
   ``/v1/completions``: ``workers.rollout.remote.run_remote_rollout``).
+- ``POST /v1/rollout/init``: the same as the asynchronous revision's RolloutServer: answers
+  202 with the tools at once, plays the rollout on a thread of this process and posts the
+  RolloutResponse to the trainer's ``/v1/rollout/completed``
+  (``workers.rollout.remote.play_and_report``). A thread, not a Celery task: the rollout
+  waits on the trainer, not on this machine, and ``trajstore serve`` alone must serve it.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -21,7 +28,13 @@ from fastapi.responses import JSONResponse
 from api.deps import Ctx, IngestKey
 from api.errors import ERROR_RESPONSES, ApiError, refuse_unstorable
 from api.schemas.common import ErrorBody
-from api.schemas.remote import RolloutCompleted, RolloutCompletedAck, RolloutRequest
+from api.schemas.remote import (
+    RolloutCompleted,
+    RolloutCompletedAck,
+    RolloutInitAccepted,
+    RolloutInitRequest,
+    RolloutRequest,
+)
 from store import errors as store_errors
 from store import queries
 from store.eventlog import ANY, NO_STREAM
@@ -164,3 +177,116 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
     except ValueError as exc:
         raise ApiError(422, "invalid_request", str(exc)) from None
     return JSONResponse(result)
+
+
+#: Rollouts of ``POST /v1/rollout/init`` played at once by one API process (more wait).
+ASYNC_ROLLOUT_THREADS = 32
+_executor: ThreadPoolExecutor | None = None
+_in_flight: set[str] = set()
+_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(ASYNC_ROLLOUT_THREADS,
+                                           thread_name_prefix="rollout-init")
+        return _executor
+
+
+#: The asynchronous revision's names for the fields ``parse_rollout_request`` names.
+_INIT_NAMES = {"sampling_params": "completion_params", "callback_api_key": "api_key"}
+
+
+def _init_error(exc: ValueError) -> ApiError:
+    message = str(exc)
+    for ours, theirs in _INIT_NAMES.items():
+        message = message.replace(f"'{ours}", f"'{theirs}")
+    field = next((f"body.{name}" for name in RolloutInitRequest.model_fields
+                  if f"'{name}" in message), None)
+    return ApiError(422, "invalid_request", message, field=field)
+
+
+@router.post("/v1/rollout/init", status_code=202, response_model=RolloutInitAccepted,
+             responses={501: {"model": ErrorBody,
+                              "description": "This installation has no RolloutServer."}})
+def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutInitAccepted:
+    """Start one rollout of the protocol's asynchronous revision as the RolloutServer and
+    answer 202 with the tools offered to the model; the rollout is played in the background
+    against the trainer at ``server_url`` and its RolloutResponse posted to
+    ``{server_url}/v1/rollout/completed`` (retried on network errors, 408, 425, 429 and
+    5xx). It is recorded as episode ``rollout-<rollout_id>`` of ``run_id`` (default
+    ``remote``) and played with the run's tokenizer. A ``rollout_id`` started before is
+    answered 202 again and not played twice. Bad input, checked before anything starts: a
+    field of the wrong type or out of range, an unknown field, a value the store refuses, a
+    run that names no tokenizer or a trainer host that is not allowed: 422 naming the
+    field; another project's run or rollout: 403; an unknown run: 404."""
+    refuse_unstorable(body)
+    if _remote_rollout() is None:
+        raise ApiError(501, "not_implemented", "this installation has no RolloutServer "
+                       "(workers.rollout.remote.run_remote_rollout is missing)")
+    from workers.rollout.remote import (
+        DEFAULT_REMOTE_RUN_ID,
+        check_trainer_host,
+        default_tools,
+        parse_rollout_request,
+        play_and_report,
+        remote_episode_id,
+        resolve_tokenizer,
+    )
+
+    run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
+    ctx.access.check_run(key, run_id)
+    tokenizer = ctx.store.get_run(run_id).config.tokenizer_name
+    if not tokenizer:
+        raise ApiError(422, "invalid_request", f"run {run_id!r} names no tokenizer: this "
+                       "revision sends no tokenizer_name, so the rollout is played with the "
+                       "run's; give the run a tokenizer or name a run that has one",
+                       field="body.run_id")
+    request: dict[str, Any] = {
+        "rollout_id": body.rollout_id, "server_url": body.server_url,
+        "messages": [m.model_dump(mode="json", exclude_none=True) for m in body.messages],
+        "sampling_params": (body.completion_params.model_dump(mode="json", exclude_none=True)
+                            if body.completion_params is not None else None),
+        "tokenizer_name": tokenizer, "max_turns": body.max_turns,
+        "max_tokens_total": body.max_tokens_total, "callback_api_key": body.api_key,
+        "run_id": run_id, "group_id": body.group_id, "metadata": body.metadata,
+        "tool_server_url": body.tool_server_url}
+    request = {k: v for k, v in request.items() if v is not None}
+    try:
+        parsed = parse_rollout_request(request)
+        check_trainer_host(parsed.server_url, ctx.settings)
+        resolve_tokenizer(tokenizer, settings=ctx.settings)
+    except ValueError as exc:
+        raise _init_error(exc) from None
+    tools = default_tools()
+    accepted = RolloutInitAccepted(rollout_id=body.rollout_id, tools=tools.schemas())
+    episode_id = remote_episode_id(body.rollout_id)
+    with _lock:
+        running = episode_id in _in_flight
+    if running or ctx.store.stream_version(episode_id) != 0:
+        if not running:
+            ctx.access.check_episode(key, episode_id)
+        return accepted
+    with _lock:
+        if episode_id in _in_flight:
+            return accepted
+        _in_flight.add(episode_id)
+    store, settings = ctx.store, ctx.settings
+
+    def play() -> None:
+        try:
+            play_and_report(request, store=store, settings=settings, tools=tools)
+        finally:
+            with _lock:
+                _in_flight.discard(episode_id)
+
+    try:
+        _pool().submit(play)
+    except RuntimeError:  # the pool is shut down: the process is stopping
+        with _lock:
+            _in_flight.discard(episode_id)
+        raise ApiError(503, "unavailable", "this server is stopping; retry the rollout "
+                       "elsewhere") from None
+    return accepted

@@ -12,6 +12,8 @@ from api.schemas.openai import ChatMessage
 __all__ = [
     "RolloutCompleted",
     "RolloutCompletedAck",
+    "RolloutInitAccepted",
+    "RolloutInitRequest",
     "RolloutRequest",
     "RolloutSamplingParams",
 ]
@@ -106,3 +108,50 @@ class RolloutRequest(BaseModel):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"server_url must be an http(s) URL, got {value[:80]!r}")
         return value.rstrip("/")
+
+
+class RolloutInitRequest(BaseModel):
+    """``POST /v1/rollout/init`` (the protocol's asynchronous revision): start one rollout
+    in the background, calling the trainer at ``server_url`` for every generation with
+    ``api_key`` as Bearer token, and post its RolloutResponse to
+    ``{server_url}/v1/rollout/completed`` when it ends. ``completion_params`` are the
+    sampling parameters; there is no ``tokenizer_name``: the rollout is played with the
+    run's tokenizer. ``run_id`` (default ``remote``) and ``group_id`` are this store's, as
+    for ``POST /rollout``; ``metadata``, ``tool_server_url`` and ``idempotency_key`` are
+    accepted and not used; other unknown fields are refused (422 naming them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str = Field(min_length=1, max_length=150)
+    server_url: str = Field(min_length=8, max_length=2000)
+    messages: list[ChatMessage] = Field(min_length=1)
+    completion_params: RolloutSamplingParams | None = None
+    api_key: str | None = Field(default=None, max_length=1000)
+    max_turns: int | None = Field(default=None, ge=1, le=100)
+    max_tokens_total: int | None = Field(default=None, ge=1, le=1_000_000)
+    run_id: str | None = Field(default=None, min_length=1, max_length=200)
+    group_id: str | None = Field(default=None, min_length=1, max_length=200)
+    metadata: dict[str, Any] | None = None
+    tool_server_url: str | None = Field(default=None, max_length=2000)
+    idempotency_key: str | None = Field(default=None, max_length=200)
+
+    @field_validator("rollout_id")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+    @field_validator("server_url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"server_url must be an http(s) URL, got {value[:80]!r}")
+        return value.rstrip("/")
+
+
+class RolloutInitAccepted(BaseModel):
+    """The answer to ``POST /v1/rollout/init`` (202): the tools the model is offered."""
+
+    rollout_id: str
+    tools: list[dict[str, Any]]

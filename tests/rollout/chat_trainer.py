@@ -16,7 +16,12 @@ generated ids that decodes to the content.
 Per rollout it keeps the trainer's buffer (each prompt, then the returned ``token_ids``) and
 records for every call its path, the mask received, the zeros the buffer says the mask
 should hold and whether the prompt extends the buffer. Every request's path is kept in
-``paths`` (also those answered 404).
+``paths`` (also those answered 404), and its ``Authorization`` header in ``authorizations``.
+
+As the asynchronous revision's trainer it also takes the completion callback,
+``POST /v1/rollout/completed``: each body is kept in ``completed`` (``wait_completed`` waits
+for one rollout's); the first ``refuse_completed`` callbacks are answered 503, as a trainer
+that is restarting would.
 """
 
 from __future__ import annotations
@@ -75,11 +80,17 @@ class ChatTrainer:
         self.paths: list[str] = []
         self.rollouts: dict[str, _Rollout] = {}
         self.lock = threading.Lock()
+        self.authorizations: list[str | None] = []
+        self.completed: list[dict[str, Any]] = []
+        self.completed_tries = 0
+        self.refuse_completed = 0
+        self.arrived = threading.Condition()
         app = FastAPI()
 
         @app.middleware("http")
         async def remember(request: Request, call_next: Any) -> Response:
             self.paths.append(request.url.path)
+            self.authorizations.append(request.headers.get("authorization"))
             response: Response = await call_next(request)
             return response
 
@@ -91,6 +102,17 @@ class ChatTrainer:
 
         for path in paths:
             app.post(path)(completions)
+
+        @app.post("/v1/rollout/completed")
+        async def completed(request: Request) -> Response:
+            body = await request.json()
+            with self.arrived:
+                self.completed_tries += 1
+                if self.completed_tries <= self.refuse_completed:
+                    return JSONResponse({"error": "restarting"}, status_code=503)
+                self.completed.append(body)
+                self.arrived.notify_all()
+            return JSONResponse({"ok": True})
         self.server = ThreadedServer(app, lifespan="off")
         self.port, self.url = self.server.port, self.server.url
 
@@ -98,6 +120,19 @@ class ChatTrainer:
                finish_reason: bool = True) -> None:
         self.rollouts[rollout_id] = _Rollout(engine=ReplayBackend(self.backend, texts),
                                              form=form, finish_reason=finish_reason)
+
+    def wait_completed(self, rollout_id: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The first completion callback of ``rollout_id``, waiting up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self.arrived:
+            while True:
+                found = [b for b in self.completed if b.get("rollout_id") == rollout_id]
+                if found:
+                    return found[0]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no completion callback for {rollout_id!r}")
+                self.arrived.wait(left)
 
     def calls_of(self, rollout_id: str) -> list[ChatCall]:
         return [c for c in self.calls if c.rollout_id == rollout_id]

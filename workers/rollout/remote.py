@@ -63,6 +63,7 @@ Semantics:
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import time
 import urllib.parse
@@ -86,6 +87,10 @@ __all__ = [
     "DEFAULT_REMOTE_RUN_ID",
     "DuplicateRolloutError",
     "RolloutRequest",
+    "completion_url",
+    "default_tools",
+    "play_and_report",
+    "post_rollout_completed",
     "parse_rollout_request",
     "remote_episode_id",
     "resolve_tokenizer",
@@ -93,6 +98,7 @@ __all__ = [
 ]
 
 DEFAULT_REMOTE_RUN_ID = "remote"
+_log = logging.getLogger(__name__)
 _NAMESPACE = uuid.UUID("6f1b7a52-3c1e-4d0a-9a57-2f0c1f7e5b11")
 _FIELDS = ("rollout_id", "server_url", "messages", "sampling_params", "tokenizer_name",
            "tokenizer_revision", "max_turns", "max_tokens_total", "callback_api_key",
@@ -352,3 +358,105 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
             "total_latency_ms": duration * 1000.0,
         },
     }
+
+
+def default_tools() -> ToolRegistry:
+    """The tools a remote rollout offers the model when none are given: the calculator."""
+    return ToolRegistry([Calculator()])
+
+
+#: Where the asynchronous revision's RolloutServer reports the end of a rollout.
+COMPLETED_PATH = "/v1/rollout/completed"
+_COMPLETIONS_PATHS = ("/v1/chat/completions", "/v1/completions")
+#: Trainer answers worth another try of the completion callback (the rest are final).
+_TRANSIENT = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def completion_url(server_url: str) -> str:
+    """``{server_url}/v1/rollout/completed``, where ``server_url`` is the trainer's base URL
+    (a trailing ``/v1/chat/completions`` or ``/v1/completions`` is taken off first)."""
+    base = server_url.rstrip("/")
+    for path in _COMPLETIONS_PATHS:
+        if base.endswith(path):
+            base = base[: -len(path)]
+            break
+    return base + COMPLETED_PATH
+
+
+def post_rollout_completed(server_url: str, response: Mapping[str, Any], *,
+                           api_key: str | None, attempts: int = 6,
+                           backoff_s: float = 0.5, timeout_s: float = 30.0) -> int | None:
+    """POST the RolloutResponse ``response`` to :func:`completion_url` of ``server_url``,
+    with ``api_key`` as Bearer token when given. Network errors, timeouts and the answers
+    408, 425, 429 and 5xx are retried, up to ``attempts`` tries in all, waiting
+    ``backoff_s`` · 2^k between them; any other answer is final. Returns the status code of
+    the last answer (None when the trainer never answered). Never raises for the trainer's
+    failures; ``attempts`` below 1 or a negative ``backoff_s`` is a ValueError."""
+    import httpx
+
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ValueError(f"attempts must be a positive integer, got {attempts!r}")
+    if not isinstance(backoff_s, int | float) or backoff_s < 0:
+        raise ValueError(f"backoff_s must be a number >= 0, got {backoff_s!r}")
+    url = completion_url(server_url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    status: int | None = None
+    with httpx.Client(timeout=timeout_s, follow_redirects=False) as client:
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(backoff_s * 2 ** (attempt - 1))
+            try:
+                answer = client.post(url, json=dict(response), headers=headers)
+            except httpx.TransportError as exc:
+                _log.warning("rollout %s: completion callback to %s failed (try %d of %d): "
+                             "%s", response.get("rollout_id"), url, attempt + 1, attempts, exc)
+                continue
+            status = answer.status_code
+            if status < 300:
+                return status
+            if status not in _TRANSIENT:
+                break
+            _log.warning("rollout %s: completion callback to %s answered %d (try %d of %d)",
+                         response.get("rollout_id"), url, status, attempt + 1, attempts)
+    _log.error("rollout %s: the trainer at %s never took the completion callback (last "
+               "answer: %s)", response.get("rollout_id"), url, status)
+    return status
+
+
+def play_and_report(request: Mapping[str, Any], *, store: VersionedLog, settings: Settings,
+                    tools: ToolRegistry | None = None, timeout_s: float = 120.0,
+                    callback_attempts: int = 6, callback_backoff_s: float = 0.5
+                    ) -> dict[str, Any] | None:
+    """The asynchronous revision's RolloutServer: play ``request`` (as
+    :func:`run_remote_rollout`) and post the RolloutResponse to the trainer's
+    ``/v1/rollout/completed`` (:func:`post_rollout_completed`, with the request's
+    ``callback_api_key``). A failure of the rollout that is not the trainer's (the store
+    unreachable, a bug) is reported as status ``ERROR`` with ``error_category``
+    ``rollout_server``. A rollout id recorded before is not played and not reported (the
+    first request's report stands): returns None then, else the response posted. Meant for
+    a background thread: it raises nothing."""
+    try:
+        response = run_remote_rollout(request, store=store, settings=settings, tools=tools,
+                                      timeout_s=timeout_s)
+    except DuplicateRolloutError:
+        _log.info("rollout %s was recorded before; not played again",
+                  request.get("rollout_id"))
+        return None
+    except Exception as exc:  # reported to the trainer, which waits for this rollout
+        _log.exception("rollout %s failed", request.get("rollout_id"))
+        response = {"rollout_id": request.get("rollout_id"), "status": "ERROR",
+                    "finish_reason": None, "final_messages": list(request.get("messages") or []),
+                    "error_message": f"rollout_server: {type(exc).__name__}: {exc}",
+                    "error_category": "rollout_server",
+                    "episode_id": remote_episode_id(str(request.get("rollout_id"))),
+                    "metrics": {}}
+    body = dict(response)
+    body["extra_fields"] = {"episode_id": body.get("episode_id"),
+                            "error_category": body.get("error_category")}
+    try:
+        post_rollout_completed(str(request["server_url"]), body,
+                               api_key=request.get("callback_api_key"),
+                               attempts=callback_attempts, backoff_s=callback_backoff_s)
+    except Exception:
+        _log.exception("rollout %s: completion callback failed", request.get("rollout_id"))
+    return body
