@@ -227,7 +227,8 @@ class Settings(BaseSettings):
     )
     rollout_trainer_hosts: str = Field(
         default="",
-        description="Hosts POST /rollout may call back as the trainer (server_url), comma "
+        description="Hosts POST /rollout and POST /v1/rollout/init may call back as the "
+        "trainer (server_url), comma "
         "separated; empty: loopback only (127.0.0.0/8, ::1, localhost); '*': any host.",
     )
     gateway_upstream_url: str | None = Field(

@@ -19,7 +19,6 @@ import importlib
 import math
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -180,19 +179,11 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
 
 
 #: Rollouts of ``POST /v1/rollout/init`` played at once by one API process (more wait).
+#: Each plays on a daemon thread: stopping the process does not wait for it.
 ASYNC_ROLLOUT_THREADS = 32
-_executor: ThreadPoolExecutor | None = None
+_slots = threading.BoundedSemaphore(ASYNC_ROLLOUT_THREADS)
 _in_flight: set[str] = set()
 _lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _executor
-    with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(ASYNC_ROLLOUT_THREADS,
-                                           thread_name_prefix="rollout-init")
-        return _executor
 
 
 #: The asynchronous revision's names for the fields ``parse_rollout_request`` names.
@@ -277,16 +268,18 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
 
     def play() -> None:
         try:
-            play_and_report(request, store=store, settings=settings, tools=tools)
+            with _slots:
+                play_and_report(request, store=store, settings=settings, tools=tools)
         finally:
             with _lock:
                 _in_flight.discard(episode_id)
 
     try:
-        _pool().submit(play)
-    except RuntimeError:  # the pool is shut down: the process is stopping
+        threading.Thread(target=play, name=f"rollout-init:{body.rollout_id}",
+                         daemon=True).start()
+    except RuntimeError:  # no thread can be started (the process is at its limit)
         with _lock:
             _in_flight.discard(episode_id)
-        raise ApiError(503, "unavailable", "this server is stopping; retry the rollout "
-                       "elsewhere") from None
+        raise ApiError(503, "unavailable", "no thread is free to play this rollout; "
+                       "retry later") from None
     return accepted

