@@ -51,6 +51,7 @@ from store.eventlog import EventStore
 from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired
 from store.serving import append_policy_updated
+from workers import checkpoint_urls
 from workers.trainer.advantages import ADVANTAGE_ESTIMATORS
 from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
 from workers.trainer.checkpoint import (
@@ -329,6 +330,10 @@ def check_setup(run_config: RunConfig, config: TrainerConfig, *, world_size: int
     reason = _is_causal_lm(folder)
     if reason:
         raise ValueError(reason)
+    if config.checkpoint_root is not None:
+        raise ValueError(f"checkpoint_root {config.checkpoint_root!r} is not supported by the "
+                         f"distributed trainer yet: it writes checkpoints under the data "
+                         f"directory")
     target = checkpoint_dir(data_dir, run_id, version=0).parent
     probe = target / f".write-check-{uuid.uuid4().hex[:8]}"
     try:
@@ -375,7 +380,8 @@ class DistributedTrainer(Trainer):
                 folder = Path(data_dir) if data_dir else store.settings.data_dir
                 check_setup(run.config, config, world_size=world, model=initial,
                             data_dir=folder, run_id=run_id)
-                resume = _latest_checkpoint(store, run_id)
+                resume = _latest_checkpoint(store, run_id,
+                                            cache_dir=folder / checkpoint_urls.CHECKPOINT_CACHE)
                 plan = {"run_config": run.config, "initial": str(initial),
                         "resume": str(resume) if resume else None, "data_dir": str(folder),
                         "step": int(read_state(resume).get("step", 0)) if resume else 0}
