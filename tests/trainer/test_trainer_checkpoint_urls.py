@@ -17,6 +17,7 @@ from trainer_episodes import new_run, record_group
 
 from store.eventlog import run_stream_id
 from store.events import PolicyUpdated
+from store.leasing import Leasing
 from store.serving import policy_takeup
 from workers import checkpoint_urls
 from workers.rollout.backend_transformers import TransformersBackend
@@ -51,6 +52,8 @@ def test_a_url_checkpoint_is_uploaded_loaded_by_an_engine_and_resumed_from(
     url = first.checkpoint
     assert isinstance(url, str) and url.startswith(f"{root}/")
     assert [e.checkpoint for e in _policy_updates(trainer_store, run_id)] == [url]
+    with pytest.raises(ValueError, match="checkpoint_root must be a non-empty string"):
+        TrainerConfig(checkpoint_root=" ")
     # The files landed on the shared storage, marker included; no local copy is kept.
     landed = Path(url.removeprefix("file://"))
     assert (landed / "model.safetensors").is_file()
@@ -98,7 +101,7 @@ def test_an_incomplete_upload_is_not_taken(tmp_path: Path) -> None:
         checkpoint_urls.download(url, tmp_path / "cache")
 
 
-@pytest.mark.parametrize("kind", ["unknown protocol", "unwritable"])
+@pytest.mark.parametrize("kind", ["unknown protocol", "unwritable", "unwritable setting"])
 def test_a_bad_checkpoint_url_is_refused_before_any_lease(
         trainer_store, tiny_model: Path, tmp_path: Path, kind: str) -> None:
     run_id = new_run(trainer_store, tiny_model, group_size=2)
@@ -109,11 +112,18 @@ def test_a_bad_checkpoint_url_is_refused_before_any_lease(
         blocker = tmp_path / "a-file"
         blocker.write_text("not a folder")
         root, reason = f"file://{blocker}/ckpts", "cannot be written"
+    settings = trainer_store.settings
+    if kind == "unwritable setting":  # TRAJSTORE_CHECKPOINT_ROOT, no TrainerConfig field
+        trainer_store.settings = settings.model_copy(update={"checkpoint_root": root})
+        config = TrainerConfig(groups_per_step=1)
+    else:
+        config = TrainerConfig(groups_per_step=1, checkpoint_root=root)
     with pytest.raises(ValueError, match=reason) as refused:
-        Trainer.open(trainer_store, run_id,
-                     config=TrainerConfig(groups_per_step=1, checkpoint_root=root))
+        Trainer.open(trainer_store, run_id, config=config)
     assert root in str(refused.value)
+    assert Leasing(trainer_store).stats(run_id)["leased"] == 0
     # Nothing was leased: a good trainer gets the group at once.
+    trainer_store.settings = settings
     good = Trainer.open(trainer_store, run_id, config=TrainerConfig(groups_per_step=1))
     result = good.step()
     assert result.version == 1 and result.samples == 2

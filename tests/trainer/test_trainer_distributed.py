@@ -241,6 +241,9 @@ def test_setups_that_cannot_train_are_refused(trainer_store, tiny_model: Path,
     with pytest.raises(ValueError, match="cannot be written"):
         check_setup(run_config, config, world_size=2, model=tiny_model, data_dir=blocked,
                     run_id=run_id)
+    with pytest.raises(ValueError, match="checkpoint_root 'file:///x' is not supported"):
+        check_setup(run_config, config.replace(checkpoint_root="file:///x"), world_size=2,
+                    model=tiny_model, data_dir=tmp_path, run_id=run_id)
     # Nothing was leased.
     assert Leasing(trainer_store).stats(run_id)["leased"] == 0
 

@@ -311,8 +311,9 @@ def check_setup(run_config: RunConfig, config: TrainerConfig, *, world_size: int
     """Refuse, before any lease, what a distributed training run cannot do: raises ValueError
     with the reason when ``world_size`` is below 1 or above the samples of a step
     (``groups_per_step * group_size``) or of a mini-batch (a rank would have nothing to
-    train), when ``model`` is not a folder holding a causal LM config, or when the run's
-    checkpoint folder under ``data_dir`` cannot be created and written."""
+    train), when ``model`` is not a folder holding a causal LM config, when a
+    ``checkpoint_root`` is set (not supported here yet: checkpoints go under ``data_dir``), or
+    when the run's checkpoint folder under ``data_dir`` cannot be created and written."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
     per_step = config.groups_per_step * run_config.group_size
@@ -378,6 +379,8 @@ class DistributedTrainer(Trainer):
                     raise ValueError(f"run {run_id!r} names no model (RunConfig.model); "
                                      f"pass model=")
                 folder = Path(data_dir) if data_dir else store.settings.data_dir
+                if config.checkpoint_root is None and store.settings.checkpoint_root:
+                    config = config.replace(checkpoint_root=store.settings.checkpoint_root)
                 check_setup(run.config, config, world_size=world, model=initial,
                             data_dir=folder, run_id=run_id)
                 resume = _latest_checkpoint(store, run_id,

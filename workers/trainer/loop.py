@@ -230,9 +230,11 @@ class Trainer:
         (default: the store's settings). ``engine`` receives the weights after each update,
         and the resumed weights at once.
 
-        A ``config.checkpoint_root`` URL is checked at once by writing and deleting a probe
-        file there (:func:`workers.checkpoint_urls.check_writable`); checkpoints named by URLs
-        are downloaded to ``<data_dir>/checkpoint-cache`` to resume from.
+        Checkpoints go under ``config.checkpoint_root``, else the settings'
+        ``checkpoint_root``, else ``<data_dir>/checkpoints``; a URL root is checked at once by
+        writing and deleting a probe file there
+        (:func:`workers.checkpoint_urls.check_writable`); checkpoints named by URLs are
+        downloaded to ``<data_dir>/checkpoint-cache`` to resume from.
 
         Raises ``store.errors.NotFoundError`` for an unknown run, ValueError when neither
         ``model`` nor the run names a model folder or when the checkpoint URL's protocol is
@@ -240,6 +242,8 @@ class Trainer:
         errors.
         """
         config = config or TrainerConfig()
+        if config.checkpoint_root is None and store.settings.checkpoint_root:
+            config = config.replace(checkpoint_root=store.settings.checkpoint_root)
         if checkpoint_urls.is_url(config.checkpoint_root):
             checkpoint_urls.check_writable(str(config.checkpoint_root))
         run = store.get_run(run_id)
