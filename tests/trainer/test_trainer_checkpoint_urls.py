@@ -65,14 +65,15 @@ def test_a_url_checkpoint_is_uploaded_loaded_by_an_engine_and_resumed_from(
 
     # A rollout engine elsewhere loads version 1 from the URL (downloaded into its cache).
     cache = tmp_path / "engine-cache"
-    engine = RolloutEngine(TransformersBackend(tiny_model), kind="transformers",
-                           model_dir=tiny_model, cache_dir=cache)
+    backend = TransformersBackend(tiny_model)
+    engine = RolloutEngine(backend, kind="transformers", model_dir=tiny_model,
+                           cache_dir=cache)
     log = StoreGroupLog(trainer_store)
     policy = log.policy(run_id)
     assert policy.version == 1 and policy.checkpoint == url
     engine.ensure(run_id, policy, report=log.policy_served)
-    assert engine.backend.policy_version == 1 and engine.loads == 1
-    served = dict(engine.backend.model.state_dict())
+    assert backend.policy_version == 1 and engine.loads == 1
+    served = dict(backend.model.state_dict())
     for name in ("model.norm.weight", "model.embed_tokens.weight"):
         assert torch.equal(served[name].cpu(), trained[name].cpu()), name
     copies = [p for p in cache.iterdir() if not p.name.startswith(".")]
