@@ -125,7 +125,12 @@ def test_a_bad_checkpoint_url_is_refused_before_any_lease(
     assert Leasing(trainer_store).stats(run_id)["leased"] == 0
     # Nothing was leased: a good trainer gets the group at once.
     trainer_store.settings = settings
-    good = Trainer.open(trainer_store, run_id, config=TrainerConfig(groups_per_step=1))
+    # (a plain folder as the root: checkpoints land under it, named by their path)
+    folder = tmp_path / "plain-root"
+    good = Trainer.open(trainer_store, run_id,
+                        config=TrainerConfig(groups_per_step=1, checkpoint_root=str(folder)))
     result = good.step()
     assert result.version == 1 and result.samples == 2
     assert isinstance(result.checkpoint, Path) and result.checkpoint.is_dir()
+    assert result.checkpoint.parent.parent == folder
+    assert (result.checkpoint / "model.safetensors").is_file()
