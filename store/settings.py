@@ -257,11 +257,21 @@ class Settings(BaseSettings):
         default=4096, ge=1, description="Largest max_tokens the gateway accepts per call."
     )
 
+    # Training.
+    checkpoint_root: str | None = Field(
+        default=None,
+        description="Where trainers write checkpoints: a folder, or an fsspec URL (s3://bucket/"
+        "prefix, file:///...) that rollout engines on other machines read; unset: "
+        "<data_dir>/checkpoints. A URL that cannot be written is refused when the trainer "
+        "opens.",
+    )
+
     @field_validator(
         "gateway_upstream_url",
         "gateway_upstream_api_key",
         "gateway_upstream_model",
         "gateway_engine_model",
+        "checkpoint_root",
         mode="before",
     )
     @classmethod

@@ -152,11 +152,16 @@ def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_mode
     assert [e.version for e in updated] == [1] and updated[0].checkpoint == result["checkpoint"]
 
 
+@pytest.mark.parametrize("root", ["data dir", "url"])
 def test_resumed_two_processes_train_like_one(trainer_store, trainer_settings,
-                                              tiny_model: Path) -> None:
+                                              tiny_model: Path, tmp_path: Path,
+                                              root: str) -> None:
     """Each step in a new process group: the second resumes the weights and the sharded
-    optimizer moments (torch.distributed.checkpoint) of the first."""
-    config = {**CONFIG, "groups_per_step": 1}
+    optimizer moments (torch.distributed.checkpoint) of the first; also with checkpoints
+    uploaded under a ``file://`` URL (resumed from the download cache)."""
+    config: dict[str, Any] = {**CONFIG, "groups_per_step": 1}
+    if root == "url":
+        config["checkpoint_root"] = f"file://{tmp_path}/shared"
     single_run, dist_run = two_runs(trainer_store, tiny_model)
     for _ in range(2):  # reopened each time: resumes from its own checkpoint
         expected = Trainer.open(trainer_store, single_run, config=TrainerConfig(**config)).step()
@@ -167,10 +172,11 @@ def test_resumed_two_processes_train_like_one(trainer_store, trainer_settings,
         assert proc.returncode == 0, err[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
         assert result["version"] == version
-    folder = Path(result["checkpoint"])
+    folder = Path(str(result["checkpoint"]).removeprefix("file://"))
+    assert str(result["checkpoint"]).startswith("file://") == (root == "url")
     assert (folder / "optimizer-dcp").is_dir()
     ours = load_file(str(folder / "model.safetensors"))
-    theirs = load_file(str(expected.checkpoint / "model.safetensors"))
+    theirs = load_file(str(expected.checkpoint).removeprefix("file://") + "/model.safetensors")
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5
     assert result["metrics"]["pg_loss"] == pytest.approx(expected.metrics["pg_loss"], abs=1e-5)
 
@@ -241,6 +247,12 @@ def test_setups_that_cannot_train_are_refused(trainer_store, tiny_model: Path,
     with pytest.raises(ValueError, match="cannot be written"):
         check_setup(run_config, config, world_size=2, model=tiny_model, data_dir=blocked,
                     run_id=run_id)
+    with pytest.raises(ValueError, match="'nosuchfs://x'.*Protocol not known"):
+        check_setup(run_config, config.replace(checkpoint_root="nosuchfs://x"), world_size=2,
+                    model=tiny_model, data_dir=tmp_path, run_id=run_id)
+    with pytest.raises(ValueError, match=f"'file://{blocked}/c' cannot be written"):
+        check_setup(run_config, config.replace(checkpoint_root=f"file://{blocked}/c"),
+                    world_size=2, model=tiny_model, data_dir=tmp_path, run_id=run_id)
     # Nothing was leased.
     assert Leasing(trainer_store).stats(run_id)["leased"] == 0
 

@@ -7,7 +7,9 @@ group. Before a group it is brought to the run's current policy (:meth:`RolloutE
 - version 0 is the base model's own weights (reloaded from its folder when the engine last
   held another run's or version's weights);
 - version v > 0 is loaded from the folder that run's ``policy_updated`` names (the trainer's
-  checkpoint: ``model.safetensors``), in place, with ``update_weights``;
+  checkpoint: ``model.safetensors``), in place, with ``update_weights``; a checkpoint named
+  by an fsspec URL is downloaded first into ``<data_dir>/checkpoint-cache`` (once per URL;
+  :mod:`workers.checkpoint_urls`);
 - a ``policy_updated`` without a checkpoint (or a log that does not tell it, such as the HTTP
   API) is taken to mean that the trainer pushed the weights into the engine itself: the
   version is adopted without loading anything.
@@ -30,6 +32,7 @@ from typing import Any
 
 from store.events import RunConfig
 from store.settings import Settings
+from workers.checkpoint_urls import CHECKPOINT_CACHE, download, is_url
 from workers.rollout.backend import GenerationBackend, WeightUpdatable
 from workers.rollout.group_log import PolicyState
 
@@ -116,12 +119,14 @@ class RolloutEngine:
     Raises TypeError when ``backend`` is not a generation backend.
     """
 
-    def __init__(self, backend: GenerationBackend, *, kind: str, model_dir: Path) -> None:
+    def __init__(self, backend: GenerationBackend, *, kind: str, model_dir: Path,
+                 cache_dir: Path | None = None) -> None:
         if not isinstance(backend, GenerationBackend):
             raise TypeError(f"backend must be a GenerationBackend, got {type(backend).__name__}")
         self.backend = backend
         self.kind = kind
         self.model_dir = Path(model_dir)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.loaded: tuple[str, int] | None = None
         self.loads = 0
         self.engine_id = engine_id(backend)
@@ -135,8 +140,10 @@ class RolloutEngine:
         source=, load_seconds=)`` (a ``GroupLog.policy_served``: the take-up is recorded;
         ``source`` is the folder loaded, None when nothing was). A report that fails is made
         again by the next call, without loading again. Raises FileNotFoundError
-        when the checkpoint folder named has no ``model.safetensors``, TypeError when new
-        weights are needed but the backend cannot take them, and what ``report`` raises."""
+        when the checkpoint folder named has no ``model.safetensors`` or the checkpoint URL
+        named holds no complete upload, ValueError for a URL whose protocol is unknown,
+        TypeError when new weights are needed but the backend cannot take them, and what
+        ``report`` raises."""
         target = (run_id, policy.version)
         if self.loaded != target:
             self._load(run_id, policy)
@@ -153,6 +160,8 @@ class RolloutEngine:
             source: Path | None = None if base_now else self.model_dir
         elif policy.checkpoint is None:
             source = None
+        elif is_url(policy.checkpoint):
+            source = download(policy.checkpoint, self._cache_dir())
         else:
             source = Path(policy.checkpoint)
         if source is not None:
@@ -174,8 +183,16 @@ class RolloutEngine:
         else:
             self.backend.policy_version = policy.version  # type: ignore[attr-defined]
         self.loaded = (run_id, policy.version)
-        self.last_load = (str(source) if source is not None else None,
-                          time.monotonic() - started)
+        named = policy.checkpoint if source is not None and is_url(policy.checkpoint) else (
+            str(source) if source is not None else None)
+        self.last_load = (named, time.monotonic() - started)
+
+    def _cache_dir(self) -> Path:
+        """Where checkpoints named by URLs are downloaded: ``cache_dir``, else the settings'
+        ``<data_dir>/checkpoint-cache``."""
+        if self.cache_dir is None:
+            self.cache_dir = Settings().data_dir / CHECKPOINT_CACHE
+        return self.cache_dir
 
 
 def worker_engine(config: RunConfig, *, settings: Settings) -> RolloutEngine:
@@ -193,5 +210,6 @@ def worker_engine(config: RunConfig, *, settings: Settings) -> RolloutEngine:
                     getattr(_engine.backend, "close", lambda: None)()
             _engine = None
             _engine = RolloutEngine(make_backend(kind, model_dir, settings=settings),
-                                    kind=kind, model_dir=model_dir)
+                                    kind=kind, model_dir=model_dir,
+                                    cache_dir=settings.data_dir / CHECKPOINT_CACHE)
         return _engine

@@ -42,6 +42,10 @@ class TrainerConfig:
     subtracts the aggregated entropy; ``kl_coef > 0`` adds ``kl_kind`` KL to a frozen
     reference model (the run's initial weights).
 
+    Checkpoints: ``keep_checkpoints`` newest versions are kept under ``checkpoint_root`` (None:
+    ``<data_dir>/checkpoints``; a folder; or an fsspec URL, see
+    :mod:`workers.checkpoint_urls`).
+
     Raises TypeError/ValueError at construction naming the field and the value for anything
     out of range (non-positive sizes or rates, unknown names, NaN).
     """
@@ -88,6 +92,9 @@ class TrainerConfig:
     dtype: str = "float32"
     seed: int = 0
     keep_checkpoints: int = 2
+    # Where checkpoints go: None for ``<data_dir>/checkpoints``, else a folder or an fsspec URL
+    # (``s3://bucket/prefix``, ``file:///...``) on storage the rollout engines can read.
+    checkpoint_root: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):  # JSON has no tuples (task arguments, saved configs)
@@ -129,6 +136,10 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive_int(name, value, minimum=0)
+        if self.checkpoint_root is not None and (
+                not isinstance(self.checkpoint_root, str) or not self.checkpoint_root.strip()):
+            raise ValueError(f"checkpoint_root must be a non-empty string or None, got "
+                             f"{self.checkpoint_root!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device is not None and not isinstance(self.device, str):

@@ -14,8 +14,9 @@ One step, with ``N`` ranks (every rank runs :meth:`DistributedTrainer.step`):
    fewer micro-batches run zero-weighted ones so that their collectives pair up;
 4. the full state dict is gathered on rank 0, which saves the consolidated checkpoint
    (safetensors, loadable by any engine) with the sharded optimizer state that every rank
-   wrote with ``torch.distributed.checkpoint`` (:data:`OPTIMIZER_DIR`), appends
-   ``policy_updated`` naming its folder, and acknowledges the lease.
+   wrote with ``torch.distributed.checkpoint`` (:data:`OPTIMIZER_DIR`), uploads both when
+   the checkpoint root is an fsspec URL (:mod:`workers.checkpoint_urls`), appends
+   ``policy_updated`` naming its folder or URL, and acknowledges the lease.
 
 Only rank 0 talks to the store. A rank that dies fails the step on the others before the
 acknowledgement (its collectives break, or ``torchrun`` stops the group): rank 0 releases the
@@ -51,6 +52,7 @@ from store.eventlog import EventStore
 from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired
 from store.serving import append_policy_updated
+from workers import checkpoint_urls
 from workers.trainer.advantages import ADVANTAGE_ESTIMATORS
 from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
 from workers.trainer.checkpoint import (
@@ -310,8 +312,10 @@ def check_setup(run_config: RunConfig, config: TrainerConfig, *, world_size: int
     """Refuse, before any lease, what a distributed training run cannot do: raises ValueError
     with the reason when ``world_size`` is below 1 or above the samples of a step
     (``groups_per_step * group_size``) or of a mini-batch (a rank would have nothing to
-    train), when ``model`` is not a folder holding a causal LM config, or when the run's
-    checkpoint folder under ``data_dir`` cannot be created and written."""
+    train), when ``model`` is not a folder holding a causal LM config, when the run's
+    checkpoint folder (under ``config.checkpoint_root``, else under ``data_dir``) cannot be
+    created and written, or when a ``checkpoint_root`` URL's protocol is unknown or it cannot
+    be written."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
     per_step = config.groups_per_step * run_config.group_size
@@ -329,7 +333,12 @@ def check_setup(run_config: RunConfig, config: TrainerConfig, *, world_size: int
     reason = _is_causal_lm(folder)
     if reason:
         raise ValueError(reason)
+    root = config.checkpoint_root
+    if checkpoint_urls.is_url(root):
+        checkpoint_urls.check_writable(str(root))
     target = checkpoint_dir(data_dir, run_id, version=0).parent
+    if root is not None and not checkpoint_urls.is_url(root):
+        target = Path(root).expanduser() / target.name
     probe = target / f".write-check-{uuid.uuid4().hex[:8]}"
     try:
         target.mkdir(parents=True, exist_ok=True)
@@ -373,9 +382,12 @@ class DistributedTrainer(Trainer):
                     raise ValueError(f"run {run_id!r} names no model (RunConfig.model); "
                                      f"pass model=")
                 folder = Path(data_dir) if data_dir else store.settings.data_dir
+                if config.checkpoint_root is None and store.settings.checkpoint_root:
+                    config = config.replace(checkpoint_root=store.settings.checkpoint_root)
                 check_setup(run.config, config, world_size=world, model=initial,
                             data_dir=folder, run_id=run_id)
-                resume = _latest_checkpoint(store, run_id)
+                resume = _latest_checkpoint(store, run_id,
+                                            cache_dir=folder / checkpoint_urls.CHECKPOINT_CACHE)
                 plan = {"run_config": run.config, "initial": str(initial),
                         "resume": str(resume) if resume else None, "data_dir": str(folder),
                         "step": int(read_state(resume).get("step", 0)) if resume else 0}
@@ -528,7 +540,8 @@ class DistributedTrainer(Trainer):
         return StepResult(self.run_id, version, self.steps_done, samples=len(batch),
                           groups=len(set(batch.group_ids)),
                           skipped_stale=lease.skipped_stale if lease else 0,
-                          sample_ids=batch.sample_ids, metrics=metrics, checkpoint=Path(path))
+                          sample_ids=batch.sample_ids, metrics=metrics,
+                          checkpoint=path if checkpoint_urls.is_url(path) else Path(path))
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the model's full state dict on rank 0 (CPU, Hugging Face names), empty
@@ -577,26 +590,38 @@ class DistributedTrainer(Trainer):
 
     def _record_consolidated(self, state_dict: dict[str, torch.Tensor],
                              metrics: dict[str, float], lease: Lease,
-                             optimizer_dir: Path) -> tuple[int, Path]:
+                             optimizer_dir: Path) -> tuple[int, Path | str]:
         """Rank 0: save the consolidated checkpoint and append ``policy_updated`` under the
         next free version (retrying on a race, as :meth:`Trainer._record`)."""
         model = _Consolidated(self.model, state_dict)
         while True:
             version = self.leasing.current_policy_version(self.run_id) + 1
+            local, url = self._checkpoint_target(version, lease.lease_id.hex[:8])
             path = save_checkpoint(
-                checkpoint_dir(self.data_dir, self.run_id, version=version,
-                               tag=lease.lease_id.hex[:8]),
-                model=model, tokenizer=self.tokenizer,
+                local, model=model, tokenizer=self.tokenizer,
                 state={"run_id": self.run_id, "version": version, "step": self.steps_done,
                        "metrics": metrics, "config": self.config.to_dict(),
                        "world_size": self.sharding.world_size})
-            os.replace(optimizer_dir, path / OPTIMIZER_DIR)
+            # shutil.move: a checkpoint root may be on another file system than the staging.
+            shutil.move(optimizer_dir, path / OPTIMIZER_DIR)
+            if url is not None:
+                try:
+                    checkpoint_urls.upload(path, url)
+                except BaseException:
+                    shutil.rmtree(path, ignore_errors=True)
+                    raise
             if append_policy_updated(self.store, self.run_id, PolicyUpdated(
                     version=version, step=self.steps_done, metrics=metrics,
-                    checkpoint=str(path))) is None:
-                os.replace(path / OPTIMIZER_DIR, optimizer_dir)
+                    checkpoint=url or str(path))) is None:
+                if url is not None:
+                    checkpoint_urls.remove(url)
+                shutil.move(path / OPTIMIZER_DIR, optimizer_dir)
                 shutil.rmtree(path, ignore_errors=True)
                 continue
+            if url is not None:
+                shutil.rmtree(path, ignore_errors=True)
+                checkpoint_urls.prune(url.rsplit("/", 1)[0], keep=self.config.keep_checkpoints)
+                return version, url
             prune_checkpoints(path.parent, keep=self.config.keep_checkpoints)
             return version, path
 

@@ -13,7 +13,9 @@ One :meth:`Trainer.step`:
    ``RunConfig.rollout_level`` (each episode counted once and weighted equally in the loss);
 6. PPO mini-batch epochs with gradient accumulation, one optimizer step per mini-batch
    (``workers.trainer.update.update_batch`` does 3 to 6);
-7. save a checkpoint (safetensors) under the data directory;
+7. save a checkpoint (safetensors) under the data directory, or under
+   ``TrainerConfig.checkpoint_root`` (a folder, or an fsspec URL the checkpoint is uploaded
+   to: :mod:`workers.checkpoint_urls`);
 8. append ``policy_updated`` (version, step, metrics, checkpoint) to the run's stream;
 9. push the weights to the rollout engine, when one is attached, and record that it serves
    the new version (``policy_served``, ``store.serving``); the step's metrics tell how the
@@ -44,6 +46,7 @@ from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired, Leasing
 from store.serving import append_policy_updated, policy_takeup, record_policy_served
+from workers import checkpoint_urls
 from workers.rollout.backend import WeightUpdatable
 from workers.rollout.engine import engine_id
 from workers.tokenizers import load_tokenizer
@@ -98,7 +101,8 @@ class StepResult:
     skipped_stale: int = 0
     sample_ids: tuple[int, ...] = ()
     metrics: dict[str, float] = field(default_factory=dict)
-    checkpoint: Path | None = None
+    #: The checkpoint's folder, or its URL when the checkpoint root is one.
+    checkpoint: Path | str | None = None
 
     @property
     def trained(self) -> bool:
@@ -155,16 +159,31 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _latest_checkpoint(store: EventStore, run_id: str) -> Path | None:
-    """The checkpoint folder of the run's newest ``policy_updated`` that still exists."""
-    newest: tuple[int, Path] | None = None
+def _latest_checkpoint(store: EventStore, run_id: str, *,
+                       cache_dir: Path | None = None) -> Path | None:
+    """The checkpoint folder of the run's newest ``policy_updated`` that still exists. A
+    checkpoint named by a URL counts when its upload is complete; it is downloaded into
+    ``cache_dir`` (:func:`workers.checkpoint_urls.download`) and the local copy returned
+    (without ``cache_dir``, URL checkpoints are passed over)."""
+    newest: tuple[int, str] | None = None
     for recorded in store.read_stream(run_stream_id(run_id)):
         event = recorded.event
-        if isinstance(event, PolicyUpdated) and event.checkpoint:
-            path = Path(event.checkpoint)
-            if path.is_dir() and (newest is None or event.version >= newest[0]):
-                newest = (event.version, path)
-    return newest[1] if newest else None
+        if not isinstance(event, PolicyUpdated) or not event.checkpoint:
+            continue
+        if newest is not None and event.version < newest[0]:
+            continue
+        location = event.checkpoint
+        if checkpoint_urls.is_url(location):
+            if cache_dir is not None and checkpoint_urls.is_complete(location):
+                newest = (event.version, location)
+        elif Path(location).is_dir():
+            newest = (event.version, location)
+    if newest is None:
+        return None
+    if checkpoint_urls.is_url(newest[1]):
+        assert cache_dir is not None
+        return checkpoint_urls.download(newest[1], cache_dir)
+    return Path(newest[1])
 
 
 class Trainer:
@@ -211,17 +230,31 @@ class Trainer:
         (default: the store's settings). ``engine`` receives the weights after each update,
         and the resumed weights at once.
 
+        Checkpoints go under ``config.checkpoint_root``, else the settings'
+        ``checkpoint_root``, else ``<data_dir>/checkpoints``; a URL root is checked at once by
+        writing and deleting a probe file there
+        (:func:`workers.checkpoint_urls.check_writable`); checkpoints named by URLs are
+        downloaded to ``<data_dir>/checkpoint-cache`` to resume from.
+
         Raises ``store.errors.NotFoundError`` for an unknown run, ValueError when neither
-        ``model`` nor the run names a model folder, and the loaders' errors.
+        ``model`` nor the run names a model folder or when the checkpoint URL's protocol is
+        unknown or it cannot be written (naming the URL and the reason), and the loaders'
+        errors.
         """
         config = config or TrainerConfig()
+        if config.checkpoint_root is None and store.settings.checkpoint_root:
+            config = config.replace(checkpoint_root=store.settings.checkpoint_root)
+        if checkpoint_urls.is_url(config.checkpoint_root):
+            checkpoint_urls.check_writable(str(config.checkpoint_root))
         run = store.get_run(run_id)
         initial = model or run.config.model
         if initial is None:
             raise ValueError(f"run {run_id!r} names no model (RunConfig.model); pass model=")
         device = torch.device(config.device or default_device())
         torch.manual_seed(config.seed)
-        resume = _latest_checkpoint(store, run_id)
+        folder = Path(data_dir) if data_dir else store.settings.data_dir
+        resume = _latest_checkpoint(store, run_id,
+                                    cache_dir=folder / checkpoint_urls.CHECKPOINT_CACHE)
         policy = load_model(resume or initial, device=device, dtype=config.dtype)
         reference = None
         if config.kl_coef > 0:
@@ -230,8 +263,7 @@ class Trainer:
         tokenizer = load_tokenizer(run.config.tokenizer_name or initial)
         trainer = cls(store=store, run_id=run_id, run_config=run.config, model=policy,
                       tokenizer=tokenizer, config=config,
-                      data_dir=Path(data_dir) if data_dir else store.settings.data_dir,
-                      device=device, engine=engine, reference=reference,
+                      data_dir=folder, device=device, engine=engine, reference=reference,
                       step=int(read_state(resume).get("step", 0)) if resume else 0, name=name)
         if resume is not None:
             load_optimizer_state(resume, trainer.optimizer)
@@ -341,7 +373,20 @@ class Trainer:
                 on_step(result)
         return done
 
-    def _record(self, metrics: dict[str, float], lease: Lease) -> tuple[int, Path]:
+    def _checkpoint_target(self, version: int, tag: str) -> tuple[Path, str | None]:
+        """Where the checkpoint of ``version`` is saved: the local folder and, when the
+        checkpoint root is a URL, the URL it is uploaded to (the local folder is then a
+        staging copy under the data directory)."""
+        local = checkpoint_dir(self.data_dir, self.run_id, version=version, tag=tag)
+        root = self.config.checkpoint_root
+        if root is None:
+            return local, None
+        relative = local.relative_to(self.data_dir / "checkpoints")
+        if checkpoint_urls.is_url(root):
+            return local, checkpoint_urls.join(root, *relative.parts)
+        return Path(root).expanduser() / relative, None
+
+    def _record(self, metrics: dict[str, float], lease: Lease) -> tuple[int, Path | str]:
         """Save the checkpoint and append ``policy_updated`` under the next free version.
 
         The run stream's version is checked on append, so two trainers of one run can never
@@ -349,20 +394,31 @@ class Trainer:
         (engines' ``policy_served`` reports in the same stream are waited out, not lost to:
         ``store.serving.append_policy_updated``).
         Each checkpoint folder carries the lease id, so racing trainers never write into the
-        same folder."""
+        same folder. With a URL checkpoint root the checkpoint is saved locally, uploaded
+        (marker last) and the local copy deleted before ``policy_updated`` names the URL."""
         while True:
             version = self.leasing.current_policy_version(self.run_id) + 1
+            local, url = self._checkpoint_target(version, lease.lease_id.hex[:8])
             path = save_checkpoint(
-                checkpoint_dir(self.data_dir, self.run_id, version=version,
-                               tag=lease.lease_id.hex[:8]),
-                model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
+                local, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                 state={"run_id": self.run_id, "version": version, "step": self.steps_done,
                        "metrics": metrics, "config": self.config.to_dict()})
+            if url is not None:
+                try:
+                    checkpoint_urls.upload(path, url)
+                finally:
+                    shutil.rmtree(path, ignore_errors=True)
             if append_policy_updated(self.store, self.run_id, PolicyUpdated(
                     version=version, step=self.steps_done, metrics=metrics,
-                    checkpoint=str(path))) is None:
-                shutil.rmtree(path, ignore_errors=True)
+                    checkpoint=url or str(path))) is None:
+                if url is not None:
+                    checkpoint_urls.remove(url)
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
                 continue
+            if url is not None:
+                checkpoint_urls.prune(url.rsplit("/", 1)[0], keep=self.config.keep_checkpoints)
+                return version, url
             prune_checkpoints(path.parent, keep=self.config.keep_checkpoints)
             return version, path
 
