@@ -9,12 +9,12 @@ trainer trains: a batch comes from the policy one version behind the one it trai
 corrects it with the stored rollout logprobs, ``RunConfig.correction``, and leases groups at
 most 2 versions old). Without it every batch is sent once the step it follows is recorded, so
 it comes from the policy just trained. The rollout worker loads each new checkpoint before its
-next group. The task (``calc``, the default) plays the ``calc-<seed>-<index>`` tool-use
-questions (the ``python`` and ``calculator`` tools, EGPO's strict binary ``tool_answer``
-reward) from the warm-started policy of :mod:`workers.rollout.warmstart`, whose own mistakes
-give real tool errors, rollbacks and negative samples; ``task="digits"`` plays the built-in
-``digits`` task from the untrained tiny model (reward: the share of digits in the answer, with
-the calculator on offer, so stray tool calls give tool errors, rollbacks and negatives).
+next group. The task is the built-in ``digits`` (reward: the share of digits in the answer,
+with the calculator on offer, so stray tool calls give tool errors, rollbacks and negative
+samples); ``task="calc"`` plays the ``calc-<seed>-<index>`` tool-use questions (the ``python``
+and ``calculator`` tools, EGPO's strict binary ``tool_answer`` reward) from the warm-started
+policy of :mod:`workers.rollout.warmstart`, whose own mistakes give real tool errors, rollbacks
+and negative samples.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class DemoOptions:
     lr: float | None = None
     max_tokens: int | None = None
     timeout_s: float = 900.0
-    task: str = "calc"
+    task: str = "digits"
     overlap: bool = True
     estimator: str = "egpo"
     negatives: bool = True

@@ -1,13 +1,11 @@
 """The main job end to end: ``trajstore demo`` on the embedded default, through real Celery
-workers, with a fixed seed, on its default ``calc`` tool-use task from the warm-started policy.
-Read from the store: the policy's own failed tool calls were rolled back, their negative samples
-were leased and acknowledged by the trainer, and the strict reward rose."""
+workers, with a fixed seed. The tiny model must measurably learn the ``digits`` task: the
+mean reward at the last policy version above the first by at least MARGIN."""
 
 from __future__ import annotations
 
 import os
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from store.eventlog import EventStore
 from store.settings import Settings
 from tests.api.conftest import Server
+
+MARGIN = 0.2
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -36,29 +35,11 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
     match = re.search(r"run (demo-\w+): mean reward ([\d.]+) at version 0 -> ([\d.]+) at "
                       r"version (\d+)", done.stdout)
     assert match, done.stdout[-3000:]
-    run_id, version = match[1], int(match[4])
+    run_id, first, last, version = match[1], float(match[2]), float(match[3]), int(match[4])
     # Rollouts overlap training by default: the last batch is played while version 11
     # trains, so it usually comes from version 10 (11 when that step ended first).
     assert version in (10, 11)
-    store = EventStore.open(Settings(data_dir=tmp_path))
-    try:
-        with store.db.connection() as conn:
-            rewards = [r for _, r in conn.execute(
-                "SELECT policy_version, avg(reward) FROM episodes WHERE run_id = %s"
-                " AND status = 'completed' GROUP BY 1 ORDER BY 1", (run_id,)).fetchall()]
-            rollbacks = conn.execute("SELECT sum(rollbacks) FROM episodes WHERE run_id = %s",
-                                     (run_id,)).fetchone()[0]
-            negatives = conn.execute(
-                "SELECT count(*), count(*) FILTER (WHERE s.status = 'consumed'"
-                " AND l.ended = 'acked') FROM samples s LEFT JOIN leases l USING (lease_id)"
-                " WHERE s.run_id = %s AND s.kind = 'negative'", (run_id,)).fetchone()
-    finally:
-        store.close()
-    assert rollbacks > 0
-    # Negative samples were leased, trained and acknowledged (the last batch's may still wait).
-    assert negatives[1] > 0 and negatives[1] >= negatives[0] // 2, negatives
-    # The strict binary reward rose: the last three versions against the first.
-    assert statistics.mean(rewards[-3:]) > rewards[0], rewards
+    assert last >= first + MARGIN, (first, last)
     out = tmp_path / "demo" / run_id
     for chart in ("reward.png", "failures.png"):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
