@@ -353,14 +353,19 @@ def demo(
     def render() -> Any:
         from rich.console import Group
 
-        table = Table("ver", "eps", "reward", "tool err", "rb", "neg", "adv", "H", "pg loss",
+        table = Table("ver", "eps", "reward", "calls", "tool err", "top errors", "rb", "neg",
+                      "adv", "bonus", "H", "pg loss",
                       title="per policy version (rb: rollbacks, neg: negative samples, "
-                      "adv: mean advantage, H: entropy)")
+                      "adv: mean advantage, bonus: EGPO entropy bonus, H: entropy)")
         for r in table_rows:
             t = r.train
+            top = sorted(r.failures_by_type.items(), key=lambda item: -item[1])[:2]
             table.add_row(str(r.version), str(r.episodes), f"{r.reward_mean:.3f}",
-                          f"{r.tool_error_rate:.1%}", str(r.rollbacks), str(r.negatives),
+                          str(r.tool_calls), f"{r.tool_error_rate:.1%}",
+                          ", ".join(f"{name} {count}" for name, count in top),
+                          str(r.rollbacks), str(r.negatives),
                           f"{t.get('advantage_mean', 0.0):+.3f}",
+                          f"{t.get('egpo_bonus_mean', 0.0):.3f}",
                           f"{t.get('old_entropy', 0.0):.2f}", f"{t.get('pg_loss', 0.0):+.4f}")
         return Group(progress, table)
 
