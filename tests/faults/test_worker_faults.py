@@ -37,7 +37,7 @@ def test_killed_rollout_worker_leaves_an_episode_the_sweep_aborts(
     run_id = new_run(worker_store, worker_settings, group_size=8)
     worker = start_worker("--queues", "rollout")
     worker.wait_ready()
-    send(run_id, "arith-0-2", 8)
+    send(run_id, "arith-0-2")
     # Kill it while an episode is open (started, not finished).
     wait_for(lambda: _open_episodes(worker_store, run_id), 300, "an episode in progress")
     worker.kill()
