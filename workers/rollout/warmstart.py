@@ -9,13 +9,16 @@ is ``<think>…</think>`` then a ``<tool_call>`` to ``python`` or ``calculator``
 feedback and a corrected retry, as the rollout loop's rollback presents it. After the tool
 result comes ``<think>…</think>`` and the number. :func:`warm_start_model` fine-tunes the tiny
 model on these (loss on the assistant tokens only), so the policy's own samples make real,
-recoverable errors at roughly that rate.
+recoverable errors at roughly that rate. Every transcript starts with the same system prompt and
+tool schemas, so each step encodes that prefix once without gradient and computes only the rest
+with it (:func:`_suffix_loss`), and adds ``drills``: the same turns without the prefix, cheap
+rows that teach the small model to copy the operands and the tool's result.
 
 :func:`warm_start_path` caches the result under the data directory in
 ``warm-calc-v<version>-seed<seed>`` with a ``warmstart.json`` holding the SHA-256 of every
 file. A folder whose files do not match (a corrupt or half-written cache) is reported with a
 warning naming the file, removed and rebuilt; it is never loaded. Building is deterministic
-for a seed and takes well under a minute on two CPU cores.
+for a seed and takes about two minutes on two CPU cores (once: the folder is cached).
 """
 
 from __future__ import annotations
