@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from api.schemas.openai import ChatMessage
 
@@ -17,6 +17,24 @@ __all__ = [
     "RolloutRequest",
     "RolloutSamplingParams",
 ]
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be blank")
+    return value
+
+
+def _http_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"server_url must be an http(s) URL, got {value[:80]!r}")
+    return value.rstrip("/")
+
+
+#: A rollout's id as both protocol revisions send it: 1-150 characters, not blank.
+RolloutId = Annotated[str, Field(min_length=1, max_length=150), AfterValidator(_not_blank)]
+#: The trainer's base URL (or a completions endpoint): http(s), without a trailing slash.
+ServerUrl = Annotated[str, Field(min_length=8, max_length=2000), AfterValidator(_http_url)]
 
 
 class RolloutCompleted(BaseModel):
@@ -81,11 +99,12 @@ class RolloutRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rollout_id: str = Field(min_length=1, max_length=150)
-    server_url: str = Field(min_length=8, max_length=2000)
+    rollout_id: RolloutId
+    server_url: ServerUrl
     messages: list[ChatMessage] = Field(min_length=1)
     sampling_params: RolloutSamplingParams | None = None
-    tokenizer_name: str = Field(min_length=1, max_length=500)
+    tokenizer_name: Annotated[str, Field(min_length=1, max_length=500),
+                              AfterValidator(_not_blank)]
     tokenizer_revision: str | None = Field(default=None, max_length=200)
     max_turns: int | None = Field(default=None, ge=1, le=100)
     max_tokens_total: int | None = Field(default=None, ge=1, le=1_000_000)
@@ -95,19 +114,6 @@ class RolloutRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     tool_server_url: str | None = Field(default=None, max_length=2000)
 
-    @field_validator("rollout_id", "tokenizer_name")
-    @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must not be blank")
-        return value
-
-    @field_validator("server_url")
-    @classmethod
-    def _http(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"server_url must be an http(s) URL, got {value[:80]!r}")
-        return value.rstrip("/")
 
 
 class RolloutInitRequest(BaseModel):
@@ -122,8 +128,8 @@ class RolloutInitRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rollout_id: str = Field(min_length=1, max_length=150)
-    server_url: str = Field(min_length=8, max_length=2000)
+    rollout_id: RolloutId
+    server_url: ServerUrl
     messages: list[ChatMessage] = Field(min_length=1)
     completion_params: RolloutSamplingParams | None = None
     api_key: str | None = Field(default=None, max_length=1000)
@@ -135,19 +141,6 @@ class RolloutInitRequest(BaseModel):
     tool_server_url: str | None = Field(default=None, max_length=2000)
     idempotency_key: str | None = Field(default=None, max_length=200)
 
-    @field_validator("rollout_id")
-    @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must not be blank")
-        return value
-
-    @field_validator("server_url")
-    @classmethod
-    def _http(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"server_url must be an http(s) URL, got {value[:80]!r}")
-        return value.rstrip("/")
 
 
 class RolloutInitAccepted(BaseModel):
