@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import threading
 import uuid
 from typing import Any, Literal
 
@@ -178,14 +177,6 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
     return JSONResponse(result)
 
 
-#: Rollouts of ``POST /v1/rollout/init`` played at once by one API process (more wait).
-#: Each plays on a daemon thread: stopping the process does not wait for it.
-ASYNC_ROLLOUT_THREADS = 32
-_slots = threading.BoundedSemaphore(ASYNC_ROLLOUT_THREADS)
-_in_flight: set[str] = set()
-_lock = threading.Lock()
-
-
 #: The asynchronous revision's names for the fields ``parse_rollout_request`` names.
 _INIT_NAMES = {"sampling_params": "completion_params", "callback_api_key": "api_key"}
 
@@ -222,7 +213,8 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
         check_trainer_host,
         default_tools,
         parse_rollout_request,
-        play_and_report,
+        play_in_background,
+        playing_in_background,
         remote_episode_id,
         resolve_tokenizer,
     )
@@ -254,32 +246,13 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
     tools = default_tools()
     accepted = RolloutInitAccepted(rollout_id=body.rollout_id, tools=tools.schemas())
     episode_id = remote_episode_id(body.rollout_id)
-    with _lock:
-        running = episode_id in _in_flight
-    if running or ctx.store.stream_version(episode_id) != 0:
-        if not running:
-            ctx.access.check_episode(key, episode_id)
+    if (not playing_in_background(body.rollout_id)
+            and ctx.store.stream_version(episode_id) != 0):
+        ctx.access.check_episode(key, episode_id)  # recorded before: another project's?
         return accepted
-    with _lock:
-        if episode_id in _in_flight:
-            return accepted
-        _in_flight.add(episode_id)
-    store, settings = ctx.store, ctx.settings
-
-    def play() -> None:
-        try:
-            with _slots:
-                play_and_report(request, store=store, settings=settings, tools=tools)
-        finally:
-            with _lock:
-                _in_flight.discard(episode_id)
-
     try:
-        threading.Thread(target=play, name=f"rollout-init:{body.rollout_id}",
-                         daemon=True).start()
+        play_in_background(request, store=ctx.store, settings=ctx.settings, tools=tools)
     except RuntimeError:  # no thread can be started (the process is at its limit)
-        with _lock:
-            _in_flight.discard(episode_id)
         raise ApiError(503, "unavailable", "no thread is free to play this rollout; "
                        "retry later") from None
     return accepted

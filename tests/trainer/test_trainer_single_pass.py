@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from store.stored_sample import StoredSample
 from workers.rollout.tinymodel import tiny_model_path
 from workers.trainer.advantages import AdvantageSettings
 from workers.trainer.batch import TrainingBatch, pad_samples
@@ -22,19 +23,6 @@ from workers.trainer.ppo import ppo_update, score_batch
 from workers.trainer.update import single_pass, update_batch
 
 THINK, UNTHINK = 5, 6
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    sample_id: int
-    group_id: str
-    kind: str
-    reward: float
-    policy_version: int | None
-    prompt_length: int
-    token_ids: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +42,11 @@ def batch_of(model_path: Path, lengths: list[int], seed: int = 0) -> TrainingBat
         ids[prompt + (length - prompt) // 2] = UNTHINK
         mask = np.zeros(length, dtype=np.int64)
         mask[prompt:] = 1
-        samples.append(Sample(index, f"g{index // 3}", "positive", float(rng.random()), 0,
-                              prompt, ids, mask, np.zeros(length, dtype=np.float32)))
+        samples.append(StoredSample(
+            sample_id=index, run_id="run", group_id=f"g{index // 3}", episode_id=f"e{index}",
+            agent="main", kind="positive", reward=float(rng.random()), policy_version=0,
+            prompt_length=prompt, token_ids=ids, loss_mask=mask,
+            logprobs=np.zeros(length, dtype=np.float32)))
     batch = pad_samples(samples, pad_token_id=0, vocab_size=768)
     old, _ = score_batch(load_model(model_path), batch, config=TrainerConfig())
     noise = torch.from_numpy(rng.normal(0.0, 0.3, tuple(old.shape)).astype(np.float32))

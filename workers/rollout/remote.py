@@ -69,6 +69,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import threading
 import time
 import urllib.parse
 import uuid
@@ -94,6 +95,8 @@ __all__ = [
     "completion_url",
     "default_tools",
     "play_and_report",
+    "play_in_background",
+    "playing_in_background",
     "post_rollout_completed",
     "parse_rollout_request",
     "remote_episode_id",
@@ -464,3 +467,45 @@ def play_and_report(request: Mapping[str, Any], *, store: VersionedLog, settings
     except Exception:
         _log.exception("rollout %s: completion callback failed", request.get("rollout_id"))
     return body
+
+
+#: Rollouts :func:`play_in_background` plays at once in one process (more wait their turn).
+BACKGROUND_ROLLOUTS = 32
+_background_slots = threading.BoundedSemaphore(BACKGROUND_ROLLOUTS)
+_background: set[str] = set()
+_background_lock = threading.Lock()
+
+
+def playing_in_background(rollout_id: str) -> bool:
+    """Whether :func:`play_in_background` is playing ``rollout_id`` in this process."""
+    with _background_lock:
+        return rollout_id in _background
+
+
+def play_in_background(request: Mapping[str, Any], *, store: VersionedLog,
+                       settings: Settings, tools: ToolRegistry | None = None) -> bool:
+    """Run :func:`play_and_report` for ``request`` on a daemon thread (stopping the process
+    does not wait for it; at most :data:`BACKGROUND_ROLLOUTS` play at once). Returns False,
+    starting nothing, when this process plays that rollout id already. Raises RuntimeError
+    when no thread can be started."""
+    rollout_id = str(request["rollout_id"])
+    with _background_lock:
+        if rollout_id in _background:
+            return False
+        _background.add(rollout_id)
+
+    def play() -> None:
+        try:
+            with _background_slots:
+                play_and_report(request, store=store, settings=settings, tools=tools)
+        finally:
+            with _background_lock:
+                _background.discard(rollout_id)
+
+    try:
+        threading.Thread(target=play, name=f"rollout-init:{rollout_id}", daemon=True).start()
+    except RuntimeError:
+        with _background_lock:
+            _background.discard(rollout_id)
+        raise
+    return True
