@@ -1,6 +1,7 @@
-"""Training steps as data: the ``training_steps`` view (migration 0009), one row per
+"""Training steps as data: the ``training_steps`` view (migrations 0009 and 0011), one row per
 ``policy_updated`` with the version gap of the samples the step trained, the samples skipped as
-too stale, and what the off-policy correction did."""
+too stale, what the off-policy correction did, the negative samples in the batch and EGPO's
+entropy bonus."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class TrainingStep:
     uncorrected_samples: int | None
     reward_mean: float | None
     occurred_at: dt.datetime
+    negatives: int | None = None
+    egpo_bonus_mean: float | None = None
+    egpo_bonus_frac: float | None = None
 
 
 _COLUMNS = ", ".join(f.name for f in dataclasses.fields(TrainingStep))

@@ -64,6 +64,8 @@ def test_stale_samples_are_corrected_and_their_gap_recorded(trainer_store, train
             for r in rows] == [(2, 1.0, 1.0, 8), (1, 0.0, 0.0, 8)]
     assert rows[0].correction_kl == stale.metrics["correction_kl"]
     assert rows[0].skipped_stale == 0 and rows[0].uncorrected_samples == 0
+    assert rows[0].negatives == int(stale.metrics["negatives"])
+    assert rows[0].egpo_bonus_frac == stale.metrics.get("egpo_bonus_frac")
     assert training_steps(trainer_store.db, "no-such-run") == []
 
     # The run dashboard shows it.
@@ -78,6 +80,9 @@ def test_stale_samples_are_corrected_and_their_gap_recorded(trainer_store, train
     first = [html.unescape(re.sub(r"<[^>]+>", "", c)).strip()
              for c in re.findall(r"<td[^>]*>(.*?)</td>", body.group(1), re.S)]
     assert first[:4] == ["2", "2", "8", "1 / 1 / 1"]
+    header = re.search(r'id="training-steps">\s*<thead>(.*?)</thead>', page.text, re.S)
+    assert header and "negatives" in header.group(1) and "EGPO bonus" in header.group(1)
+    assert first[10] == str(int(stale.metrics["negatives"]))
 
 
 def test_staleness_metrics() -> None:
