@@ -63,7 +63,7 @@ def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
 
     from workers.rollout.agent_tasks import calc_task
     from workers.rollout.tinymodel import build_tiny_model
-    from workers.rollout.warmstart import _common_prefix, _encode, _suffix_loss
+    from workers.rollout.warmstart import _common_prefix, _drill_loss, _encode, _suffix_loss
 
     path = build_tiny_model(tmp_path / "m", seed=3)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -86,7 +86,11 @@ def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
         cached = _suffix_loss(model, data, prefix, pad=0)
         drill = _suffix_loss(model, [(ids[prefix:], mask[prefix:]) for ids, mask in data], 0,
                              pad=0)
+        drills = [(ids[prefix:], mask[prefix:]) for ids, mask in data]
+        chunked = _drill_loss(model, drills, pad=0, rows=4)
     assert abs(float(cached) - float(full)) < 1e-5
+    # Drills computed in length-sorted chunks: the same mean as one padded batch.
+    assert abs(float(chunked) - float(drill)) < 1e-5
     # A drill (the same suffixes without the prefix) is another loss: the prefix matters.
     assert abs(float(drill) - float(full)) > 1e-3
 
