@@ -72,6 +72,13 @@ class Backend(StrEnum):
     vllm = "vllm"
 
 
+class DemoTask(StrEnum):
+    """The task families the demo plays."""
+
+    digits = "digits"
+    calc = "calc"
+
+
 class Estimator(StrEnum):
     """The advantage estimators the demo can train with."""
 
@@ -309,8 +316,8 @@ def demo(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the tiny model and trainer.")] = 0,
     resume: Annotated[str | None, typer.Option(help="Continue this run from its last "
                                                "policy_updated.")] = None,
-    task: Annotated[str, typer.Option(help="Task family: digits or calc (tool use from a "
-                                      "warm-started policy).")] = "digits",
+    task: Annotated[DemoTask, typer.Option(help="Task family: digits, or calc (tool use "
+                                           "from a warm-started policy).")] = DemoTask.digits,
     json_out: Annotated[bool, typer.Option("--json", help="Also print the final summary as "
                                            "one JSON line.")] = False,
     overlap: Annotated[bool, typer.Option(help="Roll out the next version's groups while "
@@ -327,6 +334,12 @@ def demo(
     rollback: Annotated[bool, typer.Option(help="Roll a failed tool call back to its "
                                            "checkpoint and retry (off: the error stays in "
                                            "the context).")] = True,
+    mini_batch_size: Annotated[int | None, typer.Option(
+        min=1, help="Samples per optimizer step: the batch is split into mini-batches "
+                    "(default: the task's).")] = None,
+    ppo_epochs: Annotated[int | None, typer.Option(
+        min=1, help="Passes over the batch per policy version (default: the task's).")
+                          ] = None,
 ) -> None:
     """The main job: roll out groups with a tiny model through Celery workers, replay them,
     train with EGPO, push each new policy to the rollout engine, and chart the result."""
@@ -337,9 +350,10 @@ def demo(
 
     settings = get_settings()
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
-                          backend=backend.value, seed=seed, resume=resume, task=task,
+                          backend=backend.value, seed=seed, resume=resume, task=task.value,
                           overlap=overlap, lr=lr, estimator=estimator.value,
-                          negatives=negatives, rollback=rollback)
+                          negatives=negatives, rollback=rollback,
+                          mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs)
     try:
         options.check()
     except ValueError as exc:

@@ -54,6 +54,8 @@ ESTIMATORS = ("egpo", "grpo")
 #: Largest accepted ``--seed`` and ``--steps`` (task ids and versions stay small).
 MAX_SEED = 10_000
 MAX_STEPS = 1_000
+#: calc's trainer update: mini-batches of this many samples, for this many epochs.
+CALC_UPDATE: tuple[int | None, int] = (None, 1)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class DemoOptions:
     estimator: str = "egpo"
     negatives: bool = True
     rollback: bool = True
+    mini_batch_size: int | None = None
+    ppo_epochs: int | None = None
 
     @property
     def generation_tokens(self) -> int:
@@ -87,6 +91,14 @@ class DemoOptions:
         if self.lr is not None:
             return self.lr
         return 2e-4 if self.task == "calc" else 3e-2
+
+    @property
+    def update_shape(self) -> tuple[int | None, int]:
+        """The trainer's ``(mini_batch_size, ppo_epochs)``: the options, or the task's
+        defaults (digits: the whole batch once; calc: CALC_UPDATE)."""
+        mini, epochs = CALC_UPDATE if self.task == "calc" else (None, 1)
+        return (self.mini_batch_size if self.mini_batch_size is not None else mini,
+                self.ppo_epochs if self.ppo_epochs is not None else epochs)
 
     def task_id(self, version: int, group: int) -> str:
         """The task id of group ``group`` at policy ``version``."""
@@ -108,8 +120,8 @@ class DemoOptions:
             raise ValueError(f"--steps must be <= {MAX_STEPS}, got {self.steps}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        for name in ("steps", "group_size", "groups_per_step"):
-            if getattr(self, name) < 1:
+        for name in ("steps", "group_size", "groups_per_step", "mini_batch_size", "ppo_epochs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
         if self.backend not in ("transformers", "vllm"):
@@ -278,9 +290,11 @@ def run_demo(
         run_id = _create_run(store, settings, options)
     app = ensure_configured()
     leasing_version = _policy_version(store, run_id)
+    mini_batch_size, ppo_epochs = options.update_shape
     train_config = {"lr": options.learning_rate, "groups_per_step": options.groups_per_step,
                     "micro_batch_size": 16, "seed": options.seed,
-                    "advantage_estimator": options.estimator}
+                    "advantage_estimator": options.estimator,
+                    "mini_batch_size": mini_batch_size, "ppo_epochs": ppo_epochs}
     if options.overlap:
         # The batch played while version v trains comes from version v (or v + 1 when the
         # step ends first) and is trained at v + 1; an older leftover group is 2 behind.

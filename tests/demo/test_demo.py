@@ -102,7 +102,9 @@ def test_vllm_backend_without_vllm_fails_at_once(tmp_path: Path) -> None:
 def test_out_of_range_seed_steps_and_task_are_named(tmp_path: Path) -> None:
     for args, name in ((["--seed", "10001"], "--seed"), (["--steps", "5000"], "--steps"),
                        (["--task", "chess"], "--task"), (["--lr", "0"], "--lr must be > 0"),
-                       (["--estimator", "ppo"], "'ppo' is not one of 'egpo', 'grpo'")):
+                       (["--estimator", "ppo"], "'ppo' is not one of 'egpo', 'grpo'"),
+                       (["--mini-batch-size", "0"], "--mini-batch-size"),
+                       (["--ppo-epochs", "0"], "--ppo-epochs")):
         bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", *args],
                              env=_env(tmp_path), capture_output=True, text=True, timeout=120)
         said = " ".join((bad.stdout + bad.stderr).replace("│", " ").split())
