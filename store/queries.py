@@ -29,6 +29,7 @@ __all__ = [
     "VersionSummary",
     "episodes_done",
     "failures_by_version",
+    "negatives_trained_by_version",
     "ping",
     "idle_remote_rollouts",
     "stale_episodes",
@@ -538,6 +539,17 @@ def version_summaries(store: EventStore, run_id: str) -> list[VersionSummary]:
             " GROUP BY policy_version ORDER BY policy_version", (run_id,)).fetchall()
     return [VersionSummary(int(v), int(n), float(r or 0.0), int(tc or 0), int(te or 0),
                            int(rb or 0), int(ng or 0)) for v, n, r, tc, te, rb, ng in rows]
+
+
+def negatives_trained_by_version(store: EventStore, run_id: str) -> dict[int, int]:
+    """Negative samples of ``run_id`` a trainer consumed (leased and acknowledged), by the
+    policy version that played them (an unknown run has none)."""
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            "SELECT policy_version, count(*) FROM samples WHERE run_id = %s"
+            " AND kind = 'negative' AND status = 'consumed' AND policy_version IS NOT NULL"
+            " GROUP BY 1", (run_id,)).fetchall()
+    return {int(version): int(n) for version, n in rows}
 
 
 def failures_by_version(store: EventStore, run_id: str) -> dict[int, dict[str, int]]:

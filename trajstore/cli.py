@@ -369,7 +369,8 @@ def demo(
 
         table = Table("ver", "eps", "reward", "calls", "tool err", "top errors", "rb", "neg",
                       "adv", "bonus", "H", "pg loss",
-                      title="per policy version (rb: rollbacks, neg: negative samples, "
+                      title="per policy version (rb: rollbacks, neg: negative samples made "
+                      "/ trained, "
                       "adv: mean advantage, bonus: EGPO entropy bonus, H: entropy)")
         for r in table_rows:
             t = r.train
@@ -377,7 +378,7 @@ def demo(
             table.add_row(str(r.version), str(r.episodes), f"{r.reward_mean:.3f}",
                           str(r.tool_calls), f"{r.tool_error_rate:.1%}",
                           ", ".join(f"{name} {count}" for name, count in top),
-                          str(r.rollbacks), str(r.negatives),
+                          str(r.rollbacks), f"{r.negatives}/{r.negatives_trained}",
                           f"{t.get('advantage_mean', 0.0):+.3f}",
                           f"{t.get('egpo_bonus_mean', 0.0):.3f}",
                           f"{t.get('old_entropy', 0.0):.2f}", f"{t.get('pg_loss', 0.0):+.4f}")

@@ -143,7 +143,8 @@ def _installed(module: str) -> bool:
 
 @dataclass
 class VersionRow:
-    """What the live table shows for one policy version."""
+    """What the live table shows for one policy version (``negatives``: made by replay;
+    ``negatives_trained``: leased and acknowledged by a training step)."""
 
     version: int
     episodes: int = 0
@@ -154,6 +155,7 @@ class VersionRow:
     negatives: int = 0
     failures_by_type: dict[str, int] = field(default_factory=dict)
     train: dict[str, float] = field(default_factory=dict)
+    negatives_trained: int = 0
 
     @property
     def tool_error_rate(self) -> float:
@@ -165,9 +167,11 @@ def version_rows(store: EventStore, run_id: str) -> list[VersionRow]:
     negatives, failures by error type, and the metrics of the training step that consumed
     that version's samples."""
     failures = queries.failures_by_version(store, run_id)
+    trained = queries.negatives_trained_by_version(store, run_id)
     rows = {v.version: VersionRow(v.version, v.episodes, v.reward_mean, v.tool_calls,
                                   v.tool_errors, v.rollbacks, v.negatives,
-                                  failures_by_type=failures.get(v.version, {}))
+                                  failures_by_type=failures.get(v.version, {}),
+                                  negatives_trained=trained.get(v.version, 0))
             for v in queries.version_summaries(store, run_id)}
     for recorded in store.read_stream(run_stream_id(run_id)):
         event = recorded.event
@@ -376,10 +380,10 @@ def summary(rows: list[VersionRow]) -> dict[str, float]:
 
 def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
     """The demo's closing summary with exactly the keys of ``--json``: run id, versions,
-    reward and tool error rate at the first and last version, rollbacks and negative samples
-    over the run, the mean EGPO entropy bonus of the training steps (0 without any), and the
-    mean reward and tool error rate of every version (the curves ``bench/learning.py``
-    compares)."""
+    reward and tool error rate at the first and last version, rollbacks and the negative
+    samples a training step consumed over the run, the mean EGPO entropy bonus of the
+    training steps (0 without any), and the mean reward and tool error rate of every
+    version (the curves ``bench/learning.py`` compares)."""
     bonuses = [r.train["egpo_bonus_mean"] for r in rows if "egpo_bonus_mean" in r.train]
     first = rows[0] if rows else VersionRow(0)
     last = rows[-1] if rows else VersionRow(0)
@@ -388,7 +392,7 @@ def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
             "tool_error_rate_first": first.tool_error_rate,
             "tool_error_rate_last": last.tool_error_rate,
             "rollbacks": sum(r.rollbacks for r in rows),
-            "negatives_trained": sum(r.negatives for r in rows),
+            "negatives_trained": sum(r.negatives_trained for r in rows),
             "egpo_bonus_mean": statistics.mean(bonuses) if bonuses else 0.0,
             "reward_by_version": [r.reward_mean for r in rows],
             "tool_error_rate_by_version": [r.tool_error_rate for r in rows]}

@@ -23,6 +23,7 @@ for a seed and takes about two minutes on two CPU cores (once: the folder is cac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -273,7 +274,13 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
             for t in solver_transcripts(options.transcripts, seed=seed,
                                         error_rate=options.error_rate)]
     prefix = _common_prefix([ids for ids, _ in data])
-    with torch.random.fork_rng(devices=[]):
+    threads = torch.get_num_threads()
+    # One thread: the model's operations are too small to share (hidden size 64), and on a
+    # machine whose other core is busy, two threads spinning at each operation's barrier
+    # made building several times slower.
+    torch.set_num_threads(1)
+    with torch.random.fork_rng(devices=[]), contextlib.ExitStack() as restore:
+        restore.callback(torch.set_num_threads, threads)
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.train()
