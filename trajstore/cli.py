@@ -316,8 +316,9 @@ def demo(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the tiny model and trainer.")] = 0,
     resume: Annotated[str | None, typer.Option(help="Continue this run from its last "
                                                "policy_updated.")] = None,
-    task: Annotated[DemoTask, typer.Option(help="Task family: digits, or calc (tool use "
-                                           "from a warm-started policy).")] = DemoTask.digits,
+    task: Annotated[DemoTask, typer.Option(help="Task family: calc (tool use from a "
+                                           "warm-started policy) or digits (a toy task).")
+                    ] = DemoTask.calc,
     json_out: Annotated[bool, typer.Option("--json", help="Also print the final summary as "
                                            "one JSON line.")] = False,
     overlap: Annotated[bool, typer.Option(help="Roll out the next version's groups while "
