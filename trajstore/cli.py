@@ -353,6 +353,7 @@ def demo(
 ) -> None:
     """The main job: roll out groups with a tiny model through Celery workers, replay them,
     train with EGPO, push each new policy to the rollout engine, and chart the result."""
+    from kombu.exceptions import OperationalError as BrokerError
     from rich import box
     from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -403,22 +404,25 @@ def demo(
         return Group(progress, table)
 
     try:
-        with Live(render(), console=console, refresh_per_second=4) as live:
-            def on_progress(what: str, done: int, total: int) -> None:
-                progress.update(bar, description=what, completed=done, total=total)
-                live.update(render())
+        try:
+            with Live(render(), console=console, refresh_per_second=4) as live:
+                def on_progress(what: str, done: int, total: int) -> None:
+                    progress.update(bar, description=what, completed=done, total=total)
+                    live.update(render())
 
-            def on_version(rows: list[Any]) -> None:
-                table_rows[:] = rows
-                live.update(render())
+                def on_version(rows: list[Any]) -> None:
+                    table_rows[:] = rows
+                    live.update(render())
 
-            run_id, rows = run_demo(store, settings, options, on_version=on_version,
-                                    on_progress=on_progress)
+                run_id, rows = run_demo(store, settings, options, on_version=on_version,
+                                        on_progress=on_progress)
+        finally:
+            console.line()  # what follows (the summary, an error) starts below the table
         out = settings.data_dir / "demo" / run_id
         reward_png, failures_png = write_charts(rows, out)
         result = summary(rows)
         console.print(
-            f"\n[bold]run {run_id}[/bold]: mean reward {result['first']:.3f} at version "
+            f"[bold]run {run_id}[/bold]: mean reward {result['first']:.3f} at version "
             f"{rows[0].version} -> {result['last']:.3f} at version {rows[-1].version} "
             f"({result['gain']:+.3f})")
         console.print(f"charts: {reward_png}\n        {failures_png}")
@@ -437,6 +441,10 @@ def demo(
             print(json.dumps(json_summary(run_id, rows)))
     except (RuntimeError, ValueError, errors.NotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    except BrokerError as exc:
+        broker = settings.redis_url or "the embedded Redis"
+        console.print(f"[red]error:[/red] the broker ({broker}) cannot be reached: {exc}")
         raise typer.Exit(1) from None
     finally:
         store.close()
