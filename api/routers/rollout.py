@@ -19,6 +19,7 @@ No agent loop runs in this process: a request is checked with
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 from typing import Any, Literal
@@ -170,7 +171,8 @@ def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool) -> None:
     try:
         send_remote_rollout(request, ctx.settings, answer=answer)
     except ConnectionError as exc:
-        release_rollout(ctx.settings, str(request["rollout_id"]))
+        with contextlib.suppress(ConnectionError):  # the claim expires on its own too
+            release_rollout(ctx.settings, str(request["rollout_id"]))
         raise ApiError(503, "unavailable", f"{exc}; retry later") from None
 
 

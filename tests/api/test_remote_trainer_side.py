@@ -229,3 +229,25 @@ def test_rollout_route_checks_before_queueing_and_times_out_naming_the_rollout(
         again = client.post("/rollout", headers=headers, json=body)
         assert again.status_code == 409, again.text
         assert queue_depths(settings)["rollout"] == 1
+
+
+def test_both_rollout_routes_answer_503_when_the_broker_is_down(
+        api_settings: Settings, api_store: EventStore, project: Project,
+        tiny_model_dir: Path) -> None:
+    """A valid request with no broker to queue it on: 503 naming the broker, nothing
+    recorded."""
+    settings = api_settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    with TestClient(create_app(settings, store=api_store)) as client:
+        run_id, _ = new_rollout(client, project, str(tiny_model_dir))
+        rid = f"r-{uuid.uuid4().hex[:8]}"
+        headers = project.headers("ingest")
+        for path, body in (
+                ("/rollout", {"tokenizer_name": str(tiny_model_dir)}),
+                ("/v1/rollout/init", {})):
+            r = client.post(path, headers=headers, json={
+                "rollout_id": rid, "server_url": "http://127.0.0.1:9", "messages": QUESTION,
+                "run_id": run_id, **body})
+            assert r.status_code == 503, (path, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "unavailable" and "redis://127.0.0.1:1/0" in error["message"]
+        assert api_store.read_stream(f"rollout-{rid}") == []
