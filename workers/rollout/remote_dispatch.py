@@ -21,6 +21,7 @@ ConnectionError naming it. Nothing here runs the agent loop: the API imports thi
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -57,6 +58,7 @@ _WAIT_SLICE_S = 2.0
 _lock = threading.Lock()
 _senders: dict[tuple[str, str], Any] = {}
 _clients: dict[str, Any] = {}
+_closing = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,27 @@ def _broker_url(settings: Settings) -> str:
     return embedded.redis_url(settings)
 
 
+def _close_all() -> None:
+    """Close this module's connections. The embedded Redis stops at exit only when its
+    owner is its last client, so these must be gone first: registered after the server's
+    own exit handler, this runs before it."""
+    with _lock:
+        for client in _clients.values():
+            client.close()
+            client.connection_pool.disconnect()
+        for app in _senders.values():
+            app.close()
+        _clients.clear()
+        _senders.clear()
+
+
+def _remember_to_close() -> None:
+    global _closing
+    if not _closing:
+        atexit.register(_close_all)
+        _closing = True
+
+
 def _redis(settings: Settings) -> Any:
     """A Redis client of the broker (one per URL and process)."""
     import redis
@@ -99,6 +122,7 @@ def _redis(settings: Settings) -> Any:
                 if url.startswith("redis+socket://") else url
             client = redis.Redis.from_url(plain)
             _clients[url] = client
+            _remember_to_close()
         return client
 
 
@@ -116,6 +140,7 @@ def _sender(settings: Settings) -> Any:
             app = Celery("trajstore")
             configure(app, settings)
             _senders[key] = app
+            _remember_to_close()
         return app
 
 
@@ -163,9 +188,13 @@ def send_remote_rollout(request: Mapping[str, Any], settings: Settings, *,
     from kombu.exceptions import OperationalError
 
     name = REMOTE_ROLLOUT_TASK if answer else REMOTE_ROLLOUT_INIT_TASK
+    app = _sender(settings)
     try:
-        _sender(settings).send_task(name, args=[dict(request)], queue="rollout",
-                                    argsrepr=f"(<rollout {request.get('rollout_id')!r}>,)")
+        # A connection of its own, closed after the send: a pooled one would outlive the
+        # process's last request and keep an embedded Redis from stopping at exit.
+        with app.connection_for_write() as connection:
+            app.send_task(name, args=[dict(request)], queue="rollout", connection=connection,
+                          argsrepr=f"(<rollout {request.get('rollout_id')!r}>,)")
     except OperationalError as exc:
         raise _unreachable(settings, exc) from None
 
