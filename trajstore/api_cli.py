@@ -1,15 +1,22 @@
 """``trajstore serve`` and ``trajstore keys …``, registered on the ``trajstore`` command line.
 
-Cheap to import: FastAPI, uvicorn and the store open only inside the commands.
+Cheap to import: FastAPI, uvicorn and the store open only inside the commands (``api.keys``,
+whose roles are ``--role``'s choices, imports neither).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 import typer
 
+from api.keys import ROLES
+
 __all__ = ["register"]
+
+#: The roles a key can have (``api.keys.ROLES``), as the choices of ``--role``.
+Role = StrEnum("Role", {name: name for name in ROLES})  # type: ignore[misc]
 
 
 def serve(
@@ -47,20 +54,16 @@ def _key_store():  # type: ignore[no-untyped-def]
 
 def create_key(
     project: Annotated[str, typer.Option(help="Project the key may see.")],
-    role: Annotated[str, typer.Option(help="ingest, read or admin.")],
+    role: Annotated[Role, typer.Option(help="What the key may do: ingest, read, or admin "
+                                    "(everything the other two may).")],
     name: Annotated[str | None, typer.Option(help="A note saying what the key is for.")]
     = None,
 ) -> None:
     """Create an API key; the key is printed once and only its hash is kept."""
-    from api.keys import ROLES
-
-    if role not in ROLES:
-        raise typer.BadParameter(f"role must be one of {', '.join(ROLES)}, got {role!r}",
-                                 param_hint="--role")
     store, keys = _key_store()
     try:
         try:
-            new = keys.create(project=project, role=role, name=name)
+            new = keys.create(project=project, role=role.value, name=name)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     finally:

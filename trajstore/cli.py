@@ -30,6 +30,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Markdown: a docstring's lines are joined into paragraphs (rich mode keeps every line
+    # break in the command list), and ``name`` is shown as code.
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console(soft_wrap=True)
@@ -60,9 +63,20 @@ def _options(
         help="Print the version and exit.")] = False,
 ) -> None:
     """An event-sourced trajectory store for agentic reinforcement learning."""
+    import signal
+
     from store.logs import configure_logging
 
     configure_logging(get_settings(), verbose=verbose)
+    # SIGTERM ends a command the way Ctrl-C does: through its cleanup, so the workers and
+    # embedded servers it started stop with it (the default action kills the process and
+    # leaves them running). Commands that serve until stopped (up, sweep, worker, serve)
+    # install their own handlers.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 class Backend(StrEnum):
@@ -73,7 +87,7 @@ class Backend(StrEnum):
 
 
 class DemoTask(StrEnum):
-    """The task families the demo plays."""
+    """The task families the demo can play (``trajstore.demo.TASKS``)."""
 
     digits = "digits"
     calc = "calc"
@@ -141,6 +155,8 @@ def status(
     settings = get_settings()
     store = _open_store(settings)
     try:
+        if run is not None:
+            store.get_run(run)  # an unknown run is an error before anything is printed
         url = embedded.database_url(settings)
         where = "embedded" if settings.database_url is None else "server"
         console.print(f"database: {_redact(url)} ({where})")
@@ -173,7 +189,7 @@ def status(
         if run is not None:
             _print_takeup(run, serving.policy_takeup(store, run))
     except errors.NotFoundError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
     finally:
         store.close()
@@ -344,6 +360,8 @@ def demo(
 ) -> None:
     """The main job: roll out groups with a tiny model through Celery workers, replay them,
     train with EGPO, push each new policy to the rollout engine, and chart the result."""
+    from kombu.exceptions import OperationalError as BrokerError
+    from rich import box
     from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -368,11 +386,20 @@ def demo(
     def render() -> Any:
         from rich.console import Group
 
-        table = Table("ver", "eps", "reward", "calls", "tool err", "top errors", "rb", "neg",
-                      "adv", "bonus", "H", "pg loss",
-                      title="per policy version (rb: rollbacks, neg: negative samples made "
-                      "/ trained, "
-                      "adv: mean advantage, bonus: EGPO entropy bonus, H: entropy)")
+        # Fits 80 columns: no outer border, the legend as a caption of short lines below
+        # (a long title was cut at the terminal's edge), numbers never wrapped, the top
+        # errors folded when narrow.
+        table = Table(title="per policy version", title_justify="left",
+                      caption="err%: tool error rate, rb: rollbacks, neg: negative samples "
+                      "made/trained,\n"
+                      "adv: mean advantage, bonus: EGPO entropy bonus, H: entropy",
+                      caption_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                      pad_edge=False, collapse_padding=True)
+        for name in ("ver", "eps", "reward", "calls", "err%"):
+            table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+        table.add_column("top errors", overflow="fold", ratio=1, min_width=9)
+        for name in ("rb", "neg", "adv", "bonus", "H", "pg loss"):
+            table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
         for r in table_rows:
             t = r.train
             top = sorted(r.failures_by_type.items(), key=lambda item: -item[1])[:2]
@@ -386,22 +413,25 @@ def demo(
         return Group(progress, table)
 
     try:
-        with Live(render(), console=console, refresh_per_second=4) as live:
-            def on_progress(what: str, done: int, total: int) -> None:
-                progress.update(bar, description=what, completed=done, total=total)
-                live.update(render())
+        try:
+            with Live(render(), console=console, refresh_per_second=4) as live:
+                def on_progress(what: str, done: int, total: int) -> None:
+                    progress.update(bar, description=what, completed=done, total=total)
+                    live.update(render())
 
-            def on_version(rows: list[Any]) -> None:
-                table_rows[:] = rows
-                live.update(render())
+                def on_version(rows: list[Any]) -> None:
+                    table_rows[:] = rows
+                    live.update(render())
 
-            run_id, rows = run_demo(store, settings, options, on_version=on_version,
-                                    on_progress=on_progress)
+                run_id, rows = run_demo(store, settings, options, on_version=on_version,
+                                        on_progress=on_progress)
+        finally:
+            console.line()  # what follows (the summary, an error) starts below the table
         out = settings.data_dir / "demo" / run_id
         reward_png, failures_png = write_charts(rows, out)
         result = summary(rows)
         console.print(
-            f"\n[bold]run {run_id}[/bold]: mean reward {result['first']:.3f} at version "
+            f"[bold]run {run_id}[/bold]: mean reward {result['first']:.3f} at version "
             f"{rows[0].version} -> {result['last']:.3f} at version {rows[-1].version} "
             f"({result['gain']:+.3f})")
         console.print(f"charts: {reward_png}\n        {failures_png}")
@@ -420,6 +450,10 @@ def demo(
             print(json.dumps(json_summary(run_id, rows)))
     except (RuntimeError, ValueError, errors.NotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    except BrokerError as exc:
+        broker = settings.redis_url or "the embedded Redis"
+        console.print(f"[red]error:[/red] the broker ({broker}) cannot be reached: {exc}")
         raise typer.Exit(1) from None
     finally:
         store.close()
@@ -491,7 +525,8 @@ def replay(
                                       "episodes (replay is CPU-bound: one per core).")] = 1,
 ) -> None:
     """Replay in the foreground: one episode, every unprojected one, or (``--rebuild``)
-    every projection from the log alone, on ``--jobs`` processes."""
+    every projection from the log alone, on ``--jobs`` processes. An unknown episode is an
+    error naming it."""
     from store.projections import Projections
     from workers.replay.jobs.parallel import ProjectionPool
     from workers.replay.jobs.project import project_episode
@@ -503,6 +538,9 @@ def replay(
             if jobs > 1 and episode is None else None)
     try:
         if episode is not None:
+            if store.stream_version(episode) == 0:
+                console.print(f"[red]error:[/red] no episode {episode!r}")
+                raise typer.Exit(1)
             outcome = project_episode(store, episode)
             console.print(f"{episode}: {outcome.outcome}"
                           + (f" ({outcome.status})" if outcome.status else "")
@@ -540,12 +578,20 @@ def conflicts(
     """Projection conflicts, newest first: samples a trainer had leased or trained that a
     re-projection of their episode (a rebuild, a replay after a code change) wanted to change
     or delete. The samples were left as they were; each row says what the projection wanted
-    (``change`` with the columns, or ``delete``)."""
+    (``change`` with the columns, or ``delete``). An unknown ``--run`` or ``--episode`` is
+    an error naming it."""
     from store.projections import Projections
 
     store = _open_store(get_settings())
     try:
+        if run is not None:
+            store.get_run(run)
+        if episode is not None:
+            store.get_episode(episode)
         rows = Projections(store).conflicts(episode_id=episode, run_id=run, limit=limit)
+    except errors.NotFoundError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
     finally:
         store.close()
     if as_json:

@@ -1,9 +1,11 @@
 """The Celery application: broker from settings (Redis; the embedded one by default).
 
-Queues: ``replay`` (replay and the sweep), ``rollout``, ``train``. Tasks acknowledge late
-and prefetch one at a time, so a task whose worker dies is delivered again (tasks are
-idempotent); the broker's visibility timeout (``TRAJSTORE_VISIBILITY_TIMEOUT_S``) must stay
-longer than the longest task. No result backend: tasks never wait on each other's results.
+Queues: ``replay`` (replay and the sweep), ``rollout`` (groups and remote rollouts),
+``train``. Tasks acknowledge late and prefetch one at a time, so a task whose worker dies is
+delivered again (tasks are idempotent; remote rollouts, which cannot be resumed, are the
+exception: ``workers.rollout.celery_tasks``); the broker's visibility timeout
+(``TRAJSTORE_VISIBILITY_TIMEOUT_S``) must stay longer than the longest task. No result
+backend: tasks never wait on each other's results.
 Task events are on, so ``celery -A workers.app inspect active`` and Flower work against a
 running ``trajstore up``.
 """
@@ -49,6 +51,8 @@ def configure(celery: Celery, settings: Any = None) -> None:
             "trajstore.replay_episode": {"queue": "replay"},
             "trajstore.sweep": {"queue": "replay"},
             "trajstore.rollout_group": {"queue": "rollout"},
+            "trajstore.remote_rollout": {"queue": "rollout"},
+            "trajstore.remote_rollout_init": {"queue": "rollout"},
             "trajstore.train_step": {"queue": "train"},
         },
         broker_transport_options={

@@ -24,6 +24,7 @@ __all__ = [
     "captured_completion",
     "chat_chunks",
     "chat_response",
+    "chat_tail_chunks",
     "completion_chunks",
     "completion_response",
     "strip_extensions",
@@ -110,6 +111,59 @@ def chat_response(*, request_id: str, created: int, model: str, message: dict[st
     return body
 
 
+@dataclass(frozen=True)
+class _ChatStream:
+    """The ``chat.completion.chunk`` bodies of one streamed answer: every chunk carries the
+    same id, time and model; token ids and logprobs ride on the chunk that ends a part."""
+
+    request_id: str
+    created: int
+    model: str
+    token_text: TokenText
+    want_logprobs: bool
+    return_token_ids: bool
+
+    def chunk(self, delta: dict[str, Any], *, finish: str | None = None,
+              ids: Sequence[int] = (), lps: Sequence[float] = ()) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish}
+        if self.want_logprobs and ids:
+            choice["logprobs"] = _chat_logprobs(ids, lps, self.token_text)
+        if self.return_token_ids:
+            choice["token_ids"] = [int(i) for i in ids]
+        return {"id": self.request_id, "object": "chat.completion.chunk",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def parts(self, message: dict[str, Any], content: str, response_ids: Sequence[int],
+              logprobs: Sequence[float]) -> list[dict[str, Any]]:
+        """One chunk per part of ``message`` (reasoning, ``content``, tool calls; an empty
+        content when it has none), the ids and logprobs of the whole answer on the last."""
+        parts: list[dict[str, Any]] = []
+        if message.get("reasoning_content") is not None:
+            parts.append({"reasoning_content": message["reasoning_content"]})
+        if content:
+            parts.append({"content": content})
+        if message.get("tool_calls"):
+            parts.append({"tool_calls": [dict(c, index=i)
+                                         for i, c in enumerate(message["tool_calls"])]})
+        if not parts:
+            parts.append({"content": ""})
+        ids, lps = list(response_ids), list(logprobs)
+        last = len(parts) - 1
+        return [self.chunk(delta, ids=ids if i == last else (), lps=lps if i == last else ())
+                for i, delta in enumerate(parts)]
+
+    def end(self, message: dict[str, Any], finish_reason: str, prompt_ids: Sequence[int],
+            response_ids: Sequence[int], include_usage: bool) -> list[dict[str, Any]]:
+        """The finish chunk, and the usage chunk when asked for."""
+        out = [self.chunk({}, finish=_finish(finish_reason, message))]
+        if include_usage:
+            out.append({"id": self.request_id, "object": "chat.completion.chunk",
+                        "created": self.created, "model": self.model, "choices": [],
+                        "usage": _usage(len(prompt_ids), len(response_ids))})
+        return out
+
+
 def chat_chunks(*, request_id: str, created: int, model: str, message: dict[str, Any],
                 finish_reason: str, prompt_ids: Sequence[int], response_ids: Sequence[int],
                 logprobs: Sequence[float], token_text: TokenText, want_logprobs: bool,
@@ -117,51 +171,24 @@ def chat_chunks(*, request_id: str, created: int, model: str, message: dict[str,
     """``chat.completion.chunk`` bodies of one finished generation. A plain-text answer is
     sent a token per chunk (each with its token id and logprob); an answer with reasoning or
     tool calls is sent as one chunk per part, token ids and logprobs on the last of them."""
-    def chunk(delta: dict[str, Any], *, finish: str | None = None,
-              ids: Sequence[int] = (), lps: Sequence[float] = ()) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                  "finish_reason": finish}
-        if want_logprobs and ids:
-            choice["logprobs"] = _chat_logprobs(ids, lps, token_text)
-        if return_token_ids:
-            choice["token_ids"] = [int(i) for i in ids]
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [choice]}
-
-    first = chunk({"role": "assistant", "content": ""})
+    stream = _ChatStream(request_id, created, model, token_text, want_logprobs,
+                         return_token_ids)
+    first = stream.chunk({"role": "assistant", "content": ""})
     if return_token_ids:
         first["prompt_token_ids"] = [int(i) for i in prompt_ids]
-    out = [first]
-    ids, lps = list(response_ids), list(logprobs)
-    structured = "reasoning_content" in message or "tool_calls" in message
-    if not structured:
-        for token_id, lp in zip(ids, lps, strict=True):
-            out.append(chunk({"content": token_text(token_id)}, ids=[token_id], lps=[lp]))
+    content = message.get("content") or ""
+    if "reasoning_content" in message or "tool_calls" in message:
+        body = stream.parts(message, content, response_ids, logprobs)
+    else:
+        body = [stream.chunk({"content": token_text(token_id)}, ids=[token_id], lps=[lp])
+                for token_id, lp in zip(response_ids, logprobs, strict=True)]
         # Control tokens decode to text the message does not hold; send the message's own
         # text when the pieces do not add up to it.
-        pieces = "".join(c["choices"][0]["delta"]["content"] for c in out[1:])
-        if pieces != message.get("content", ""):
-            out = [first, chunk({"content": message.get("content") or ""}, ids=ids, lps=lps)]
-    else:
-        parts: list[dict[str, Any]] = []
-        if message.get("reasoning_content") is not None:
-            parts.append({"reasoning_content": message["reasoning_content"]})
-        if message.get("content"):
-            parts.append({"content": message["content"]})
-        if message.get("tool_calls"):
-            parts.append({"tool_calls": [dict(c, index=i)
-                                         for i, c in enumerate(message["tool_calls"])]})
-        for i, delta in enumerate(parts):
-            last = i == len(parts) - 1
-            out.append(chunk(delta, ids=ids if last else (), lps=lps if last else ()))
-        if not parts:
-            out.append(chunk({"content": ""}, ids=ids, lps=lps))
-    out.append(chunk({}, finish=_finish(finish_reason, message)))
-    if include_usage:
-        out.append({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": [],
-                    "usage": _usage(len(prompt_ids), len(response_ids))})
-    return out
+        if "".join(c["choices"][0]["delta"]["content"] for c in body) != content:
+            body = [stream.chunk({"content": content}, ids=list(response_ids),
+                                 lps=list(logprobs))]
+    return [first, *body, *stream.end(message, finish_reason, prompt_ids, response_ids,
+                                      include_usage)]
 
 
 def chat_tail_chunks(*, request_id: str, created: int, model: str, message: dict[str, Any],
@@ -173,39 +200,12 @@ def chat_tail_chunks(*, request_id: str, created: int, model: str, message: dict
     ``api.gateway.streaming``): the reasoning, the rest of the content and the tool calls,
     the token ids and logprobs of the whole answer on the last of them, then the finish
     chunk (and usage). The role chunk was sent first."""
+    stream = _ChatStream(request_id, created, model, token_text, want_logprobs,
+                         return_token_ids)
     content = message.get("content") or ""
     rest = content[len(sent):] if content.startswith(sent) else ""
-    parts: list[dict[str, Any]] = []
-    if message.get("reasoning_content") is not None:
-        parts.append({"reasoning_content": message["reasoning_content"]})
-    if rest:
-        parts.append({"content": rest})
-    if message.get("tool_calls"):
-        parts.append({"tool_calls": [dict(c, index=i)
-                                     for i, c in enumerate(message["tool_calls"])]})
-    if not parts:
-        parts.append({"content": ""})
-
-    def chunk(delta: dict[str, Any], *, finish: str | None = None,
-              ids: Sequence[int] = (), lps: Sequence[float] = ()) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                  "finish_reason": finish}
-        if want_logprobs and ids:
-            choice["logprobs"] = _chat_logprobs(ids, lps, token_text)
-        if return_token_ids:
-            choice["token_ids"] = [int(i) for i in ids]
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [choice]}
-
-    ids, lps = list(response_ids), list(logprobs)
-    out = [chunk(delta, ids=ids if i == len(parts) - 1 else (),
-                 lps=lps if i == len(parts) - 1 else ()) for i, delta in enumerate(parts)]
-    out.append(chunk({}, finish=_finish(finish_reason, message)))
-    if include_usage:
-        out.append({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": [],
-                    "usage": _usage(len(prompt_ids), len(response_ids))})
-    return out
+    return [*stream.parts(message, rest, response_ids, logprobs),
+            *stream.end(message, finish_reason, prompt_ids, response_ids, include_usage)]
 
 
 def _completion_logprobs(ids: Sequence[int], logprobs: Sequence[float], token_text: TokenText

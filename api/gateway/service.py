@@ -109,6 +109,103 @@ def _engine_failure(exc: BaseException) -> BaseException:
     return exc
 
 
+class _Form:
+    """What differs between the two OpenAI endpoints on the capture path (one subclass per
+    endpoint; :meth:`Gateway._serve` is the path itself)."""
+
+    chat: bool
+    id_prefix: str
+
+    def check(self, body: Any) -> None:
+        """Refuse (ApiError 422) what this endpoint does not take."""
+
+    def conversation(self, body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools the call is recorded with."""
+        return [], None
+
+    def want_logprobs(self, body: Any) -> bool:
+        raise NotImplementedError
+
+    def max_tokens(self, body: Any) -> int | None:
+        return body.max_tokens  # type: ignore[no-any-return]
+
+    def request(self, body: Any, engine: LocalEngine, sampling: SamplingParams,
+                messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                ) -> GenerationRequest:
+        raise NotImplementedError
+
+    def parse_tools(self, body: Any, tools: list[dict[str, Any]] | None) -> bool:
+        return False
+
+    def message(self, text: str, *, call_id: str, parse_tools: bool) -> dict[str, Any]:
+        """The answer as the assistant message recorded."""
+        return {"role": "assistant", "content": text}
+
+    def response(self, *, message: dict[str, Any], **common: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _ChatForm(_Form):
+    chat = True
+    id_prefix = "chatcmpl"
+
+    def conversation(self, body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        return normalize_messages(body.messages), body.tools or None
+
+    def want_logprobs(self, body: Any) -> bool:
+        return bool(body.logprobs)
+
+    def max_tokens(self, body: Any) -> int | None:
+        return body.max_completion_tokens or body.max_tokens  # type: ignore[no-any-return]
+
+    def request(self, body: Any, engine: LocalEngine, sampling: SamplingParams,
+                messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                ) -> GenerationRequest:
+        return GenerationRequest(sampling=sampling, messages=tuple(messages),
+                                 tools=tuple(tools) if tools else None)
+
+    def parse_tools(self, body: Any, tools: list[dict[str, Any]] | None) -> bool:
+        return bool(tools) and body.tool_choice != "none"
+
+    def message(self, text: str, *, call_id: str, parse_tools: bool) -> dict[str, Any]:
+        return assistant_message(text, call_id=call_id, parse_tools=parse_tools)
+
+    def response(self, *, message: dict[str, Any], **common: Any) -> dict[str, Any]:
+        return chat_response(**common, message=message)
+
+
+class _CompletionForm(_Form):
+    chat = False
+    id_prefix = "cmpl"
+
+    def check(self, body: Any) -> None:
+        if body.messages is not None or body.prompt is None:
+            raise ApiError(422, "invalid_request", "a completion needs a prompt (messages go "
+                           "to /v1/chat/completions, or come with a rollout_id)",
+                           field="body.prompt")
+        if body.echo:
+            raise ApiError(422, "invalid_request", "echo is not supported", field="body.echo")
+
+    def want_logprobs(self, body: Any) -> bool:
+        return body.logprobs is not None and body.logprobs is not False
+
+    def request(self, body: Any, engine: LocalEngine, sampling: SamplingParams,
+                messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                ) -> GenerationRequest:
+        ids = engine.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not ids:
+            raise ApiError(422, "invalid_request", "the prompt encodes to no tokens",
+                           field="body.prompt")
+        return GenerationRequest(sampling=sampling, prompt_ids=tuple(ids))
+
+    def response(self, *, message: dict[str, Any], **common: Any) -> dict[str, Any]:
+        return completion_response(**common, text=message["content"])
+
+
+_CHAT = _ChatForm()
+_COMPLETION = _CompletionForm()
+
+
 class Gateway:
     """The capture gateway of one API process (engine and upstream made on first use)."""
 
@@ -174,7 +271,7 @@ class Gateway:
         except Exception as exc:
             raise _engine_failure(exc) from None
 
-    async def _stream_engine(self, request: GenerationRequest, *, chat: bool,
+    async def _stream_engine(self, request: GenerationRequest, *, form: _Form,
                              parse_tools: bool, target: EpisodeTarget | None,
                              record: dict[str, Any], want_logprobs: bool,
                              return_token_ids: bool, include_usage: bool
@@ -205,10 +302,11 @@ class Gateway:
         first = await queue.get()
         if first[0] == "error":
             raise _engine_failure(first[1]) from None
+        chat = form.chat
         stop = request.sampling.stop
         live = LiveText(lambda ids: decode_response(engine.tokenizer, ids, stop=stop)[0],
                         chat=chat, tools=parse_tools, stop=stop)
-        call_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        call_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
         created = int(time.time())
         live_chunk = chat_live_chunk if chat else completion_live_chunk
 
@@ -240,11 +338,7 @@ class Gateway:
                 return
             result: GenerationResult = item[1]
             latency = (time.perf_counter() - started) * 1000
-            if chat:
-                message = assistant_message(result.text, call_id=call_id,
-                                            parse_tools=parse_tools)
-            else:
-                message = {"role": "assistant", "content": result.text}
+            message = form.message(result.text, call_id=call_id, parse_tools=parse_tools)
             captured = self._captured(result, message)
             try:
                 await self._record(target, captured, call_id=call_id, latency_ms=latency,
@@ -397,106 +491,66 @@ class Gateway:
         surrogate, nesting past 64 levels, …) is answered 422 before anything is generated.
         The tool results in the history and the call ``abandoned`` names are recorded
         before the call (``api.gateway.tool_facts``)."""
+        return await self._serve(_CHAT, body, key=key, episode=episode, agent=agent,
+                                 policy_version=policy_version, run=run, group=group,
+                                 abandoned=abandoned)
+
+    async def completion(self, body: CompletionRequest, *, key: ApiKey, episode: str | None,
+                         agent: str, policy_version: int | None, run: str | None = None,
+                         group: str | None = None, abandoned: str | None = None) -> Response:
+        """``POST /v1/completions``; refuses what ``chat`` refuses, and a request without a
+        ``prompt`` (or with ``messages`` but no ``rollout_id``) or with ``echo``."""
+        return await self._serve(_COMPLETION, body, key=key, episode=episode, agent=agent,
+                                 policy_version=policy_version, run=run, group=group,
+                                 abandoned=abandoned)
+
+    async def _serve(self, form: _Form, body: Any, *, key: ApiKey, episode: str | None,
+                     agent: str, policy_version: int | None, run: str | None,
+                     group: str | None, abandoned: str | None) -> Response:
+        """The one capture path of both endpoints; ``form`` holds what differs."""
         refuse_unstorable(body)
         if body.rollout_id is not None:
             self._no_abandon_for_remote(abandoned)
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
-        messages = normalize_messages(body.messages)
-        tools = body.tools or None
+        form.check(body)
+        messages, tools = form.conversation(body)
         new = NewEpisode(run_id=run, group_id=group, messages=messages, tools=tools or [],
                          model=body.model if self.has_upstream else None) if run else None
         await self._check_abandoned(episode, abandoned)
         target = await self._target(key, episode, new)
         facts = await self._facts(target, agent, messages, abandoned)
+        want_logprobs = form.want_logprobs(body)
         record: dict[str, Any] = {"agent": agent, "messages": messages, "tools": tools,
-                  "policy_version": policy_version, "facts": facts}
+                                  "policy_version": policy_version, "facts": facts}
         if self.has_upstream:
-            return await self._forward(body.model_dump(exclude_unset=True), chat=True,
-                                       target=target, want_logprobs=bool(body.logprobs),
-                                       want_ids=bool(body.return_token_ids),
-                                       stream=bool(body.stream), record=record)
-        sampling = sampling_params(temperature=body.temperature, top_p=body.top_p,
-                                   max_tokens=body.max_completion_tokens or body.max_tokens,
-                                   seed=body.seed, stop=body.stop,
-                                   cap=self.settings.gateway_max_tokens)
-        request = GenerationRequest(
-            sampling=sampling, messages=tuple(messages), tools=tuple(tools) if tools else None)
-        parse_tools = bool(tools) and body.tool_choice != "none"
-        if body.stream:
-            return await self._stream_engine(
-                request, chat=True, parse_tools=parse_tools, target=target, record=record,
-                want_logprobs=bool(body.logprobs), return_token_ids=bool(body.return_token_ids),
-                include_usage=bool((body.stream_options or {}).get("include_usage")))
-        started = time.perf_counter()
-        result = await self._generate(request)
-        latency = (time.perf_counter() - started) * 1000
-        call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        message = assistant_message(result.text, call_id=call_id, parse_tools=parse_tools)
-        captured = self._captured(result, message)
-        await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
-        engine = self.engine()
-        common: dict[str, Any] = dict(
-            request_id=call_id, created=int(time.time()), model=engine.name, message=message,
-            finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
-            response_ids=captured.response_ids, logprobs=captured.logprobs,
-            return_token_ids=bool(body.return_token_ids))
-        return JSONResponse(chat_response(
-            **common, token_text=engine.token_text if body.logprobs else None))
-
-    async def completion(self, body: CompletionRequest, *, key: ApiKey, episode: str | None,
-                         agent: str, policy_version: int | None, run: str | None = None,
-                         group: str | None = None, abandoned: str | None = None) -> Response:
-        """``POST /v1/completions``; refuses what ``chat`` refuses."""
-        refuse_unstorable(body)
-        if body.rollout_id is not None:
-            self._no_abandon_for_remote(abandoned)
-            return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
-        if body.messages is not None or body.prompt is None:
-            raise ApiError(422, "invalid_request", "a completion needs a prompt (messages go "
-                           "to /v1/chat/completions, or come with a rollout_id)",
-                           field="body.prompt")
-        if body.echo:
-            raise ApiError(422, "invalid_request", "echo is not supported", field="body.echo")
-        new = NewEpisode(run_id=run, group_id=group,
-                         model=body.model if self.has_upstream else None) if run else None
-        await self._check_abandoned(episode, abandoned)
-        target = await self._target(key, episode, new)
-        facts = await self._facts(target, agent, [], abandoned)
-        want_logprobs = body.logprobs is not None and body.logprobs is not False
-        record: dict[str, Any] = {"agent": agent, "messages": [], "tools": None,
-                  "policy_version": policy_version, "facts": facts}
-        if self.has_upstream:
-            return await self._forward(body.model_dump(exclude_unset=True), chat=False,
+            return await self._forward(body.model_dump(exclude_unset=True), chat=form.chat,
                                        target=target, want_logprobs=want_logprobs,
                                        want_ids=bool(body.return_token_ids),
                                        stream=bool(body.stream), record=record)
         sampling = sampling_params(temperature=body.temperature, top_p=body.top_p,
-                                   max_tokens=body.max_tokens, seed=body.seed, stop=body.stop,
-                                   cap=self.settings.gateway_max_tokens)
+                                   max_tokens=form.max_tokens(body), seed=body.seed,
+                                   stop=body.stop, cap=self.settings.gateway_max_tokens)
         engine = await run_in_threadpool(self.engine)
-        ids = engine.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if not ids:
-            raise ApiError(422, "invalid_request", "the prompt encodes to no tokens",
-                           field="body.prompt")
-        request = GenerationRequest(sampling=sampling, prompt_ids=tuple(ids))
+        request = form.request(body, engine, sampling, messages, tools)
+        parse_tools = form.parse_tools(body, tools)
         if body.stream:
             return await self._stream_engine(
-                request, chat=False, parse_tools=False, target=target, record=record,
+                request, form=form, parse_tools=parse_tools, target=target, record=record,
                 want_logprobs=want_logprobs, return_token_ids=bool(body.return_token_ids),
                 include_usage=bool((body.stream_options or {}).get("include_usage")))
         started = time.perf_counter()
         result = await self._generate(request)
         latency = (time.perf_counter() - started) * 1000
-        call_id = f"cmpl-{uuid.uuid4().hex}"
-        captured = self._captured(result, {"role": "assistant", "content": result.text})
+        call_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
+        message = form.message(result.text, call_id=call_id, parse_tools=parse_tools)
+        captured = self._captured(result, message)
         await self._record(target, captured, call_id=call_id, latency_ms=latency, **record)
-        common: dict[str, Any] = dict(
-            request_id=call_id, created=int(time.time()), model=engine.name, text=result.text,
+        return JSONResponse(form.response(
+            message=message, request_id=call_id, created=int(time.time()), model=engine.name,
             finish_reason=result.finish_reason, prompt_ids=captured.prompt_ids,
             response_ids=captured.response_ids, logprobs=captured.logprobs,
-            return_token_ids=bool(body.return_token_ids))
-        return JSONResponse(completion_response(
-            **common, token_text=engine.token_text if want_logprobs else None))
+            return_token_ids=bool(body.return_token_ids),
+            token_text=engine.token_text if want_logprobs else None))
 
     @staticmethod
     def _captured(result: GenerationResult, message: dict[str, Any]) -> Captured:

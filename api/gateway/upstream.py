@@ -52,21 +52,17 @@ class Upstream:
     async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """POST ``body`` to ``/v1<path>``. ApiError 502 when the server cannot be reached,
         504 when it does not answer in time."""
-        try:
-            return await self.client.post(path, json=body)
-        except httpx.TimeoutException:
-            raise ApiError(504, "upstream_timeout", f"the upstream server did not answer "
-                           f"{path} in time") from None
-        except httpx.HTTPError as exc:
-            raise ApiError(502, "upstream_unreachable",
-                           f"the upstream server failed on {path}: {exc}") from None
+        return await self._send(path, body, stream=False)
 
     async def open_stream(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """A streamed POST: the response with its body still to read (the caller closes it
         with ``aclose``). Same errors as ``post`` while connecting."""
+        return await self._send(path, body, stream=True)
+
+    async def _send(self, path: str, body: dict[str, Any], *, stream: bool) -> httpx.Response:
         try:
             request = self.client.build_request("POST", path, json=body)
-            return await self.client.send(request, stream=True)
+            return await self.client.send(request, stream=stream)
         except httpx.TimeoutException:
             raise ApiError(504, "upstream_timeout", f"the upstream server did not answer "
                            f"{path} in time") from None

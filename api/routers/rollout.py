@@ -3,19 +3,23 @@
 - ``POST /v1/rollout/completed``: a RolloutServer reports that a rollout ended; the episode
   (``rollout_id``) gets its reward (when the report carries one) and ``episode_finished``.
   Event ids are derived from the rollout id, so a retried report is stored once.
-- ``POST /rollout``: this process as the RolloutServer: it drives the agent loop of one
-  rollout, calling back the trainer at ``server_url`` (``/v1/chat/completions``, else
-  ``/v1/completions``: ``workers.rollout.remote.run_remote_rollout``).
-- ``POST /v1/rollout/init``: the same as the asynchronous revision's RolloutServer: answers
-  202 with the tools at once, plays the rollout on a thread of this process and posts the
-  RolloutResponse to the trainer's ``/v1/rollout/completed``
-  (``workers.rollout.remote.play_and_report``). A thread, not a Celery task: the rollout
-  waits on the trainer, not on this machine, and ``trajstore serve`` alone must serve it.
+- ``POST /rollout``: this store as the RolloutServer: the request is checked here, then
+  queued on the rollout queue; a rollout worker drives the agent loop, calling back the
+  trainer at ``server_url`` (``/v1/chat/completions``, else ``/v1/completions``), and pushes
+  the RolloutResponse back to this request, which waits for it up to
+  ``TRAJSTORE_ROLLOUT_WAIT_S`` (``workers.rollout.remote_dispatch``).
+- ``POST /v1/rollout/init``: the same as the asynchronous revision's RolloutServer: checked
+  and queued the same way, answered 202 with the tools at once; the rollout worker plays it
+  and posts the RolloutResponse to the trainer's ``/v1/rollout/completed``.
+
+No agent loop runs in this process: a request is checked with
+``workers.rollout.remote_request`` and handed to a worker of the rollout queue
+(``trajstore worker --queues rollout``, which ``trajstore up`` runs).
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import math
 import uuid
 from typing import Any, Literal
@@ -37,6 +41,22 @@ from store import errors as store_errors
 from store import queries
 from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
+from workers.rollout.remote_dispatch import (
+    claim_rollout,
+    release_rollout,
+    send_remote_rollout,
+    wait_answer,
+)
+from workers.rollout.remote_request import (
+    DEFAULT_REMOTE_RUN_ID,
+    TokenizerMismatchError,
+    check_run_tokenizer,
+    check_trainer_host,
+    default_tools,
+    parse_rollout_request,
+    remote_episode_id,
+    resolve_tokenizer,
+)
 
 __all__ = ["router", "completion_events"]
 
@@ -113,112 +133,117 @@ def rollout_completed(body: RolloutCompleted, key: IngestKey, ctx: Ctx) -> Rollo
                                version=result.version, duplicate=result.duplicate)
 
 
-def _check_tokenizer_name(ctx: Ctx, run_id: str, name: str) -> None:
-    """The rollout is played with ``tokenizer_name`` (its ids are what the trainer answers)
-    and replayed with the run's tokenizer: refuse (422 naming both) when the run names a
-    tokenizer with another vocabulary, before anything runs. A run naming none is not
-    checked (its episodes give samples once it names one)."""
-    from workers.tokenizers import TokenizerNotFound, canonical_tokenizer, load_tokenizer
+#: The asynchronous revision's names for the fields ``parse_rollout_request`` names.
+_INIT_NAMES = {"sampling_params": "completion_params", "callback_api_key": "api_key"}
 
-    config = ctx.store.get_run(run_id).config
-    run_name = config.tokenizer_name
-    if not run_name or canonical_tokenizer(run_name) == canonical_tokenizer(name):
-        return
-    where = "body.tokenizer_name"
+
+def _request_error(exc: ValueError, fields: Any, names: dict[str, str]) -> ApiError:
+    """422 for a request the rollout checks refused: the message in the revision's own field
+    names (``names``: ours to theirs), ``field`` the first of ``fields`` it names."""
+    message = str(exc)
+    for ours, theirs in names.items():
+        message = message.replace(f"'{ours}", f"'{theirs}")
+    if isinstance(exc, TokenizerMismatchError):
+        return ApiError(422, "tokenizer_mismatch", message, field="body.tokenizer_name")
+    field = next((f"body.{name}" for name in fields if f"'{name}" in message), None)
+    return ApiError(422, "invalid_request", message, field=field)
+
+
+def _check(request: dict[str, Any], ctx: Ctx, *, run_id: str, fields: Any,
+           names: dict[str, str] | None = None) -> str:
+    """Check a RolloutRequest dict before anything is queued (422 naming the field: its
+    fields, the trainer host, the tokenizer and that it replays as the run's); returns the
+    rollout id."""
+    run_tokenizer = ctx.store.get_run(run_id).config.tokenizer_name
     try:
-        ours, theirs = load_tokenizer(run_name), load_tokenizer(name)
-    except TokenizerNotFound as exc:
-        raise ApiError(422, "invalid_request", f"tokenizer_name {name!r}: {exc}",
-                       field=where) from None
-    if ours is not theirs and ours.get_vocab() != theirs.get_vocab():
-        raise ApiError(422, "tokenizer_mismatch",
-                       f"tokenizer_name {name!r} is not run {run_id!r}'s tokenizer "
-                       f"{run_name!r}: the rollout's token ids would replay as another "
-                       "vocabulary's; use the run's tokenizer or a run of this one",
-                       field=where)
+        parsed = parse_rollout_request(request)
+        check_trainer_host(parsed.server_url, ctx.settings)
+        resolve_tokenizer(parsed.tokenizer_name, settings=ctx.settings)
+        check_run_tokenizer(run_id, run_tokenizer, parsed.tokenizer_name)
+    except ValueError as exc:
+        raise _request_error(exc, fields, names or {}) from None
+    return parsed.rollout_id
 
 
-def _remote_rollout() -> Any:
+def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool) -> None:
+    """Send the checked ``request`` to the rollout queue (claimed by the caller); 503 when
+    the broker cannot be reached."""
     try:
-        module = importlib.import_module("workers.rollout.remote")
-    except ModuleNotFoundError as exc:
-        if exc.name in ("workers.rollout.remote",):
-            return None
-        raise
-    return getattr(module, "run_remote_rollout", None)
+        send_remote_rollout(request, ctx.settings, answer=answer)
+    except ConnectionError as exc:
+        with contextlib.suppress(ConnectionError):  # the claim expires on its own too
+            release_rollout(ctx.settings, str(request["rollout_id"]))
+        raise ApiError(503, "unavailable", f"{exc}; retry later") from None
+
+
+def _claim(ctx: Ctx, rollout_id: str) -> bool:
+    try:
+        return claim_rollout(ctx.settings, rollout_id)
+    except ConnectionError as exc:
+        raise ApiError(503, "unavailable", f"{exc}; retry later") from None
 
 
 @router.post("/rollout", responses={
     200: {"description": "The RolloutResponse: rollout_id, status, final_messages, "
                          "finish_reason, error_message, metrics, episode_id."},
-    409: {"model": ErrorBody, "description": "This rollout_id was recorded before."},
-    501: {"model": ErrorBody, "description": "This installation has no RolloutServer."}})
+    409: {"model": ErrorBody, "description": "This rollout_id was recorded or queued "
+                                             "before."},
+    503: {"model": ErrorBody, "description": "The broker cannot be reached."},
+    504: {"model": ErrorBody, "description": "No rollout worker answered within "
+                                             "TRAJSTORE_ROLLOUT_WAIT_S."}})
 def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
     """Drive one remote rollout as the RolloutServer (the seed's ``RolloutRequest``),
-    recording it as episode ``rollout-<rollout_id>`` of ``run_id``. A value the store
-    refuses (NUL, a lone surrogate, …) is answered 422 naming it before anything runs."""
+    recording it as episode ``rollout-<rollout_id>`` of ``run_id``: checked here, played by
+    a worker of the rollout queue, answered with its RolloutResponse. Bad input, checked
+    before anything is queued: a field of the wrong type or out of range, an unknown field,
+    a value the store refuses, a trainer host that is not allowed, an unknown tokenizer:
+    422 naming the field; a tokenizer that is not the run's vocabulary: 422
+    ``tokenizer_mismatch``; another project's run: 403; an unknown run: 404; a rollout id
+    recorded or queued before: 409. No worker answering within ``TRAJSTORE_ROLLOUT_WAIT_S``:
+    504 naming the rollout id (the rollout may still be played later)."""
     refuse_unstorable(body)
-    run = _remote_rollout()
-    if run is None:
-        raise ApiError(501, "not_implemented", "this installation has no RolloutServer "
-                       "(workers.rollout.remote.run_remote_rollout is missing)")
-    from workers.rollout.remote import DEFAULT_REMOTE_RUN_ID, DuplicateRolloutError
-
     run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
     ctx.access.check_run(key, run_id)
-    _check_tokenizer_name(ctx, run_id, body.tokenizer_name)
     request = body.model_dump(mode="json", exclude_none=True)
+    rollout_id = _check(request, ctx, run_id=run_id, fields=RolloutRequest.model_fields)
+    episode_id = remote_episode_id(rollout_id)
+    if ctx.store.stream_version(episode_id) != 0 or not _claim(ctx, rollout_id):
+        raise ApiError(409, "already_exists", f"rollout_id {rollout_id!r} was recorded "
+                       f"(episode {episode_id!r}) or queued before")
+    _queue(request, ctx, answer=True)
+    wait = ctx.settings.rollout_wait_s
     try:
-        result = run(request, store=ctx.store, settings=ctx.settings)
-    except DuplicateRolloutError as exc:
-        raise ApiError(409, "already_exists", str(exc)) from None
-    except ValueError as exc:
-        raise ApiError(422, "invalid_request", str(exc)) from None
-    return JSONResponse(result)
-
-
-#: The asynchronous revision's names for the fields ``parse_rollout_request`` names.
-_INIT_NAMES = {"sampling_params": "completion_params", "callback_api_key": "api_key"}
-
-
-def _init_error(exc: ValueError) -> ApiError:
-    message = str(exc)
-    for ours, theirs in _INIT_NAMES.items():
-        message = message.replace(f"'{ours}", f"'{theirs}")
-    field = next((f"body.{name}" for name in RolloutInitRequest.model_fields
-                  if f"'{name}" in message), None)
-    return ApiError(422, "invalid_request", message, field=field)
+        answer = wait_answer(ctx.settings, rollout_id, timeout_s=wait)
+    except ConnectionError as exc:
+        raise ApiError(503, "unavailable", f"rollout {rollout_id!r} was queued, but {exc}"
+                       ) from None
+    if answer is None:
+        raise ApiError(504, "timeout", f"rollout {rollout_id!r}: no rollout worker answered "
+                       f"within {wait:g} s (TRAJSTORE_ROLLOUT_WAIT_S; is a worker of the "
+                       f"rollout queue running?); it may still be played as episode "
+                       f"{episode_id!r}")
+    if answer.status != 200:
+        raise ApiError(answer.status, answer.code or "rollout_failed",
+                       answer.message or f"rollout {rollout_id!r} failed")
+    return JSONResponse(answer.body)
 
 
 @router.post("/v1/rollout/init", status_code=202, response_model=RolloutInitAccepted,
-             responses={501: {"model": ErrorBody,
-                              "description": "This installation has no RolloutServer."}})
+             responses={503: {"model": ErrorBody,
+                              "description": "The broker cannot be reached."}})
 def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutInitAccepted:
     """Start one rollout of the protocol's asynchronous revision as the RolloutServer and
-    answer 202 with the tools offered to the model; the rollout is played in the background
-    against the trainer at ``server_url`` and its RolloutResponse posted to
-    ``{server_url}/v1/rollout/completed`` (retried on network errors, 408, 425, 429 and
-    5xx). It is recorded as episode ``rollout-<rollout_id>`` of ``run_id`` (default
-    ``remote``) and played with the run's tokenizer. A ``rollout_id`` started before is
-    answered 202 again and not played twice. Bad input, checked before anything starts: a
-    field of the wrong type or out of range, an unknown field, a value the store refuses, a
-    run that names no tokenizer or a trainer host that is not allowed: 422 naming the
-    field; another project's run or rollout: 403; an unknown run: 404."""
+    answer 202 with the tools offered to the model; the rollout is queued on the rollout
+    queue, played by a rollout worker against the trainer at ``server_url``, and its
+    RolloutResponse posted to ``{server_url}/v1/rollout/completed`` (retried on network
+    errors, 408, 425, 429 and 5xx). It is recorded as episode ``rollout-<rollout_id>`` of
+    ``run_id`` (default ``remote``) and played with the run's tokenizer. A ``rollout_id``
+    recorded or queued before is answered 202 again and not played twice. Bad input, checked
+    before anything is queued: a field of the wrong type or out of range, an unknown field, a
+    value the store refuses, a run that names no tokenizer or a trainer host that is not
+    allowed: 422 naming the field; another project's run or rollout: 403; an unknown run:
+    404; the broker unreachable: 503."""
     refuse_unstorable(body)
-    if _remote_rollout() is None:
-        raise ApiError(501, "not_implemented", "this installation has no RolloutServer "
-                       "(workers.rollout.remote.run_remote_rollout is missing)")
-    from workers.rollout.remote import (
-        DEFAULT_REMOTE_RUN_ID,
-        check_trainer_host,
-        default_tools,
-        parse_rollout_request,
-        play_in_background,
-        playing_in_background,
-        remote_episode_id,
-        resolve_tokenizer,
-    )
-
     run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
     ctx.access.check_run(key, run_id)
     tokenizer = ctx.store.get_run(run_id).config.tokenizer_name
@@ -237,22 +262,14 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
         "run_id": run_id, "group_id": body.group_id, "metadata": body.metadata,
         "tool_server_url": body.tool_server_url}
     request = {k: v for k, v in request.items() if v is not None}
-    try:
-        parsed = parse_rollout_request(request)
-        check_trainer_host(parsed.server_url, ctx.settings)
-        resolve_tokenizer(tokenizer, settings=ctx.settings)
-    except ValueError as exc:
-        raise _init_error(exc) from None
-    tools = default_tools()
-    accepted = RolloutInitAccepted(rollout_id=body.rollout_id, tools=tools.schemas())
+    _check(request, ctx, run_id=run_id, fields=RolloutInitRequest.model_fields,
+           names=_INIT_NAMES)
+    accepted = RolloutInitAccepted(rollout_id=body.rollout_id,
+                                   tools=default_tools().schemas())
     episode_id = remote_episode_id(body.rollout_id)
-    if (not playing_in_background(body.rollout_id)
-            and ctx.store.stream_version(episode_id) != 0):
+    if ctx.store.stream_version(episode_id) != 0:
         ctx.access.check_episode(key, episode_id)  # recorded before: another project's?
         return accepted
-    try:
-        play_in_background(request, store=ctx.store, settings=ctx.settings, tools=tools)
-    except RuntimeError:  # no thread can be started (the process is at its limit)
-        raise ApiError(503, "unavailable", "no thread is free to play this rollout; "
-                       "retry later") from None
+    if _claim(ctx, body.rollout_id):
+        _queue(request, ctx, answer=False)
     return accepted

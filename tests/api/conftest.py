@@ -1,5 +1,6 @@
 """Fixtures of the API tests: the app on the session's PostgreSQL database, keys of two
-projects, a real ``trajstore serve`` process for the gateway tests, tiny models."""
+projects, a real ``trajstore serve`` process for the gateway tests, a real rollout worker
+for the remote-rollout routes, tiny models."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.keys import KeyStore
+from store import embedded
 from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings
 from tests.servers import ServerProcess, free_port
+from tests.workers.conftest import Worker
 
 
 @dataclass
@@ -118,3 +121,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.rollout.tinymodel import tiny_model_path
 
     return tiny_model_path(tmp_path_factory.mktemp("api-tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def rollout_broker(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of an embedded Redis of the module's own: the broker of the remote-rollout
+    routes and their worker."""
+    return embedded.redis_url(Settings(data_dir=tmp_path_factory.mktemp("broker")))
+
+
+@pytest.fixture(scope="module")
+def rollout_worker(pg_url: str, rollout_broker: str, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[Worker]:
+    """A real ``trajstore worker --queues rollout`` process on the session's database and the
+    module's broker: it plays what ``POST /rollout`` and ``POST /v1/rollout/init`` queue."""
+    directory = tmp_path_factory.mktemp("rollout-worker")
+    worker = Worker(Settings(database_url=pg_url, redis_url=rollout_broker, data_dir=directory),
+                    ["--queues", "rollout", "--concurrency", "2"], directory / "worker.log")
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()

@@ -62,12 +62,14 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
             "rollout_id": episode}),
         ("POST", "/v1/rollout/completed", "ingest", lambda: {
             "rollout_id": episode, "status": "COMPLETED"}),
+        # A trainer host that is not allowed: refused (422) after the key's checks, before
+        # anything is queued.
         ("POST", "/rollout", "ingest", lambda: {
-            "rollout_id": uuid.uuid4().hex, "server_url": "http://127.0.0.1:9",
+            "rollout_id": uuid.uuid4().hex, "server_url": "http://203.0.113.7:9",
             "messages": [{"role": "user", "content": "hi"}], "tokenizer_name": "qwen3",
             "run_id": run, "max_turns": 1}),
         ("POST", "/v1/rollout/init", "ingest", lambda: {
-            "rollout_id": uuid.uuid4().hex, "server_url": "http://127.0.0.1:9",
+            "rollout_id": uuid.uuid4().hex, "server_url": "http://203.0.113.7:9",
             "messages": [{"role": "user", "content": "hi"}], "run_id": run,
             "max_turns": 1}),
         ("GET", "/v1/models", "ingest", lambda: None),

@@ -1,9 +1,9 @@
 """The RolloutServer side of the remote-rollout protocol's asynchronous revision:
-``POST /v1/rollout/init`` answers 202 with the tools, the rollout is played in the background
-against an independently written trainer (``tests/rollout/chat_trainer.py``, serving
-``/v1/chat/completions`` and taking ``/v1/rollout/completed``), and its RolloutResponse is
-posted back, retried while the trainer answers 503. Bad input is refused before anything
-runs."""
+``POST /v1/rollout/init`` answers 202 with the tools and queues the rollout; a real rollout
+worker process plays it against an independently written trainer
+(``tests/rollout/chat_trainer.py``, serving ``/v1/chat/completions`` and taking
+``/v1/rollout/completed``) and posts its RolloutResponse back, retried while the trainer
+answers 503. Bad input is refused before anything is queued."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from store.settings import Settings
 from tests.api.conftest import Project
 from tests.rollout.chat_trainer import ChatTrainer
 from tests.rollout.turns import tool_call
+from tests.workers.conftest import Worker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,7 +33,14 @@ QUESTION = [{"role": "system", "content": "You are a calculator."},
 
 
 @pytest.fixture
-def client(api_settings: Settings, api_store: EventStore) -> Iterator[TestClient]:
+def api_settings(tmp_path: Path, pg_url: str, rollout_broker: str) -> Settings:
+    return Settings(database_url=pg_url, redis_url=rollout_broker, data_dir=tmp_path,
+                    api_key_scrypt_n=1024)
+
+
+@pytest.fixture
+def client(api_settings: Settings, api_store: EventStore, rollout_worker: Worker
+           ) -> Iterator[TestClient]:
     with TestClient(create_app(api_settings, store=api_store)) as c:
         yield c
 

@@ -29,6 +29,7 @@ from tests.api.qwen3_tool_model import (
     build_qwen3_tool_model,
     generations,
 )
+from tests.workers.conftest import Worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -50,11 +51,12 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(pg_url: str, tmp_path_factory: pytest.TempPathFactory, tool_model: Path
-           ) -> Iterator[Server]:
+def server(pg_url: str, tmp_path_factory: pytest.TempPathFactory, tool_model: Path,
+           rollout_broker: str) -> Iterator[Server]:
     settings = Settings(database_url=pg_url, data_dir=tmp_path_factory.mktemp("remote"),
                         api_key_scrypt_n=1024)
     s = Server(settings, settings.data_dir / "server.log",
+               TRAJSTORE_REDIS_URL=rollout_broker,
                TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tool_model),
                TRAJSTORE_GATEWAY_MAX_TOKENS="64")
     try:
@@ -273,9 +275,11 @@ def test_explicit_nulls_and_unknown_keys_are_accepted(http: httpx.Client, projec
 
 
 def test_rollout_server_route_drives_a_rollout_against_this_gateway(
-        http: httpx.Client, server: Server, project: Project, api_store: EventStore) -> None:
-    """``POST /rollout`` (the RolloutServer side) calls back this very server's
-    ``/v1/completions`` for the trainer side: both episodes are recorded."""
+        http: httpx.Client, server: Server, project: Project, api_store: EventStore,
+        rollout_worker: Worker) -> None:
+    """``POST /rollout`` (the RolloutServer side) queues the rollout; a rollout worker plays
+    it, calling back this very server's ``/v1/completions`` for the trainer side: both
+    episodes are recorded."""
     rollout_id = new_rollout(http, project)
     run_id = api_store.read_stream(rollout_id, to_version=1)[0].event.run_id  # type: ignore
     r = http.post("/rollout", json={

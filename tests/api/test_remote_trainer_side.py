@@ -20,6 +20,7 @@ from store.eventlog import EventStore
 from store.events import EpisodeFinished, LLMCalled
 from store.settings import Settings
 from tests.api.conftest import Project
+from tests.workers.conftest import Worker
 from workers.replay.jobs.project import project_episode
 from workers.replay.jobs.sweep import finish_idle_rollouts
 
@@ -30,10 +31,11 @@ QUESTION = [{"role": "system", "content": "You are a calculator."},
 
 
 @pytest.fixture
-def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path
-            ) -> Iterator[TestClient]:
+def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path,
+            rollout_broker: str) -> Iterator[TestClient]:
     settings = api_settings.model_copy(update={"gateway_engine_model": str(tiny_model_dir),
-                                               "gateway_max_tokens": 16})
+                                               "gateway_max_tokens": 16,
+                                               "redis_url": rollout_broker})
     with TestClient(create_app(settings, store=api_store)) as c:
         yield c
 
@@ -154,10 +156,10 @@ def test_a_tokenizer_name_the_run_cannot_replay_is_refused(
 
 def test_rollout_route_accepts_the_reference_request_and_plays_a_chat_only_trainer(
         gateway: TestClient, project: Project, api_store: EventStore,
-        tiny_model_dir: Path) -> None:
+        tiny_model_dir: Path, rollout_worker: Worker) -> None:
     """``POST /rollout`` with the reference revision's body (``metadata``,
     ``tool_server_url``) against a trainer serving only ``/v1/chat/completions`` that returns
-    tool calls outside its token ids."""
+    tool calls outside its token ids, played by a real rollout worker process."""
     from tests.rollout.chat_trainer import ChatTrainer
     from tests.rollout.turns import tool_call
     from workers.rollout.backend_transformers import TransformersBackend
@@ -193,3 +195,59 @@ def test_rollout_route_accepts_the_reference_request_and_plays_a_chat_only_train
     assert (tool["role"], tool["content"]) == ("tool", "8")
     assert tool["tool_call_id"] == answer["final_messages"][-3]["tool_calls"][0]["id"]
     assert [c.path for c in trainer.calls] == ["/v1/chat/completions"] * 2
+
+
+def test_rollout_route_checks_before_queueing_and_times_out_naming_the_rollout(
+        api_settings: Settings, api_store: EventStore, project: Project,
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``POST /rollout`` refuses bad input before anything is queued; with no rollout worker
+    listening it answers 504 naming the rollout id after ``rollout_wait_s``, and the same
+    rollout id, still queued, is 409."""
+    from store import embedded
+    from workers.queues import queue_depths
+
+    broker = embedded.redis_url(Settings(data_dir=tmp_path / "idle-broker"))
+    settings = api_settings.model_copy(update={"redis_url": broker, "rollout_wait_s": 1.0})
+    with TestClient(create_app(settings, store=api_store)) as client:
+        run_id, _ = new_rollout(client, project, str(tiny_model_dir))
+        body = {"rollout_id": f"r-{uuid.uuid4().hex[:8]}", "server_url": "http://127.0.0.1:9",
+                "messages": QUESTION, "tokenizer_name": str(tiny_model_dir), "run_id": run_id}
+        headers = project.headers("ingest")
+        for change, field in (({"max_turns": 0}, "max_turns"),
+                              ({"server_url": "http://203.0.113.7:9"}, "server_url"),
+                              ({"tokenizer_name": "no/such-tokenizer"}, "tokenizer_name")):
+            r = client.post("/rollout", headers=headers, json=body | change)
+            assert r.status_code == 422, r.text
+            assert field in str(r.json()["error"]), r.text
+        assert queue_depths(settings)["rollout"] == 0
+
+        r = client.post("/rollout", headers=headers, json=body)
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["code"] == "timeout" and body["rollout_id"] in error["message"]
+        assert queue_depths(settings)["rollout"] == 1
+        again = client.post("/rollout", headers=headers, json=body)
+        assert again.status_code == 409, again.text
+        assert queue_depths(settings)["rollout"] == 1
+
+
+def test_both_rollout_routes_answer_503_when_the_broker_is_down(
+        api_settings: Settings, api_store: EventStore, project: Project,
+        tiny_model_dir: Path) -> None:
+    """A valid request with no broker to queue it on: 503 naming the broker, nothing
+    recorded."""
+    settings = api_settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    with TestClient(create_app(settings, store=api_store)) as client:
+        run_id, _ = new_rollout(client, project, str(tiny_model_dir))
+        rid = f"r-{uuid.uuid4().hex[:8]}"
+        headers = project.headers("ingest")
+        for path, body in (
+                ("/rollout", {"tokenizer_name": str(tiny_model_dir)}),
+                ("/v1/rollout/init", {})):
+            r = client.post(path, headers=headers, json={
+                "rollout_id": rid, "server_url": "http://127.0.0.1:9", "messages": QUESTION,
+                "run_id": run_id, **body})
+            assert r.status_code == 503, (path, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "unavailable" and "redis://127.0.0.1:1/0" in error["message"]
+        assert api_store.read_stream(f"rollout-{rid}") == []

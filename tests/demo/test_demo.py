@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from store import queries
@@ -96,6 +97,32 @@ def test_bad_options_are_named(tmp_path: Path) -> None:
     missing = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--resume", "nope"],
                              env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and "no run 'nope'" in missing.stdout
+
+
+@pytest.mark.timeout(300)
+def test_an_unreachable_broker_is_an_error_not_a_traceback(tmp_path: Path, pg_url: str
+                                                           ) -> None:
+    """The demo's workers cannot reach the broker: the command says so, below its table
+    (not on its last line), and exits 1; its workers stop with it."""
+    env = _env(tmp_path) | {"TRAJSTORE_DATABASE_URL": pg_url,
+                            "TRAJSTORE_REDIS_URL": "redis://127.0.0.1:1/0", "COLUMNS": "80"}
+    bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--steps", "1",
+                          "--groups", "1", "--group-size", "2"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 1, bad.stdout[-2000:] + bad.stderr[-2000:]
+    assert "Traceback" not in bad.stdout + bad.stderr
+    (line,) = [x for x in bad.stdout.splitlines() if "cannot be reached" in x]
+    assert line.startswith("error: the broker (redis://127.0.0.1:1/0)"), line
+    assert max(len(x) for x in bad.stdout.splitlines() if x != line) <= 80, bad.stdout
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if ("worker" in (proc.info["cmdline"] or [])
+                    and proc.environ().get("TRAJSTORE_DATA_DIR") == str(tmp_path)):
+                left.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert not left, f"the demo's workers outlived it: {left}"
 
 
 def test_vllm_backend_without_vllm_fails_at_once(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ from tests.rollout.chat_trainer import ChatTrainer
 from tests.rollout.turns import tool_call
 from workers.replay.episode import replay_episode
 from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.remote import remote_episode_id, run_remote_rollout
+from workers.rollout.remote import run_remote_rollout
+from workers.rollout.remote_request import remote_episode_id
 
 SCRIPT = [f"Let me multiply.\n{tool_call('calculator', expression='6 * 7')}",
           f"{tool_call('calculator', expression='42 + 0')}",

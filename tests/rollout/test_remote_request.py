@@ -17,7 +17,7 @@ from workers.rollout.backend_remote import (
     session_response_mask,
 )
 from workers.rollout.prompt import render_prompt_ids
-from workers.rollout.remote import parse_rollout_request, resolve_tokenizer
+from workers.rollout.remote_request import parse_rollout_request, resolve_tokenizer
 from workers.tokenizers import load_tokenizer
 
 GOOD: dict[str, Any] = {

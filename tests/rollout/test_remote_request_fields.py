@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.rollout.remote import parse_rollout_request
+from workers.rollout.remote_request import parse_rollout_request
 
 BASE = {"rollout_id": "r1", "server_url": "http://127.0.0.1:1",
         "messages": [{"role": "user", "content": "hi"}], "tokenizer_name": "qwen3"}

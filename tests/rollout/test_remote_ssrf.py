@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from store.settings import Settings
-from workers.rollout.remote import check_trainer_host, parse_rollout_request
+from workers.rollout.remote_request import check_trainer_host, parse_rollout_request
 
 REQUEST = {"rollout_id": "r1", "server_url": "http://127.0.0.1:9/", "tokenizer_name": "qwen3",
            "messages": [{"role": "user", "content": "hi"}]}

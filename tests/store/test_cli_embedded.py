@@ -150,3 +150,34 @@ def test_unknown_run_is_an_error_not_an_empty_table(tmp_path: Path, pg_url: str)
     shown = _run(["analytics", "failures", "--run", "no-such-run"], env)
     assert shown.returncode == 1
     assert "no run 'no-such-run'" in shown.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_what_the_command_started(tmp_path: Path) -> None:
+    """SIGTERM ends a command through its cleanup, as Ctrl-C does: the embedded PostgreSQL it
+    started stops with it (the default action used to leave it running)."""
+    import signal
+
+    env = _env(TRAJSTORE_DATA_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "trajstore", "events", "--follow"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    handles = tmp_path / "postgres" / ".handle_pids.json"
+    try:
+        deadline = time.monotonic() + 180
+        while not (handles.exists() and str(proc.pid) in handles.read_text()):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the embedded server did not start"
+            time.sleep(0.2)
+        time.sleep(5)  # past the server's start and the migrations: following the log
+        assert _postgres_running(tmp_path / "postgres")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for _ in range(100):
+        if not _postgres_running(tmp_path / "postgres"):
+            break
+        time.sleep(0.1)
+    assert not _postgres_running(tmp_path / "postgres")

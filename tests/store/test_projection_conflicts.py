@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from store import migrate
 from store.db import Database
-from store.eventlog import EventStore
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import EpisodeStarted, RunCreated
 from store.leasing import Leasing
 from store.projections import EpisodeProjection, EpisodeRow, Projections, RunRow
 from store.settings import Settings, get_settings
@@ -149,7 +150,10 @@ def test_rebuild_keeps_trained_samples_and_records_what_the_replay_wanted(
            for c in projections.conflicts(run_id=run)}
     assert got == {(first, "change", ("logprobs",)), (second, "delete", ())}
     assert projections.conflict_count() == 2
-    # Operators see them with `trajstore conflicts`.
+    # Operators see them with `trajstore conflicts`, which names runs and episodes of the log
+    # (the samples above were written as projections alone: record their run and episode).
+    store.append(run_stream_id(run), [RunCreated(run_id=run)], NO_STREAM)
+    store.append(first, [EpisodeStarted(run_id=run, group_id="g")], NO_STREAM)
     monkeypatch.setenv("TRAJSTORE_DATABASE_URL", store.db.url)
     monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(tmp_path))
     get_settings.cache_clear()
@@ -163,8 +167,11 @@ def test_rebuild_keeps_trained_samples_and_records_what_the_replay_wanted(
         table = runner.invoke(app, ["conflicts", "--episode", first])
         assert table.exit_code == 0 and "logprobs" in table.output
         assert "consumed" in table.output
-        none = runner.invoke(app, ["conflicts", "--episode", "no-such-episode"])
-        assert none.exit_code == 0 and "no projection conflicts" in none.output
+        # An unknown id is an error naming it, not an empty answer.
+        unknown = runner.invoke(app, ["conflicts", "--episode", "no-such-episode"])
+        assert unknown.exit_code == 1 and "no episode 'no-such-episode'" in unknown.output
+        unknown = runner.invoke(app, ["conflicts", "--run", "no-such-run"])
+        assert unknown.exit_code == 1 and "no run 'no-such-run'" in unknown.output
         bad = runner.invoke(app, ["conflicts", "--limit", "0"])
         assert bad.exit_code == 2 and "--limit" in bad.output
     finally:

@@ -6,7 +6,9 @@ from their own modules: :mod:`workers.rollout.backend_transformers`,
 :mod:`workers.rollout.backend_openai`, :mod:`workers.rollout.backend_remote`; the tiny test model
 from :mod:`workers.rollout.tinymodel`. Groups of the rollout queue: :mod:`workers.rollout.group`
 (Celery task in :mod:`workers.rollout.celery_tasks`); remote rollouts:
-:mod:`workers.rollout.remote`.
+:mod:`workers.rollout.remote` (played on rollout workers), their request checks
+:mod:`workers.rollout.remote_request` and their queueing :mod:`workers.rollout.remote_dispatch`
+(both of which the API imports).
 """
 
 from workers.rollout.agent_tasks import (

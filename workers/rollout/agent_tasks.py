@@ -43,6 +43,7 @@ from typing import Any
 
 from workers.rollout.builtin_tools import default_tool_registry
 from workers.rollout.calculator import Calculator, evaluate_expression, format_number
+from workers.rollout.chat_messages import MessageFormatError, check_messages
 from workers.rollout.rewards import Reward, Transcript, check_ground_truth, get_reward
 from workers.rollout.tools import ToolRegistry, function_schema, validate_tool_schema
 
@@ -60,7 +61,6 @@ __all__ = [
     "task_from_dict",
 ]
 
-_ROLES = ("system", "user", "assistant", "tool")
 _FIELDS = ("task_id", "messages", "tools", "ground_truth", "reward", "max_turns",
            "stop_at_tool_calls")
 
@@ -100,23 +100,10 @@ def _fail(where: str, field: str, problem: str) -> TaskFormatError:
 
 
 def _messages(value: Any, where: str) -> tuple[dict[str, Any], ...]:
-    if not isinstance(value, list) or not value:
-        raise _fail(where, "messages", f"expected a non-empty list of messages, got {value!r}")
-    messages = []
-    for index, message in enumerate(value):
-        field = f"messages[{index}]"
-        if not isinstance(message, Mapping):
-            raise _fail(where, field, f"expected an object, got {message!r}")
-        if message.get("role") not in _ROLES:
-            raise _fail(where, f"{field}.role",
-                        f"expected one of {list(_ROLES)}, got {message.get('role')!r}")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            raise _fail(where, f"{field}.content", f"expected a string, got {content!r}")
-        if content is None and message["role"] in ("system", "user", "tool"):
-            raise _fail(where, f"{field}.content", "is required for this role")
-        messages.append(dict(message))
-    return tuple(messages)
+    try:
+        return check_messages(value, where=where)
+    except MessageFormatError as exc:
+        raise TaskFormatError(str(exc)) from None
 
 
 def _tools(value: Any, where: str, registry: ToolRegistry | None) -> tuple[dict[str, Any], ...]:

@@ -8,7 +8,7 @@ from store.errors import TransientError
 from store.settings import get_settings
 from workers.app import app
 
-__all__ = ["rollout_group"]
+__all__ = ["remote_rollout", "remote_rollout_init", "rollout_group"]
 
 
 @app.task(name="trajstore.rollout_group", acks_late=True, autoretry_for=(TransientError,),
@@ -24,3 +24,36 @@ def rollout_group(run_id: str, task_id: str, *, group_index: int = 0) -> dict[st
 
     return run_rollout_group(run_id, task_id, settings=get_settings(),
                              group_index=group_index).to_dict()
+
+
+# Remote rollouts are acknowledged on receipt (acks_late off): one cannot be resumed half-way
+# (the trainer's token buffer has moved on), so a redelivery would only find its episode
+# recorded. A rollout whose worker dies is lost as the trainer's own call would be; the caller's
+# timeout says so (504 from POST /rollout, the trainer's own for /v1/rollout/init), and the
+# sweep finishes the idle episode.
+
+
+@app.task(name="trajstore.remote_rollout", acks_late=False)
+def remote_rollout(request: dict[str, Any]) -> int:
+    """Play the remote rollout ``request`` (``POST /rollout``) on this worker's log and push
+    the answer for the request waiting on it (:func:`workers.rollout.remote.play_and_answer`).
+    Returns the HTTP status answered."""
+    from workers.rollout.remote import play_and_answer
+    from workers.rollout.worker import worker_log
+
+    settings = get_settings()
+    return play_and_answer(request, store=worker_log(settings), settings=settings).status
+
+
+@app.task(name="trajstore.remote_rollout_init", acks_late=False)
+def remote_rollout_init(request: dict[str, Any]) -> str | None:
+    """Play the remote rollout ``request`` (``POST /v1/rollout/init``) on this worker's log and
+    post its RolloutResponse to the trainer
+    (:func:`workers.rollout.remote.play_and_report`). Returns the response's status (None
+    when the rollout id was recorded before and nothing was played)."""
+    from workers.rollout.remote import play_and_report
+    from workers.rollout.worker import worker_log
+
+    settings = get_settings()
+    body = play_and_report(request, store=worker_log(settings), settings=settings)
+    return None if body is None else str(body["status"])

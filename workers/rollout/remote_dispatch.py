@@ -1,0 +1,230 @@
+"""Remote rollouts through the rollout queue: the API sends the request, a rollout worker plays
+it (:mod:`workers.rollout.remote`), so no agent loop runs inside a request handler.
+
+- The asynchronous revision (``POST /v1/rollout/init``): :func:`send_remote_rollout` with
+  ``answer=False`` queues ``trajstore.remote_rollout_init``; the worker plays the rollout and
+  posts the RolloutResponse to the trainer's ``/v1/rollout/completed``.
+- The synchronous revision (``POST /rollout``): ``answer=True`` queues
+  ``trajstore.remote_rollout``; the worker plays the rollout and pushes a
+  :class:`RolloutAnswer` (the HTTP status and body the route answers with) onto the Redis list
+  :func:`answer_key` names (:func:`push_answer`, kept :data:`ANSWER_KEEP_S` seconds), and the
+  route waits on that list with BLPOP (:func:`wait_answer`). Celery has no result backend
+  here: the list is the one reply channel, and it needs no polling.
+- :func:`claim_rollout` marks a rollout id as queued (a Redis key set only if absent, kept
+  :data:`CLAIM_S` seconds), so a request repeated before the worker has recorded anything is
+  not queued twice; once the episode exists, the store says it was recorded.
+
+The broker and the answer lists are the Redis the settings name (the embedded one when they
+name none), under the workers' key prefix. A broker that cannot be reached raises
+ConnectionError naming it. Nothing here runs the agent loop: the API imports this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from store.settings import Settings
+
+__all__ = [
+    "ANSWER_KEEP_S",
+    "CLAIM_S",
+    "REMOTE_ROLLOUT_INIT_TASK",
+    "REMOTE_ROLLOUT_TASK",
+    "RolloutAnswer",
+    "answer_key",
+    "claim_rollout",
+    "push_answer",
+    "release_rollout",
+    "send_remote_rollout",
+    "wait_answer",
+]
+
+#: The task that plays a rollout and answers the waiting ``POST /rollout``.
+REMOTE_ROLLOUT_TASK = "trajstore.remote_rollout"
+#: The task that plays a rollout and reports it to the trainer's ``/v1/rollout/completed``.
+REMOTE_ROLLOUT_INIT_TASK = "trajstore.remote_rollout_init"
+#: Seconds an answer waits in its list for a route to take it (a route that gave up leaves it).
+ANSWER_KEEP_S = 300
+#: Seconds a queued rollout id stays claimed (longer than a rollout waits in the queue).
+CLAIM_S = 3600
+_WAIT_SLICE_S = 2.0
+
+_lock = threading.Lock()
+_senders: dict[tuple[str, str], Any] = {}
+_clients: dict[str, Any] = {}
+_closing = False
+
+
+@dataclass(frozen=True)
+class RolloutAnswer:
+    """What ``POST /rollout`` answers: ``status`` 200 with the RolloutResponse ``body``, or an
+    error ``status`` with its ``code`` and ``message``."""
+
+    status: int
+    body: dict[str, Any] | None = None
+    code: str | None = None
+    message: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"status": self.status, "body": self.body, "code": self.code,
+                           "message": self.message})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RolloutAnswer:
+        data = json.loads(text)
+        return cls(status=int(data["status"]), body=data.get("body"), code=data.get("code"),
+                   message=data.get("message"))
+
+
+def _broker_url(settings: Settings) -> str:
+    from store import embedded
+
+    return embedded.redis_url(settings)
+
+
+def _close_all() -> None:
+    """Close this module's connections. The embedded Redis stops at exit only when its
+    owner is its last client, so these must be gone first: registered after the server's
+    own exit handler, this runs before it."""
+    with _lock:
+        for client in _clients.values():
+            client.close()
+            client.connection_pool.disconnect()
+        for app in _senders.values():
+            app.close()
+        _clients.clear()
+        _senders.clear()
+
+
+def _remember_to_close() -> None:
+    global _closing
+    if not _closing:
+        atexit.register(_close_all)
+        _closing = True
+
+
+def _redis(settings: Settings) -> Any:
+    """A Redis client of the broker (one per URL and process)."""
+    import redis
+
+    url = _broker_url(settings)
+    with _lock:
+        client = _clients.get(url)
+        if client is None:
+            # The embedded server's URL is kombu's spelling of a unix socket.
+            plain = "unix://" + url.removeprefix("redis+socket://") \
+                if url.startswith("redis+socket://") else url
+            client = redis.Redis.from_url(plain)
+            _clients[url] = client
+            _remember_to_close()
+        return client
+
+
+def _sender(settings: Settings) -> Any:
+    """A Celery app configured for ``settings`` (the API's settings need not be the
+    process environment's), made once per broker."""
+    from celery import Celery
+
+    from workers.app import configure
+
+    key = (_broker_url(settings), settings.redis_key_prefix)
+    with _lock:
+        app = _senders.get(key)
+        if app is None:
+            app = Celery("trajstore")
+            configure(app, settings)
+            _senders[key] = app
+            _remember_to_close()
+        return app
+
+
+def _unreachable(settings: Settings, exc: BaseException) -> ConnectionError:
+    where = settings.redis_url or "the embedded Redis"
+    return ConnectionError(f"the broker ({where}) cannot be reached: {exc}")
+
+
+def answer_key(settings: Settings, rollout_id: str) -> str:
+    """The Redis list the answer to rollout ``rollout_id`` is pushed onto."""
+    return f"{settings.redis_key_prefix}remote-rollout:{rollout_id}:answer"
+
+
+def _claim_key(settings: Settings, rollout_id: str) -> str:
+    return f"{settings.redis_key_prefix}remote-rollout:{rollout_id}:queued"
+
+
+def claim_rollout(settings: Settings, rollout_id: str) -> bool:
+    """Mark ``rollout_id`` as queued; False when it was marked already (module docstring)."""
+    import redis
+
+    try:
+        return bool(_redis(settings).set(_claim_key(settings, rollout_id), b"1", nx=True,
+                                         ex=CLAIM_S))
+    except redis.RedisError as exc:
+        raise _unreachable(settings, exc) from None
+
+
+def release_rollout(settings: Settings, rollout_id: str) -> None:
+    """Take the mark of :func:`claim_rollout` off (a send that failed)."""
+    import redis
+
+    try:
+        _redis(settings).delete(_claim_key(settings, rollout_id))
+    except redis.RedisError as exc:
+        raise _unreachable(settings, exc) from None
+
+
+def send_remote_rollout(request: Mapping[str, Any], settings: Settings, *,
+                        answer: bool) -> None:
+    """Queue the remote rollout ``request`` (a checked RolloutRequest dict) on the rollout
+    queue: answered through :func:`push_answer` when ``answer``, else reported to the
+    trainer. The request (its ``callback_api_key`` included) travels in the message; task
+    events and worker logs show only the rollout id."""
+    from kombu.exceptions import OperationalError
+
+    name = REMOTE_ROLLOUT_TASK if answer else REMOTE_ROLLOUT_INIT_TASK
+    app = _sender(settings)
+    try:
+        # A connection of its own, closed after the send: a pooled one would outlive the
+        # process's last request and keep an embedded Redis from stopping at exit.
+        with app.connection_for_write() as connection:
+            app.send_task(name, args=[dict(request)], queue="rollout", connection=connection,
+                          argsrepr=f"(<rollout {request.get('rollout_id')!r}>,)")
+    except OperationalError as exc:
+        raise _unreachable(settings, exc) from None
+
+
+def push_answer(settings: Settings, rollout_id: str, answer: RolloutAnswer) -> None:
+    """Push ``answer`` for the route waiting on rollout ``rollout_id``; it is kept
+    :data:`ANSWER_KEEP_S` seconds when no route takes it."""
+    key = answer_key(settings, rollout_id)
+    client = _redis(settings)
+    with client.pipeline() as pipe:
+        pipe.rpush(key, answer.to_json())
+        pipe.expire(key, ANSWER_KEEP_S)
+        pipe.execute()
+
+
+def wait_answer(settings: Settings, rollout_id: str, *, timeout_s: float
+                ) -> RolloutAnswer | None:
+    """The answer to rollout ``rollout_id``, waiting up to ``timeout_s`` seconds for it (None
+    when none came)."""
+    import redis
+
+    key = answer_key(settings, rollout_id)
+    deadline = time.monotonic() + timeout_s
+    # BLPOP in slices shorter than the client's socket timeout (redis-py's default reads time
+    # out after 5 s), so a long wait is not mistaken for a dead server.
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            got = _redis(settings).blpop([key], timeout=min(left, _WAIT_SLICE_S))
+        except redis.RedisError as exc:
+            raise _unreachable(settings, exc) from None
+        if got is not None:
+            return RolloutAnswer.from_json(got[1])
+    return None
