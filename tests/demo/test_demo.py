@@ -106,8 +106,8 @@ def test_an_unreachable_broker_is_an_error_not_a_traceback(tmp_path: Path, pg_ur
     (not on its last line), and exits 1; its workers stop with it."""
     env = _env(tmp_path) | {"TRAJSTORE_DATABASE_URL": pg_url,
                             "TRAJSTORE_REDIS_URL": "redis://127.0.0.1:1/0", "COLUMNS": "80"}
-    bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--steps", "1",
-                          "--groups", "1", "--group-size", "2"],
+    bad = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--task", "digits",
+                          "--steps", "1", "--groups", "1", "--group-size", "2"],
                          env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 1, bad.stdout[-2000:] + bad.stderr[-2000:]
     assert "Traceback" not in bad.stdout + bad.stderr
