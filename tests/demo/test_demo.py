@@ -1,8 +1,9 @@
 """The main job end to end: ``trajstore demo`` on the embedded default, through real Celery
 workers, with a fixed seed. On the default ``calc`` task the warm-started policy's tool calls
 fail, are rolled back and trained as negative samples, and the strict reward rises: the mean
-of the last three policy versions above the mean of the first two by at least MARGIN (one
-version's mean over 32 episodes moves by about 0.1 from noise alone)."""
+of the last three policy versions above the mean of the first two by at least MARGIN (runs
+from seed 0 rose by about 0.2; the two means, over 64 and 96 episodes, each move by about
+0.05 from sampling noise alone)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from store.eventlog import EventStore
 from store.settings import Settings
 from tests.api.conftest import Server
 
-MARGIN = 0.1
+MARGIN = 0.05
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
