@@ -18,7 +18,8 @@ rows that teach the small model to copy the operands and the tool's result.
 ``warm-calc-v<version>-seed<seed>`` with a ``warmstart.json`` holding the SHA-256 of every
 file. A folder whose files do not match (a corrupt or half-written cache) is reported with a
 warning naming the file, removed and rebuilt; it is never loaded. Building is deterministic
-for a seed and takes about two minutes on two CPU cores (once: the folder is cached).
+for a seed and takes about 100 seconds on one CPU core (it trains on one thread; once: the
+folder is cached).
 """
 
 from __future__ import annotations
