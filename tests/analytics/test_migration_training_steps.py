@@ -71,9 +71,8 @@ def test_training_steps_gain_negatives_and_bonus_and_keep_grants(
         finally:
             store.db.close()
     finally:
+        # The role's privileges go with it (the fixture drops the database).
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f'REVOKE ALL ON ALL TABLES IN SCHEMA public FROM "{role}"')
-            conn.execute(f'REVOKE ALL ON DATABASE "{url.rsplit("/", 1)[1]}" FROM "{role}"')
+            conn.execute(f'DROP OWNED BY "{role}"')
         with psycopg.connect(pg_server.admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
             conn.execute(f'DROP ROLE "{role}"')
