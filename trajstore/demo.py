@@ -185,8 +185,8 @@ def version_rows(store: EventStore, run_id: str) -> list[VersionRow]:
 
 
 def write_charts(rows: list[VersionRow], directory: Path) -> tuple[Path, Path]:
-    """``reward.png`` (mean reward per policy version) and ``failures.png`` (failures by
-    error type per version) in ``directory``."""
+    """``reward.png`` (mean reward and tool error rate per policy version) and
+    ``failures.png`` (failures by error type per version) in ``directory``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,11 +195,14 @@ def write_charts(rows: list[VersionRow], directory: Path) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     versions = [r.version for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(versions, [r.reward_mean for r in rows], marker="o")
+    ax.plot(versions, [r.reward_mean for r in rows], marker="o", label="mean reward")
+    ax.plot(versions, [r.tool_error_rate for r in rows], marker="s", linestyle="--",
+            label="tool error rate")
     ax.set_xlabel("policy version")
-    ax.set_ylabel("mean reward")
-    ax.set_title("reward by policy version")
+    ax.set_ylabel("mean reward / tool error rate")
+    ax.set_title("reward and tool errors by policy version")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     reward = directory / "reward.png"
     fig.tight_layout()
     fig.savefig(reward, dpi=120)
