@@ -54,3 +54,8 @@ def configure_logging(settings: Settings, *, verbose: bool = True) -> None:
     root.setLevel(settings.log_level.upper())
     for name in NOISY_LIBRARIES:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
+    if not verbose:
+        # transformers' and the Hub's progress bars ("Loading weights", "Writing model
+        # shards") are written to stderr by tqdm, not logged; the environment reaches the
+        # workers a command starts too.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
