@@ -19,7 +19,16 @@ the sequential loop, and over the ceiling; the recording overhead is
 ``1 - median over rounds of tokens/s(store) / tokens/s(memory)``, the store run right after
 the in-memory one in each round. Every round (``--repeats`` of them) measures every
 arm once, in turn, so the drift of a shared, noisy machine hits them all, and each arm keeps
-its best round. The last line is
+its best round.
+
+That overhead is wall time, so on a machine with few cores it also measures how the
+recording's work competes with the loop and the engine for them. What the recording costs
+on its own is reported beside it, as CPU milliseconds per event recorded (medians over the
+rounds): this process's CPU time in the store run less that of the in-memory run it is
+paired with (validation, encoding, the driver, the writer thread, and whatever the loop does
+differently meanwhile), and the CPU time of the PostgreSQL server processes serving the
+scratch database (read from ``/proc``; absent where the server is not on this host). The
+in-memory run's own process CPU per event is printed with it, for scale. The last line is
 machine-readable, for the first engine measured (vLLM when importable):
 
     RESULT concurrent_vs_sequential=<x> concurrent_vs_engine=<x> recording_overhead=<f>
@@ -62,7 +71,7 @@ def _sampling(max_tokens: int, seed: int) -> SamplingParams:
 
 
 async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_tokens: int,
-                run_id: str, runner: ToolRunner) -> dict[str, float]:
+                run_id: str, runner: ToolRunner, server: Any = None) -> dict[str, float]:
     """Play the benchmark's episodes with at most ``in_flight`` at once."""
     tools = default_tool_registry()
     tasks = arithmetic_tasks(episodes, seed=2)
@@ -76,14 +85,29 @@ async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_t
                 sampling=_sampling(max_tokens, index), episode_id=str(uuid.uuid4()),
                 max_turns=4, tool_runner=runner))
 
+    server_before = server.cpu_seconds() if server is not None else None
+    cpu = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(episodes)))
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu
     tokens = sum(r.generated_tokens for r in results)
-    return {"in_flight": in_flight, "episodes": episodes, "seconds": seconds,
-            "tokens": tokens, "llm_calls": sum(r.llm_calls for r in results),
-            "errors": sum(1 for r in results if r.status == "error"),
-            "tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds}
+    run = {"in_flight": in_flight, "episodes": episodes, "seconds": seconds,
+           "tokens": tokens, "llm_calls": sum(r.llm_calls for r in results),
+           "errors": sum(1 for r in results if r.status == "error"),
+           "tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds,
+           "process_cpu_s": cpu}
+    if isinstance(sink, ListSink):
+        run["events"] = sum(len(events) for events in sink.streams.values())
+    if server is not None:
+        run["events"] = server.events(run_id)
+        if server_before is not None:
+            after = server.cpu_seconds()
+            # A process that served the run from its start to its end; one that started
+            # meanwhile (the pool grew) counts whole.
+            run["server_cpu_s"] = None if after is None else sum(
+                seconds - server_before.get(pid, 0.0) for pid, seconds in after.items())
+    return run
 
 
 async def _ceiling(backend: Any, *, episodes: int, max_tokens: int) -> dict[str, float]:
@@ -111,10 +135,13 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
         arms[f"concurrent-{c}"] = lambda c=c: _play(backend, ListSink(), in_flight=c,
                                                     run_id="bench", **play)
     if store is not None:  # right after the in-memory run it is compared with
+        server = _Server(store)
+
         def stored() -> Any:
             run_id = f"bench-{uuid.uuid4().hex[:8]}"
             store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
-            return _play(backend, store, in_flight=top_in_flight, run_id=run_id, **play)
+            return _play(backend, store, in_flight=top_in_flight, run_id=run_id,
+                         server=server, **play)
 
         arms["store"] = stored
     arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
@@ -146,7 +173,8 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
         ratios = [s["tokens_per_s"] / m["tokens_per_s"]
                   for s, m in zip(runs["store"], memory, strict=True)]
         report["recording"] = {"memory": memory, "store": runs["store"],
-                               "overhead": 1.0 - statistics.median(ratios)}
+                               "overhead": 1.0 - statistics.median(ratios),
+                               **_recording_cpu(memory, runs["store"])}
     runner.close()
     seq, ceiling = report["sequential"], report["ceiling"]
     print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
@@ -157,9 +185,62 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
               f"(x{row['tokens_per_s'] / seq['tokens_per_s']:.2f})")
     print(f"{name:12s} engine alone      {ceiling['tokens_per_s']:8.1f} tokens/s")
     if "recording" in report:
-        print(f"{name:12s} recording overhead {report['recording']['overhead']:+.3f} "
+        recording = report["recording"]
+        print(f"{name:12s} recording overhead {recording['overhead']:+.3f} "
               f"(EventStore against memory, {top['in_flight']} in flight)")
+        server_ms = recording["server_cpu_ms_per_event"]
+        print(f"{name:12s} recording CPU      {recording['process_cpu_ms_per_event']:.3f} ms/event "
+              f"in this process + "
+              + ("n/a" if server_ms is None else f"{server_ms:.3f}")
+              + f" ms/event in PostgreSQL (the loop alone: "
+              f"{recording['loop_cpu_ms_per_event']:.3f} ms/event)")
     return report
+
+
+def _recording_cpu(memory: list[dict[str, Any]], stored: list[dict[str, Any]]
+                   ) -> dict[str, float | None]:
+    """The recording's CPU per event (module docstring), medians over the paired rounds."""
+    process = [(s["process_cpu_s"] - m["process_cpu_s"]) * 1000 / s["events"]
+               for s, m in zip(stored, memory, strict=True)]
+    server = [s["server_cpu_s"] * 1000 / s["events"] for s in stored
+              if s.get("server_cpu_s") is not None]
+    return {
+        "process_cpu_ms_per_event": statistics.median(process),
+        "server_cpu_ms_per_event": statistics.median(server) if server else None,
+        "loop_cpu_ms_per_event": statistics.median(
+            m["process_cpu_s"] * 1000 / m["events"] for m in memory),
+    }
+
+
+class _Server:
+    """The PostgreSQL processes serving the store's database: their CPU time (Linux, server
+    on this host) and what a run stored."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def events(self, run_id: str) -> int:
+        with self.store.db.connection() as conn:
+            return int(conn.execute("SELECT count(*) FROM events WHERE run_id = %s",
+                                    (run_id,)).fetchone()[0])
+
+    def cpu_seconds(self) -> dict[int, float] | None:
+        """The CPU time so far of each server process connected to the store's database
+        (None when they cannot be read)."""
+        with self.store.db.connection() as conn:
+            pids = [row[0] for row in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            ).fetchall()]
+        ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        seconds = {}
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return None
+            fields = stat[stat.rindex(")") + 2:].split()
+            seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
+        return seconds
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
