@@ -35,6 +35,7 @@ machine-readable, for the first engine measured (vLLM when importable):
 
     python bench/rollout.py                               # E=128, M=64, both engines
     python bench/rollout.py --episodes 8 --concurrency 1,8 --no-vllm --max-tokens 16
+    python bench/rollout.py --recording-only --repeats 5  # the store against memory only
 """
 
 from __future__ import annotations
@@ -129,9 +130,11 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     asyncio.run(_play(backend, ListSink(), episodes=2, in_flight=2, max_tokens=4,
                       run_id="warm-up", runner=runner))
     top_in_flight = args.concurrency[-1]
-    arms: dict[str, Any] = {"sequential": lambda: _play(
-        backend, ListSink(), in_flight=1, run_id="bench", **play)}
-    for c in args.concurrency:
+    arms: dict[str, Any] = {}
+    if not args.recording_only:
+        arms["sequential"] = lambda: _play(backend, ListSink(), in_flight=1, run_id="bench",
+                                           **play)
+    for c in args.concurrency if not args.recording_only else [top_in_flight]:
         arms[f"concurrent-{c}"] = lambda c=c: _play(backend, ListSink(), in_flight=c,
                                                     run_id="bench", **play)
     if store is not None:  # right after the in-memory run it is compared with
@@ -144,8 +147,9 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
                          server=server, **play)
 
         arms["store"] = stored
-    arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
-                                       max_tokens=args.max_tokens)
+    if not args.recording_only:
+        arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
+                                           max_tokens=args.max_tokens)
     # Every round measures every arm, so the drift of a shared machine hits them all; each
     # arm keeps its best round.
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
@@ -156,16 +160,23 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     def best(name: str) -> dict[str, float]:
         return max(runs[name], key=lambda run: run["tokens_per_s"])
 
-    report: dict[str, Any] = {
-        "sequential": best("sequential"),
-        "concurrent": [best(f"concurrent-{c}") for c in args.concurrency],
-        "ceiling": best("ceiling"),
-    }
+    if args.recording_only:
+        report: dict[str, Any] = {"concurrent": [best(f"concurrent-{top_in_flight}")],
+                                  "ratios": {"concurrent_vs_sequential": float("nan"),
+                                             "concurrent_vs_engine": float("nan")}}
+    else:
+        report = {
+            "sequential": best("sequential"),
+            "concurrent": [best(f"concurrent-{c}") for c in args.concurrency],
+            "ceiling": best("ceiling"),
+        }
+        report["ratios"] = {
+            "concurrent_vs_sequential": (report["concurrent"][-1]["tokens_per_s"]
+                                         / report["sequential"]["tokens_per_s"]),
+            "concurrent_vs_engine": (report["concurrent"][-1]["tokens_per_s"]
+                                     / report["ceiling"]["tokens_per_s"]),
+        }
     top = report["concurrent"][-1]
-    report["ratios"] = {
-        "concurrent_vs_sequential": top["tokens_per_s"] / report["sequential"]["tokens_per_s"],
-        "concurrent_vs_engine": top["tokens_per_s"] / report["ceiling"]["tokens_per_s"],
-    }
     if store is not None:
         # Paired within each round (the store run follows the in-memory one), the median
         # of the rounds: one slow round of either arm does not decide it.
@@ -176,14 +187,16 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
                                "overhead": 1.0 - statistics.median(ratios),
                                **_recording_cpu(memory, runs["store"])}
     runner.close()
-    seq, ceiling = report["sequential"], report["ceiling"]
-    print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
-          f"{seq['episodes_per_s']:6.2f} episodes/s")
+    seq = report.get("sequential")
+    if seq is not None:
+        print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
+              f"{seq['episodes_per_s']:6.2f} episodes/s")
     for row in report["concurrent"]:
+        speedup = "" if seq is None else f"  (x{row['tokens_per_s'] / seq['tokens_per_s']:.2f})"
         print(f"{name:12s} {row['in_flight']:3d} in flight      {row['tokens_per_s']:8.1f} "
-              f"tokens/s  {row['episodes_per_s']:6.2f} episodes/s  "
-              f"(x{row['tokens_per_s'] / seq['tokens_per_s']:.2f})")
-    print(f"{name:12s} engine alone      {ceiling['tokens_per_s']:8.1f} tokens/s")
+              f"tokens/s  {row['episodes_per_s']:6.2f} episodes/s{speedup}")
+    if "ceiling" in report:
+        print(f"{name:12s} engine alone      {report['ceiling']['tokens_per_s']:8.1f} tokens/s")
     if "recording" in report:
         recording = report["recording"]
         print(f"{name:12s} recording overhead {recording['overhead']:+.3f} "
@@ -257,7 +270,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-vllm", action="store_true", help="measure transformers only")
     parser.add_argument("--no-store", action="store_true",
                         help="skip the recording measurement (no database)")
+    parser.add_argument("--recording-only", action="store_true",
+                        help="measure only the recording: the in-memory and store runs at the "
+                             "highest concurrency (the RESULT ratios are then nan)")
     args = parser.parse_args(argv)
+    if args.recording_only and args.no_store:
+        parser.error("--recording-only measures the store: it cannot go with --no-store")
     for name in ("episodes", "max_tokens", "threads", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
