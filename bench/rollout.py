@@ -19,13 +19,23 @@ the sequential loop, and over the ceiling; the recording overhead is
 ``1 - median over rounds of tokens/s(store) / tokens/s(memory)``, the store run right after
 the in-memory one in each round. Every round (``--repeats`` of them) measures every
 arm once, in turn, so the drift of a shared, noisy machine hits them all, and each arm keeps
-its best round. The last line is
+its best round.
+
+That overhead is wall time, so on a machine with few cores it also measures how the
+recording's work competes with the loop and the engine for them. What the recording costs
+on its own is reported beside it, as CPU milliseconds per event recorded (medians over the
+rounds): this process's CPU time in the store run less that of the in-memory run it is
+paired with (validation, encoding, the driver, the writer thread, and whatever the loop does
+differently meanwhile), and the CPU time of the PostgreSQL server processes serving the
+scratch database (read from ``/proc``; absent where the server is not on this host). The
+in-memory run's own process CPU per event is printed with it, for scale. The last line is
 machine-readable, for the first engine measured (vLLM when importable):
 
     RESULT concurrent_vs_sequential=<x> concurrent_vs_engine=<x> recording_overhead=<f>
 
     python bench/rollout.py                               # E=128, M=64, both engines
     python bench/rollout.py --episodes 8 --concurrency 1,8 --no-vllm --max-tokens 16
+    python bench/rollout.py --recording-only --repeats 5  # the store against memory only
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ def _sampling(max_tokens: int, seed: int) -> SamplingParams:
 
 
 async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_tokens: int,
-                run_id: str, runner: ToolRunner) -> dict[str, float]:
+                run_id: str, runner: ToolRunner, server: Any = None) -> dict[str, float]:
     """Play the benchmark's episodes with at most ``in_flight`` at once."""
     tools = default_tool_registry()
     tasks = arithmetic_tasks(episodes, seed=2)
@@ -76,14 +86,29 @@ async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_t
                 sampling=_sampling(max_tokens, index), episode_id=str(uuid.uuid4()),
                 max_turns=4, tool_runner=runner))
 
+    server_before = server.cpu_seconds() if server is not None else None
+    cpu = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(episodes)))
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu
     tokens = sum(r.generated_tokens for r in results)
-    return {"in_flight": in_flight, "episodes": episodes, "seconds": seconds,
-            "tokens": tokens, "llm_calls": sum(r.llm_calls for r in results),
-            "errors": sum(1 for r in results if r.status == "error"),
-            "tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds}
+    run = {"in_flight": in_flight, "episodes": episodes, "seconds": seconds,
+           "tokens": tokens, "llm_calls": sum(r.llm_calls for r in results),
+           "errors": sum(1 for r in results if r.status == "error"),
+           "tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds,
+           "process_cpu_s": cpu}
+    if isinstance(sink, ListSink):
+        run["events"] = sum(len(events) for events in sink.streams.values())
+    if server is not None:
+        run["events"] = server.events(run_id)
+        if server_before is not None:
+            after = server.cpu_seconds()
+            # A process that served the run from its start to its end; one that started
+            # meanwhile (the pool grew) counts whole.
+            run["server_cpu_s"] = None if after is None else sum(
+                seconds - server_before.get(pid, 0.0) for pid, seconds in after.items())
+    return run
 
 
 async def _ceiling(backend: Any, *, episodes: int, max_tokens: int) -> dict[str, float]:
@@ -105,20 +130,26 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     asyncio.run(_play(backend, ListSink(), episodes=2, in_flight=2, max_tokens=4,
                       run_id="warm-up", runner=runner))
     top_in_flight = args.concurrency[-1]
-    arms: dict[str, Any] = {"sequential": lambda: _play(
-        backend, ListSink(), in_flight=1, run_id="bench", **play)}
-    for c in args.concurrency:
+    arms: dict[str, Any] = {}
+    if not args.recording_only:
+        arms["sequential"] = lambda: _play(backend, ListSink(), in_flight=1, run_id="bench",
+                                           **play)
+    for c in args.concurrency if not args.recording_only else [top_in_flight]:
         arms[f"concurrent-{c}"] = lambda c=c: _play(backend, ListSink(), in_flight=c,
                                                     run_id="bench", **play)
     if store is not None:  # right after the in-memory run it is compared with
+        server = _Server(store)
+
         def stored() -> Any:
             run_id = f"bench-{uuid.uuid4().hex[:8]}"
             store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
-            return _play(backend, store, in_flight=top_in_flight, run_id=run_id, **play)
+            return _play(backend, store, in_flight=top_in_flight, run_id=run_id,
+                         server=server, **play)
 
         arms["store"] = stored
-    arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
-                                       max_tokens=args.max_tokens)
+    if not args.recording_only:
+        arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
+                                           max_tokens=args.max_tokens)
     # Every round measures every arm, so the drift of a shared machine hits them all; each
     # arm keeps its best round.
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
@@ -129,16 +160,23 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     def best(name: str) -> dict[str, float]:
         return max(runs[name], key=lambda run: run["tokens_per_s"])
 
-    report: dict[str, Any] = {
-        "sequential": best("sequential"),
-        "concurrent": [best(f"concurrent-{c}") for c in args.concurrency],
-        "ceiling": best("ceiling"),
-    }
+    if args.recording_only:
+        report: dict[str, Any] = {"concurrent": [best(f"concurrent-{top_in_flight}")],
+                                  "ratios": {"concurrent_vs_sequential": float("nan"),
+                                             "concurrent_vs_engine": float("nan")}}
+    else:
+        report = {
+            "sequential": best("sequential"),
+            "concurrent": [best(f"concurrent-{c}") for c in args.concurrency],
+            "ceiling": best("ceiling"),
+        }
+        report["ratios"] = {
+            "concurrent_vs_sequential": (report["concurrent"][-1]["tokens_per_s"]
+                                         / report["sequential"]["tokens_per_s"]),
+            "concurrent_vs_engine": (report["concurrent"][-1]["tokens_per_s"]
+                                     / report["ceiling"]["tokens_per_s"]),
+        }
     top = report["concurrent"][-1]
-    report["ratios"] = {
-        "concurrent_vs_sequential": top["tokens_per_s"] / report["sequential"]["tokens_per_s"],
-        "concurrent_vs_engine": top["tokens_per_s"] / report["ceiling"]["tokens_per_s"],
-    }
     if store is not None:
         # Paired within each round (the store run follows the in-memory one), the median
         # of the rounds: one slow round of either arm does not decide it.
@@ -146,20 +184,76 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
         ratios = [s["tokens_per_s"] / m["tokens_per_s"]
                   for s, m in zip(runs["store"], memory, strict=True)]
         report["recording"] = {"memory": memory, "store": runs["store"],
-                               "overhead": 1.0 - statistics.median(ratios)}
+                               "overhead": 1.0 - statistics.median(ratios),
+                               **_recording_cpu(memory, runs["store"])}
     runner.close()
-    seq, ceiling = report["sequential"], report["ceiling"]
-    print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
-          f"{seq['episodes_per_s']:6.2f} episodes/s")
+    seq = report.get("sequential")
+    if seq is not None:
+        print(f"{name:12s} sequential        {seq['tokens_per_s']:8.1f} tokens/s  "
+              f"{seq['episodes_per_s']:6.2f} episodes/s")
     for row in report["concurrent"]:
+        speedup = "" if seq is None else f"  (x{row['tokens_per_s'] / seq['tokens_per_s']:.2f})"
         print(f"{name:12s} {row['in_flight']:3d} in flight      {row['tokens_per_s']:8.1f} "
-              f"tokens/s  {row['episodes_per_s']:6.2f} episodes/s  "
-              f"(x{row['tokens_per_s'] / seq['tokens_per_s']:.2f})")
-    print(f"{name:12s} engine alone      {ceiling['tokens_per_s']:8.1f} tokens/s")
+              f"tokens/s  {row['episodes_per_s']:6.2f} episodes/s{speedup}")
+    if "ceiling" in report:
+        print(f"{name:12s} engine alone      {report['ceiling']['tokens_per_s']:8.1f} tokens/s")
     if "recording" in report:
-        print(f"{name:12s} recording overhead {report['recording']['overhead']:+.3f} "
+        recording = report["recording"]
+        print(f"{name:12s} recording overhead {recording['overhead']:+.3f} "
               f"(EventStore against memory, {top['in_flight']} in flight)")
+        server_ms = recording["server_cpu_ms_per_event"]
+        print(f"{name:12s} recording CPU      {recording['process_cpu_ms_per_event']:.3f} ms/event "
+              f"in this process + "
+              + ("n/a" if server_ms is None else f"{server_ms:.3f}")
+              + f" ms/event in PostgreSQL (the loop alone: "
+              f"{recording['loop_cpu_ms_per_event']:.3f} ms/event)")
     return report
+
+
+def _recording_cpu(memory: list[dict[str, Any]], stored: list[dict[str, Any]]
+                   ) -> dict[str, float | None]:
+    """The recording's CPU per event (module docstring), medians over the paired rounds."""
+    process = [(s["process_cpu_s"] - m["process_cpu_s"]) * 1000 / s["events"]
+               for s, m in zip(stored, memory, strict=True)]
+    server = [s["server_cpu_s"] * 1000 / s["events"] for s in stored
+              if s.get("server_cpu_s") is not None]
+    return {
+        "process_cpu_ms_per_event": statistics.median(process),
+        "server_cpu_ms_per_event": statistics.median(server) if server else None,
+        "loop_cpu_ms_per_event": statistics.median(
+            m["process_cpu_s"] * 1000 / m["events"] for m in memory),
+    }
+
+
+class _Server:
+    """The PostgreSQL processes serving the store's database: their CPU time (Linux, server
+    on this host) and what a run stored."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def events(self, run_id: str) -> int:
+        with self.store.db.connection() as conn:
+            return int(conn.execute("SELECT count(*) FROM events WHERE run_id = %s",
+                                    (run_id,)).fetchone()[0])
+
+    def cpu_seconds(self) -> dict[int, float] | None:
+        """The CPU time so far of each server process connected to the store's database
+        (None when they cannot be read)."""
+        with self.store.db.connection() as conn:
+            pids = [row[0] for row in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            ).fetchall()]
+        ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        seconds = {}
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return None
+            fields = stat[stat.rindex(")") + 2:].split()
+            seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
+        return seconds
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -176,7 +270,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-vllm", action="store_true", help="measure transformers only")
     parser.add_argument("--no-store", action="store_true",
                         help="skip the recording measurement (no database)")
+    parser.add_argument("--recording-only", action="store_true",
+                        help="measure only the recording: the in-memory and store runs at the "
+                             "highest concurrency (the RESULT ratios are then nan)")
     args = parser.parse_args(argv)
+    if args.recording_only and args.no_store:
+        parser.error("--recording-only measures the store: it cannot go with --no-store")
     for name in ("episodes", "max_tokens", "threads", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

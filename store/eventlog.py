@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from psycopg.rows import dict_row
@@ -102,6 +102,23 @@ ORDER BY u.n
 -- (stream_id, stream_version), a genuine version conflict, an error.
 ON CONFLICT (event_id) DO NOTHING
 RETURNING event_id, position
+"""
+
+# append_many's INSERT of many batches: without ON CONFLICT, all rows or an error.
+_INSERT_TOGETHER = _INSERT[: _INSERT.index("-- Idempotency")] + "RETURNING event_id, position\n"
+
+# append_many's locks: one per stream, taken in the order of the (sorted) array, as a
+# function scan returns it; a second lock on a colliding hash is granted at once.
+_LOCK_STREAMS = (
+    "SELECT pg_advisory_xact_lock(hashtextextended(u.s, 0)) FROM unnest(%s::text[]) AS u(s)"
+)
+
+# Every stream's version and whether it is finished, as _append_in reads them one by one.
+_STREAM_STATES = """
+SELECT u.s,
+       coalesce((SELECT max(e.stream_version) FROM events e WHERE e.stream_id = u.s), 0),
+       EXISTS (SELECT 1 FROM events e WHERE e.stream_id = u.s AND e.type = 'episode_finished')
+FROM unnest(%s::text[]) AS u(s)
 """
 
 
@@ -221,13 +238,19 @@ class EventStore:
         Each batch keeps :meth:`append`'s meaning and answers on its own: the list holds, in
         order, its ``AppendResult`` or the exception :meth:`append` would have raised for it
         (``ConflictError``, ``ClosedError``, ``ValidationError``…); a failing batch leaves
-        the others stored (each runs under a savepoint). Streams are locked in sorted order,
-        so concurrent callers never deadlock. A batch that races with a concurrent append of
-        the same ids is run again on its own after the commit. Raises only for what stops the
-        whole transaction (``TransientError`` when the database is unreachable).
+        the others stored. Streams are locked in sorted order, so concurrent callers never
+        deadlock. The batches are checked and written set-wise: one round trip locks every
+        stream and reads their versions and the ids already stored, one ``INSERT`` writes
+        every batch that passed; a batch that is a retry (ids already stored) or a stream's
+        second batch runs after it on its own, under a savepoint. When the set-wise insert
+        cannot go through (a row raced in, the database refused a value) the transaction is
+        undone and every batch runs again on its own under its savepoint. A batch that races
+        with a concurrent append of the same ids is run again on its own after the commit.
+        Raises only for what stops the whole transaction (``TransientError`` when the
+        database is unreachable).
         """
         answers: list[AppendResult | Exception | None] = [None] * len(batches)
-        prepared: list[tuple[int, str, list[Event], int | None]] = []
+        prepared: list[_Prepared] = []
         for index, (stream_id, events, expected_version) in enumerate(batches):
             try:
                 expected, checked = self._prepare(stream_id, events, expected_version)
@@ -237,35 +260,115 @@ class EventStore:
             prepared.append((index, stream_id, checked, expected))
         prepared.sort(key=lambda item: (item[1], item[0]))
         started = time.perf_counter()
-        done: list[tuple[int, str, list[Event], AppendResult, list[LLMCallMemory]]] = []
-        again: list[int] = []
+        outcome = _Outcome()
         if prepared:
-            with self.db.transaction() as conn:
-                for index, stream_id, events, expected in prepared:
-                    try:
-                        # A savepoint: one batch fails alone, its driver error translated.
-                        with translate_errors(), conn.transaction():
-                            result, calls = self._append_in(conn, stream_id, events, expected)
-                    except (_Retry, errors.DuplicateKeyError):
-                        again.append(index)
-                    except errors.StoreError as exc:
-                        answers[index] = exc
-                    else:
-                        done.append((index, stream_id, events, result, calls))
+            try:
+                outcome = self._append_set_wise(prepared)
+            except errors.TransientError:
+                raise
+            except errors.StoreError:
+                # Undone as a whole: each batch again under its own savepoint, which names
+                # the one that failed and keeps the others.
+                outcome = self._append_each(prepared)
         observe_append(time.perf_counter() - started)
-        for index, stream_id, events, result, calls in done:
-            if calls is not None:
-                self._remember(stream_id, calls)
+        for index, exc in outcome.failed:
+            answers[index] = exc
+        for index, stream_id, events, result, memo in outcome.done:
+            if memo is not None:
+                self._remember(stream_id, memo)
             if not result.duplicate:
                 self._notify(stream_id, events, result)
             answers[index] = result
-        for index in again:
+        for index in outcome.again:
             stream_id, events, expected_version = batches[index]
             try:
                 answers[index] = self.append(stream_id, events, expected_version)
             except errors.StoreError as exc:
                 answers[index] = exc
         return [answer for answer in answers if answer is not None]
+
+    def _append_set_wise(self, prepared: list[_Prepared]) -> _Outcome:
+        """``append_many``'s transaction with two round trips for every batch that can go
+        together (see there): one locks the streams and reads their state, one inserts and
+        commits. Raises the ``StoreError`` of the ``INSERT`` (the transaction rolled back)
+        when it cannot be written as planned."""
+        streams = sorted({stream_id for _, stream_id, _, _ in prepared})
+        ids = [e.event_id for _, _, events, _ in prepared for e in events]
+        outcome = _Outcome()
+        together: list[tuple[int, str, list[Event], list[EventRow], _Memo, int]]
+        together = []
+        alone: list[_Prepared] = []
+        positions: dict[Any, int] = {}
+        inserted: Any = None
+        # Pipeline mode: BEGIN and the three statements below go in one round trip, the
+        # INSERT and COMMIT in a second. The locks are taken in the order of the (sorted)
+        # array, and in READ COMMITTED the reads, which start once they are granted, see
+        # every append committed before (as in _append_in).
+        with self.db.connection() as conn, conn.pipeline(), conn.transaction():
+            conn.execute(_LOCK_STREAMS, (streams,))
+            stored_cur = conn.execute(
+                "SELECT event_id FROM events WHERE event_id = ANY(%s)", (ids,))
+            state_cur = conn.execute(_STREAM_STATES, (streams,))
+            stored = {row[0] for row in stored_cur.fetchall()}
+            states = {row[0]: (row[1], row[2]) for row in state_cur.fetchall()}
+            seen_streams: set[str] = set()
+            seen_ids: set[Any] = set()
+            for item in prepared:
+                index, stream_id, events, expected = item
+                batch_ids = [e.event_id for e in events]
+                # A retry (some ids stored), ids a batch before it also carries, or a stream
+                # met before: decided against what the batches before it wrote, so written
+                # after them, on its own.
+                apart = stream_id in seen_streams or any(
+                    i in stored or i in seen_ids for i in batch_ids)
+                seen_streams.add(stream_id)
+                seen_ids.update(batch_ids)
+                if apart:
+                    alone.append(item)
+                    continue
+                current, finished = states[stream_id]
+                try:
+                    self._check_append(stream_id, events, current, finished, expected)
+                    rows, memo = self._rows(conn, stream_id, current, events)
+                except errors.StoreError as exc:
+                    outcome.failed.append((index, exc))
+                    continue
+                together.append((index, stream_id, events, rows, memo, current))
+            if together:
+                # No ON CONFLICT: an id committed meanwhile (by a writer of another stream)
+                # fails the INSERT, and append_many runs every batch again on its own.
+                inserted = conn.execute(_INSERT_TOGETHER, _columns(
+                    [row for *_, batch_rows, _, _ in together for row in batch_rows]))
+                if alone:  # its error, if any, is not the next batch's
+                    positions = dict(inserted.fetchall())
+            self._append_apart(conn, alone, outcome)
+        if together:
+            positions = positions or dict(inserted.fetchall())
+            for index, stream_id, events, batch_rows, memo, current in together:
+                result = AppendResult(stream_id, tuple(positions[r.event_id] for r in batch_rows),
+                                      current + len(events))
+                outcome.done.append((index, stream_id, events, result, memo))
+        return outcome
+
+    def _append_each(self, prepared: list[_Prepared]) -> _Outcome:
+        """``append_many``'s transaction one batch after the other, each under a savepoint."""
+        outcome = _Outcome()
+        with self.db.transaction() as conn:
+            self._append_apart(conn, prepared, outcome)
+        return outcome
+
+    def _append_apart(self, conn: Any, prepared: list[_Prepared], outcome: _Outcome) -> None:
+        for index, stream_id, events, expected in prepared:
+            try:
+                # A savepoint: one batch fails alone, its driver error translated.
+                with translate_errors(), conn.transaction():
+                    result, memo = self._append_in(conn, stream_id, events, expected)
+            except (_Retry, errors.DuplicateKeyError):
+                outcome.again.append(index)
+            except errors.StoreError as exc:
+                outcome.failed.append((index, exc))
+            else:
+                outcome.done.append((index, stream_id, events, result, memo))
 
     def _prepare(self, stream_id: str, events: Sequence[Event],
                  expected_version: ExpectedVersion) -> tuple[int | None, list[Event]]:
@@ -299,9 +402,9 @@ class EventStore:
         expected: int | None,
     ) -> AppendResult:
         with self.db.transaction() as conn:
-            result, calls = self._append_in(conn, stream_id, events, expected)
-        if calls is not None:
-            self._remember(stream_id, calls)
+            result, memo = self._append_in(conn, stream_id, events, expected)
+        if memo is not None:
+            self._remember(stream_id, memo)
         return result
 
     def _append_in(
@@ -310,9 +413,9 @@ class EventStore:
         stream_id: str,
         events: list[Event],
         expected: int | None,
-    ) -> tuple[AppendResult, list[LLMCallMemory] | None]:
+    ) -> tuple[AppendResult, _Memo | None]:
         """The append on ``conn``, inside the caller's transaction: its result and the
-        stream's recent LLM calls to remember once committed (None for a duplicate)."""
+        stream's memo to remember once committed (None for a duplicate)."""
         ids = [e.event_id for e in events]
         # One round trip (pipeline) for three statements, run in order:
         # 1. Appends to one stream take turns: under this lock the version read below
@@ -341,15 +444,9 @@ class EventStore:
         version_row = version_cur.fetchone()
         assert version_row is not None  # max() always returns a row
         current, finished = version_row[0], bool(version_row[1])
-        if finished:
-            # A finished episode is closed for good: an event after its finish would
-            # change what replay made of it, samples already trained included.
-            raise errors.ClosedError(stream_id, actual=current)
-        if expected is not None and current != expected:
-            raise errors.ConflictError(stream_id, expected=expected, actual=current)
-        _check_order(stream_id, events, current)
+        self._check_append(stream_id, events, current, finished, expected)
 
-        rows, calls = self._rows(conn, stream_id, current, events)
+        rows, memo = self._rows(conn, stream_id, current, events)
         # A unique violation here (the same event id committed meanwhile to another
         # stream, or a version taken by a client that skipped the lock) aborts this
         # transaction; ``append`` runs it again and the checks above then give the
@@ -361,7 +458,21 @@ class EventStore:
             raise _Retry()
         by_id = dict(returned)
         positions = tuple(by_id[r.event_id] for r in rows)
-        return AppendResult(stream_id, positions, current + len(events)), calls
+        return AppendResult(stream_id, positions, current + len(events)), memo
+
+    @staticmethod
+    def _check_append(stream_id: str, events: list[Event], current: int, finished: bool,
+                      expected: int | None) -> None:
+        """Whether ``events`` may follow a stream at ``current`` (``finished``: it holds an
+        ``episode_finished``); raises ``ClosedError``, ``ConflictError`` or
+        ``ValidationError``."""
+        if finished:
+            # A finished episode is closed for good: an event after its finish would
+            # change what replay made of it, samples already trained included.
+            raise errors.ClosedError(stream_id, actual=current)
+        if expected is not None and current != expected:
+            raise errors.ConflictError(stream_id, expected=expected, actual=current)
+        _check_order(stream_id, events, current)
 
     def _rows(
         self,
@@ -369,8 +480,9 @@ class EventStore:
         stream_id: str,
         current: int,
         events: list[Event],
-    ) -> tuple[list[EventRow], list[LLMCallMemory]]:
-        """The rows to insert, and the stream's recent LLM calls including the new ones."""
+    ) -> tuple[list[EventRow], _Memo]:
+        """The rows to insert, and what to remember of the stream once they are committed:
+        its recent LLM calls including the new ones, and its identity when they open it."""
         run_id, group_id = self._stream_identity(conn, stream_id, current, events)
         calls = self._recent_calls(conn, stream_id, current) if current else []
         rows: list[EventRow] = []
@@ -408,7 +520,8 @@ class EventStore:
                     event_index=i,
                 )
             rows.append(row)
-        return rows, calls
+        opened = (rows[0].run_id, rows[0].group_id) if current == 0 else None
+        return rows, _Memo(calls, opened)
 
     def _idempotent_result(
         self, conn: Any, stream_id: str, events: list[Event], stored: list[Any]
@@ -446,13 +559,23 @@ class EventStore:
             duplicate=True,
         )
 
-    def _remember(self, stream_id: str, calls: list[LLMCallMemory]) -> None:
-        keep = calls[-self.settings.delta_candidates :]
+    def _remember(self, stream_id: str, memo: _Memo) -> None:
+        keep = memo.calls[-self.settings.delta_candidates :]
         with self._cache_lock:
             self._calls[stream_id] = keep
             self._calls.move_to_end(stream_id)
             while len(self._calls) > 256:
                 self._calls.popitem(last=False)
+            if memo.opened is not None:  # what _stream_identity would read from version 1
+                self._remember_identity(stream_id, memo.opened)
+
+    def _remember_identity(self, stream_id: str, identity: tuple[str | None, str | None]
+                           ) -> None:
+        """Keep a stream's run and group id (``_cache_lock`` held)."""
+        self._stream_meta[stream_id] = identity
+        self._stream_meta.move_to_end(stream_id)
+        while len(self._stream_meta) > 4096:
+            self._stream_meta.popitem(last=False)
 
     def _stream_identity(
         self, conn: Any, stream_id: str, current: int, events: list[Event]
@@ -475,9 +598,7 @@ class EventStore:
             ).fetchone()
             known = (row[0], row[1]) if row else (None, None)
             with self._cache_lock:
-                self._stream_meta[stream_id] = known
-                while len(self._stream_meta) > 4096:
-                    self._stream_meta.popitem(last=False)
+                self._remember_identity(stream_id, known)
         return known
 
     def _recent_calls(self, conn: Any, stream_id: str, current: int) -> list[LLMCallMemory]:
@@ -727,6 +848,30 @@ class EpisodeSummary:
 
 class _Retry(Exception):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Memo:
+    """What an append leaves to remember of its stream once committed: the recent LLM calls
+    (delta candidates) and, when it opens the stream, the stream's run and group id."""
+
+    calls: list[LLMCallMemory]
+    opened: tuple[str | None, str | None] | None
+
+
+#: A batch of ``append_many`` once checked: its index, stream, events, expected version.
+_Prepared = tuple[int, str, list[Event], int | None]
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What ``append_many``'s transaction did with each batch: stored (with what to remember
+    and tell listeners once committed), refused, or to run again after the commit."""
+
+    done: list[tuple[int, str, list[Event], AppendResult, _Memo | None]] = (
+        field(default_factory=list))
+    failed: list[tuple[int, Exception]] = field(default_factory=list)
+    again: list[int] = field(default_factory=list)
 
 
 class _Listener:

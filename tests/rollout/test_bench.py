@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PostgresServer
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout.py"
 
 
@@ -33,3 +35,41 @@ def test_benchmark_runs_with_tiny_sizes(tiny_model_dir: Path,
         module.main(["--episodes", "0"])
     with pytest.raises(SystemExit):
         module.main(["--concurrency", "1,x"])
+
+
+def test_benchmark_reports_what_recording_costs(tiny_model_dir: Path, pg_server: PostgresServer,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """With the store, the overhead comes with the recording's CPU per event, in this process
+    and in the PostgreSQL processes serving the scratch database."""
+    monkeypatch.setenv("TRAJSTORE_TEST_DATABASE_URL", pg_server.admin_url)
+    spec = importlib.util.spec_from_file_location("bench_rollout_store", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(["--episodes", "4", "--max-tokens", "4", "--concurrency", "4",
+                          "--repeats", "2", "--no-vllm",
+                          "--data-dir", str(tiny_model_dir.parent)])
+    recording = report["engines"]["transformers"]["recording"]
+    assert len(recording["store"]) == len(recording["memory"]) == 2
+    for memory, stored in zip(recording["memory"], recording["store"], strict=True):
+        assert memory["events"] > 0 and stored["events"] > 0
+        assert stored["process_cpu_s"] > 0
+    assert isinstance(recording["process_cpu_ms_per_event"], float)
+    assert recording["loop_cpu_ms_per_event"] > 0
+    server = recording["server_cpu_ms_per_event"]
+    assert server is None or server >= 0
+    out = capsys.readouterr().out
+    assert "recording CPU" in out and "ms/event in PostgreSQL" in out
+    assert out.strip().splitlines()[-1].startswith("RESULT ")
+
+    only = module.main(["--episodes", "4", "--max-tokens", "4", "--concurrency", "1,4",
+                        "--repeats", "1", "--no-vllm", "--recording-only",
+                        "--data-dir", str(tiny_model_dir.parent)])["engines"]["transformers"]
+    assert "sequential" not in only and "ceiling" not in only
+    assert [row["in_flight"] for row in only["concurrent"]] == [4]
+    assert len(only["recording"]["store"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "concurrent_vs_sequential=nan" in last and "recording_overhead=nan" not in last
+    with pytest.raises(SystemExit):
+        module.main(["--recording-only", "--no-store"])

@@ -5,8 +5,11 @@ stored, and concurrent coroutines share transactions."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 import uuid
 
+import psycopg
 import pytest
 
 from store import errors
@@ -79,3 +82,69 @@ def test_concurrent_coroutines_share_transactions(store: EventStore) -> None:
         asyncio.run(stale())
     with pytest.raises(ValueError, match="max_batches"):
         AppendBatcher(store, max_batches=0)
+
+
+def test_batches_met_twice_go_after_the_others(store: EventStore) -> None:
+    """A stream's second batch, and ids that a batch before carries, are decided against
+    what the batches before them wrote, as if appended one after the other."""
+    twice, retried_stream, shared = new_stream(), new_stream(), new_stream()
+    # Batches are written in the order of their streams (the order their locks are taken).
+    shared_first, shared_second = f"{shared}-1", f"{shared}-2"
+    stored = [episode_started(event_id=uuid.uuid4()), *trajectory(1)]
+    store.append(retried_stream, stored, NO_STREAM)
+    changed = [stored[0], stored[1].model_copy(update={"finish_reason": "length"})]
+    calls = trajectory(2, seed=1)
+    call = trajectory(1, seed=2)[0]
+    answers = store.append_many([
+        (twice, [episode_started(run_id="run-b", group_id="g7")], NO_STREAM),
+        (twice, calls[:1], 1),
+        (twice, calls[1:], 1),  # stale once the batch before it is stored
+        (shared_second, [episode_started(), call], NO_STREAM),  # the same id as below
+        (shared_first, [episode_started(), call], NO_STREAM),
+        (retried_stream, changed, NO_STREAM),  # a retry that is not faithful
+    ])
+    assert [a.version for a in answers[:2]] == [1, 2]
+    assert isinstance(answers[2], errors.ConflictError) and answers[2].actual == 2
+    assert isinstance(answers[3], errors.IdempotencyError)
+    assert answers[4].version == 2
+    assert isinstance(answers[5], errors.IdempotencyError)
+    assert store.stream_version(shared_second) == 0
+    recorded = store.read_stream(twice)
+    assert [r.type for r in recorded] == ["episode_started", "llm_called"]
+    # The run and group of the stream's opening event are on every later row.
+    assert {(r.run_id, r.group_id) for r in recorded} == {("run-b", "g7")}
+    later = store.append_many([(twice, calls[1:], 2)])[0]
+    assert later.version == 3
+    assert store.read_stream(twice)[-1].run_id == "run-b"
+    assert store.read_stream(twice)[-1].group_id == "g7"
+
+
+def test_an_id_committed_meanwhile_undoes_the_shared_insert(store: EventStore,
+                                                           pg_url: str) -> None:
+    """An event id that another stream's writer commits while the batches are written
+    fails their shared INSERT: nothing of it stays, and each batch runs again on its own."""
+    racing, bystander, other = (new_stream() for _ in range(3))
+    batch = [episode_started(), *trajectory(1)]
+    clash = batch[1].event_id
+    with psycopg.connect(pg_url) as rival:
+        rival.execute(
+            "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version,"
+            " data) VALUES (%s, %s, 1, 'tool_returned', 1, %s)",
+            (clash, other, '{"name": "calculator", "output": "1"}'))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(store.append_many, [
+                (racing, batch, NO_STREAM),
+                (bystander, [episode_started(), *trajectory(2)], NO_STREAM),
+            ])
+            # The shared INSERT waits on the rival's uncommitted row with the same id.
+            with psycopg.connect(pg_url, autocommit=True) as watcher:
+                while not answer.done() and not watcher.execute(
+                        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND datname = current_database() AND query LIKE '%%INSERT INTO events%%'"
+                ).fetchone():
+                    time.sleep(0.01)
+            rival.commit()
+            answers = answer.result(timeout=60)
+    assert isinstance(answers[0], errors.IdempotencyError)
+    assert store.stream_version(racing) == 0
+    assert answers[1].version == 3 and store.stream_version(bystander) == 3
