@@ -299,7 +299,9 @@ def run_demo(
         run = store.get_run(options.resume)  # NotFoundError (a LookupError) when unknown
         run_id = options.resume
         # A resumed run keeps the task family it was created with (its model tells).
-        task = "calc" if Path(run.config.model or "").name.startswith("warm-calc-") else "digits"
+        from workers.rollout.warmstart import is_warm_start
+
+        task = "calc" if is_warm_start(run.config.model) else "digits"
         options = dataclasses.replace(options, task=task)
     else:
         run_id = _create_run(store, settings, options)

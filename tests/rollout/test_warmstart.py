@@ -14,6 +14,7 @@ from workers.rollout.toolcall import parse_response
 from workers.rollout.warmstart import (
     WarmStartCacheError,
     WarmStartOptions,
+    is_warm_start,
     solver_transcripts,
     verify_warm_start,
     warm_start_path,
@@ -99,6 +100,8 @@ def test_cache_is_checked_and_a_corrupt_one_rebuilt(tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     path = warm_start_path(tmp_path, seed=0, options=SMALL)
     manifest = verify_warm_start(path)
+    # A resumed demo run tells its task family by this.
+    assert is_warm_start(str(path)) and not is_warm_start(tmp_path) and not is_warm_start(None)
     assert warm_start_path(tmp_path, seed=0, options=SMALL) == path
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-16] + b"\0" * 16)

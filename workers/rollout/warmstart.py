@@ -18,7 +18,7 @@ rows that teach the small model to copy the operands and the tool's result.
 ``warm-calc-v<version>-seed<seed>`` with a ``warmstart.json`` holding the SHA-256 of every
 file. A folder whose files do not match (a corrupt or half-written cache) is reported with a
 warning naming the file, removed and rebuilt; it is never loaded. Building is deterministic
-for a seed and takes about 100 seconds on one CPU core (it trains on one thread; once: the
+for a seed and takes about 90 seconds on one CPU core (it trains on one thread; once: the
 folder is cached).
 """
 
@@ -42,10 +42,12 @@ from workers.rollout.rollback import format_error_feedback
 from workers.rollout.tinymodel import build_tiny_model
 
 __all__ = [
+    "FOLDER_PREFIX",
     "MISTAKES",
     "WARM_START_VERSION",
     "WarmStartCacheError",
     "WarmStartOptions",
+    "is_warm_start",
     "solver_transcripts",
     "verify_warm_start",
     "warm_start_model",
@@ -59,6 +61,8 @@ WARM_START_VERSION = 2
 #: The kinds of mistake the scripted solver makes.
 MISTAKES: tuple[str, ...] = ("malformed", "syntax", "name", "unknown_tool")
 _MANIFEST = "warmstart.json"
+#: How the name of every cached warm-start folder begins.
+FOLDER_PREFIX = "warm-calc-"
 
 
 class WarmStartCacheError(ValueError):
@@ -275,13 +279,12 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
             for t in solver_transcripts(options.transcripts, seed=seed,
                                         error_rate=options.error_rate)]
     prefix = _common_prefix([ids for ids, _ in data])
-    threads = torch.get_num_threads()
-    # One thread: the model's operations are too small to share (hidden size 64), and on a
-    # machine whose other core is busy, two threads spinning at each operation's barrier
-    # made building several times slower.
-    torch.set_num_threads(1)
     with torch.random.fork_rng(devices=[]), contextlib.ExitStack() as restore:
-        restore.callback(torch.set_num_threads, threads)
+        # One thread, always: two were faster only on an idle machine (69 s against 92 s)
+        # and several times slower as soon as another process was busy (they spin at each
+        # small operation's barrier); a fixed count also keeps the build reproducible.
+        restore.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(1)
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.train()
@@ -345,6 +348,12 @@ def verify_warm_start(path: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def is_warm_start(model: str | os.PathLike[str] | None) -> bool:
+    """Whether ``model`` (a run's model folder) is a warm start :func:`warm_start_path`
+    built."""
+    return model is not None and Path(model).name.startswith(FOLDER_PREFIX)
+
+
 def warm_start_path(data_dir: str | os.PathLike[str], *, seed: int = 0,
                     options: WarmStartOptions | None = None) -> Path:
     """The warm-started model for ``seed`` under ``data_dir``, built once (module docstring).
@@ -359,7 +368,7 @@ def warm_start_path(data_dir: str | os.PathLike[str], *, seed: int = 0,
     root = Path(data_dir)
     root.mkdir(parents=True, exist_ok=True)
     recipe = hashlib.sha256(json.dumps(options.__dict__, sort_keys=True).encode()).hexdigest()
-    target = root / f"warm-calc-v{WARM_START_VERSION}-seed{seed}-{recipe[:8]}"
+    target = root / f"{FOLDER_PREFIX}v{WARM_START_VERSION}-seed{seed}-{recipe[:8]}"
     if target.exists():
         try:
             verify_warm_start(target)
