@@ -127,7 +127,7 @@ def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_mode
 
     proc = torchrun(trainer_settings, dist_run, nproc=2, pack=pack, checkpointing=checkpointing)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 0, f"{err[-3000:]}\nstdout: {out[-1000:]}"
     result = json.loads(out.strip().splitlines()[-1])
     assert result["version"] == 1 and len(result["samples"]) == 8
 
@@ -169,7 +169,7 @@ def test_resumed_two_processes_train_like_one(trainer_store, trainer_settings,
     for version in (1, 2):
         proc = torchrun(trainer_settings, dist_run, nproc=2, config=config)
         out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
+        assert proc.returncode == 0, f"{err[-3000:]}\nstdout: {out[-1000:]}"
         result = json.loads(out.strip().splitlines()[-1])
         assert result["version"] == version
     folder = Path(str(result["checkpoint"]).removeprefix("file://"))

@@ -20,7 +20,7 @@ from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings
 from workers.trainer.config import TrainerConfig
-from workers.trainer.distributed import DistributedHooks, DistributedTrainer
+from workers.trainer.distributed import DistributedHooks, DistributedTrainer, exit_rank
 
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])
@@ -47,6 +47,8 @@ for _ in range(args.get("steps", 1)):
         print(json.dumps({"version": result.version, "samples": list(result.sample_ids),
                           "checkpoint": str(result.checkpoint) if result.checkpoint else None,
                           "metrics": result.metrics}), flush=True)
+dist.barrier()
 if store is not None:
     store.close()
 dist.destroy_process_group()
+exit_rank(0)

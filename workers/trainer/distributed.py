@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,7 @@ __all__ = [
     "balanced_split",
     "check_setup",
     "checkpoint_activations",
+    "exit_rank",
     "main",
     "shard_model",
 ]
@@ -698,6 +699,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps({"version": result.version, "step": result.step,
                                   "samples": result.samples, "checkpoint": str(result.checkpoint),
                                   "pg_loss": result.metrics.get("pg_loss")}), flush=True)
+        # Every rank leaves together: none tears its connections down while another still
+        # sends.
+        dist.barrier()
         return 0
     finally:
         if store is not None:
@@ -705,5 +709,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process with ``code`` once its work is done and its process group
+    destroyed, without the interpreter's teardown: gloo's and the rendezvous store's native
+    threads can still be running when Python finalises, and a rank then aborts ("terminate
+    called without an active exception") after it has finished, which torchrun reports as
+    a failed run."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
