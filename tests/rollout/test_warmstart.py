@@ -8,8 +8,10 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from workers.rollout.rewards import Transcript, tool_answer_reward
+from workers.rollout.tinymodel import build_tiny_model
 from workers.rollout.toolcall import parse_response
 from workers.rollout.warmstart import (
     WarmStartCacheError,
@@ -54,6 +56,29 @@ def test_bad_options_are_named(tmp_path: Path) -> None:
         warm_start_path(tmp_path, options=WarmStartOptions(hidden_size=0))
     with pytest.raises(ValueError, match="drills"):
         warm_start_path(tmp_path, options=WarmStartOptions(drills=-1))
+    with pytest.raises(ValueError, match="processes"):
+        warm_start_path(tmp_path, options=WarmStartOptions(processes=0))
+
+
+def test_two_processes_train_the_weights_of_one(tmp_path: Path) -> None:
+    """Data parallel over two processes: each scores its share of the rows, the gradients
+    are summed, and the weights come out as one process trains them (up to the order of
+    floating-point sums)."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    options = dataclasses.replace(SMALL, transcripts=12, steps=3, batch_size=3, drills=5)
+    one = load_file(warm_start_path(tmp_path / "one", options=dataclasses.replace(
+        options, processes=1)) / "model.safetensors")
+    two = load_file(warm_start_path(tmp_path / "two", options=options) / "model.safetensors")
+    untrained = load_file(build_tiny_model(tmp_path / "raw", seed=0) / "model.safetensors")
+    assert one.keys() == two.keys()
+    moved = 0.0
+    for name, weights in one.items():
+        assert torch.allclose(weights, two[name], atol=2e-5), name
+        moved = max(moved, float((weights - untrained[name]).abs().max()))
+    assert moved > 1e-3  # the steps did change the weights
 
 
 def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
