@@ -36,6 +36,7 @@ machine-readable, for the first engine measured (vLLM when importable):
     python bench/rollout.py                               # E=128, M=64, both engines
     python bench/rollout.py --episodes 8 --concurrency 1,8 --no-vllm --max-tokens 16
     python bench/rollout.py --recording-only --repeats 5  # the store against memory only
+    python bench/rollout.py --recording-only --eager      # ... and against eager transactions
 """
 
 from __future__ import annotations
@@ -147,6 +148,14 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
                          server=server, **play)
 
         arms["store"] = stored
+        if args.eager:
+            def eager() -> Any:
+                run_id = f"bench-{uuid.uuid4().hex[:8]}"
+                store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
+                return _play(backend, _EagerStore(store), in_flight=top_in_flight,
+                             run_id=run_id, server=server, **play)
+
+            arms["store-eager"] = eager
     if not args.recording_only:
         arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
                                            max_tokens=args.max_tokens)
@@ -186,6 +195,12 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
         report["recording"] = {"memory": memory, "store": runs["store"],
                                "overhead": 1.0 - statistics.median(ratios),
                                **_recording_cpu(memory, runs["store"])}
+        if "store-eager" in runs:
+            eager_ratios = [s["tokens_per_s"] / m["tokens_per_s"]
+                            for s, m in zip(runs["store-eager"], memory, strict=True)]
+            report["recording"]["eager"] = {
+                "store": runs["store-eager"], "overhead": 1.0 - statistics.median(eager_ratios),
+                **_recording_cpu(memory, runs["store-eager"])}
     runner.close()
     seq = report.get("sequential")
     if seq is not None:
@@ -207,6 +222,13 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
               + ("n/a" if server_ms is None else f"{server_ms:.3f}")
               + f" ms/event in PostgreSQL (the loop alone: "
               f"{recording['loop_cpu_ms_per_event']:.3f} ms/event)")
+        for arm, row in (("spaced", recording), ("eager", recording.get("eager"))):
+            if row is not None and "eager" in recording:
+                server_ms = row["server_cpu_ms_per_event"]
+                print(f"{name:12s} {arm:6s} store      overhead {row['overhead']:+.3f}, "
+                      f"{row['process_cpu_ms_per_event']:.3f} + "
+                      + ("n/a" if server_ms is None else f"{server_ms:.3f}")
+                      + " ms/event (process + PostgreSQL)")
     return report
 
 
@@ -223,6 +245,23 @@ def _recording_cpu(memory: list[dict[str, Any]], stored: list[dict[str, Any]]
         "loop_cpu_ms_per_event": statistics.median(
             m["process_cpu_s"] * 1000 / m["events"] for m in memory),
     }
+
+
+class _EagerStore:
+    """The store with each shared append transaction written as soon as the one before it
+    is done (``append_interval_ms`` 0), to compare with the spaced default."""
+
+    def __init__(self, store: Any) -> None:
+        from store.append_batcher import AppendBatcher
+
+        self.store = store
+        self.batcher = AppendBatcher(store, interval_s=0)
+
+    def append(self, stream_id: str, events: Any, expected_version: Any = "any") -> Any:
+        return self.store.append(stream_id, events, expected_version)
+
+    async def aappend(self, stream_id: str, events: Any, expected_version: Any = "any") -> Any:
+        return await self.batcher.append(stream_id, events, expected_version)
 
 
 class _Server:
@@ -273,7 +312,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--recording-only", action="store_true",
                         help="measure only the recording: the in-memory and store runs at the "
                              "highest concurrency (the RESULT ratios are then nan)")
+    parser.add_argument("--eager", action="store_true",
+                        help="also measure the store writing each shared transaction as soon "
+                             "as the last is done (append_interval_ms 0), paired the same way")
     args = parser.parse_args(argv)
+    if args.eager and args.no_store:
+        parser.error("--eager measures the store: it cannot go with --no-store")
     if args.recording_only and args.no_store:
         parser.error("--recording-only measures the store: it cannot go with --no-store")
     for name in ("episodes", "max_tokens", "threads", "repeats"):

@@ -220,13 +220,15 @@ class EventStore:
     async def aappend(self, stream_id: str, events: Sequence[Event],
                       expected_version: ExpectedVersion = ANY) -> AppendResult:
         """:meth:`append` for coroutines: appends awaited together from one event loop share
-        one transaction (:class:`~store.append_batcher.AppendBatcher`). Same answers and
+        one transaction (:class:`~store.append_batcher.AppendBatcher`), spaced at least
+        ``settings.append_interval_ms`` apart while appends keep coming. Same answers and
         errors as :meth:`append`."""
         from store.append_batcher import AppendBatcher
 
         with self._cache_lock:
             if self._batcher is None:
-                self._batcher = AppendBatcher(self)
+                self._batcher = AppendBatcher(
+                    self, interval_s=self.settings.append_interval_ms / 1000)
         return await self._batcher.append(stream_id, events, expected_version)
 
     def append_many(

@@ -63,13 +63,18 @@ def test_benchmark_reports_what_recording_costs(tiny_model_dir: Path, pg_server:
     assert "recording CPU" in out and "ms/event in PostgreSQL" in out
     assert out.strip().splitlines()[-1].startswith("RESULT ")
 
+    capsys.readouterr()
     only = module.main(["--episodes", "4", "--max-tokens", "4", "--concurrency", "1,4",
-                        "--repeats", "1", "--no-vllm", "--recording-only",
+                        "--repeats", "1", "--no-vllm", "--recording-only", "--eager",
                         "--data-dir", str(tiny_model_dir.parent)])["engines"]["transformers"]
     assert "sequential" not in only and "ceiling" not in only
     assert [row["in_flight"] for row in only["concurrent"]] == [4]
+    eager = only["recording"]["eager"]  # transactions written as soon as the last is done
+    assert len(eager["store"]) == 1 and eager["store"][0]["events"] > 0
     assert len(only["recording"]["store"]) == 1
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    out = capsys.readouterr().out
+    assert "eager  store" in out
+    last = out.strip().splitlines()[-1]
     assert "concurrent_vs_sequential=nan" in last and "recording_overhead=nan" not in last
     with pytest.raises(SystemExit):
         module.main(["--recording-only", "--no-store"])

@@ -84,6 +84,42 @@ def test_concurrent_coroutines_share_transactions(store: EventStore) -> None:
         AppendBatcher(store, max_batches=0)
 
 
+def test_transactions_are_spaced_while_appends_keep_coming(store: EventStore) -> None:
+    """With an interval, appends arriving while transactions keep being written wait for the
+    next one together; an append after a quiet spell is written at once."""
+    streams = [new_stream() for _ in range(20)]
+    batcher = AppendBatcher(store, interval_s=0.5)
+
+    async def episode(index: int, stream: str) -> int:
+        version = 0
+        for batch, expected in (([episode_started()], NO_STREAM), (trajectory(1), 1),
+                                (list(closing()), 2)):
+            await asyncio.sleep(0.01 * index)  # arrivals spread over 0.2 s
+            version = (await batcher.append(stream, batch, expected)).version
+        return version
+
+    async def everything() -> list[int]:
+        return list(await asyncio.gather(*(episode(i, s) for i, s in enumerate(streams))))
+
+    assert asyncio.run(everything()) == [5] * len(streams)
+    # 60 appends arriving one by one over 0.2 s per round: the first alone, then about one
+    # transaction per round of batches (eagerly written, about one each).
+    assert batcher.transactions <= 6
+    for stream in streams:
+        assert store.stream_version(stream) == 5
+
+    idle = AppendBatcher(store, interval_s=30)
+
+    async def alone() -> int:
+        return (await asyncio.wait_for(idle.append(new_stream(), [episode_started()],
+                                                   NO_STREAM), timeout=10)).version
+
+    assert asyncio.run(alone()) == 1  # not held for the interval
+    for bad in (-0.1, 61, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="interval_s"):
+            AppendBatcher(store, interval_s=bad)  # type: ignore[arg-type]
+
+
 def test_batches_met_twice_go_after_the_others(store: EventStore) -> None:
     """A stream's second batch, and ids that a batch before carries, are decided against
     what the batches before them wrote, as if appended one after the other."""
@@ -148,3 +184,17 @@ def test_an_id_committed_meanwhile_undoes_the_shared_insert(store: EventStore,
     assert isinstance(answers[0], errors.IdempotencyError)
     assert store.stream_version(racing) == 0
     assert answers[1].version == 3 and store.stream_version(bystander) == 3
+
+
+def test_append_interval_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pydantic
+
+    from store.settings import Settings
+
+    assert Settings().append_interval_ms == 10
+    for bad in ("-1", "1001", "soon"):
+        monkeypatch.setenv("TRAJSTORE_APPEND_INTERVAL_MS", bad)
+        with pytest.raises(pydantic.ValidationError, match="append_interval_ms"):
+            Settings()
+    monkeypatch.setenv("TRAJSTORE_APPEND_INTERVAL_MS", "0")
+    assert Settings().append_interval_ms == 0
