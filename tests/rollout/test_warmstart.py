@@ -75,10 +75,29 @@ def test_two_processes_train_the_weights_of_one(tmp_path: Path) -> None:
     untrained = load_file(build_tiny_model(tmp_path / "raw", seed=0) / "model.safetensors")
     assert one.keys() == two.keys()
     moved = 0.0
+    # Adam moves every weight by about lr (3e-3) a step whatever its gradient's size, so on
+    # gradients that cancel to about eps the order of the sums moves the update by ~1e-5;
+    # a rank that trained on its half alone would be off by about lr.
     for name, weights in one.items():
-        assert torch.allclose(weights, two[name], atol=2e-5), name
+        assert torch.allclose(weights, two[name], atol=2e-4), name
         moved = max(moved, float((weights - untrained[name]).abs().max()))
     assert moved > 1e-3  # the steps did change the weights
+
+
+def test_one_process_plays_both_ranks_where_none_can_be_spawned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a daemonic process or a script that is not on disk no child can be spawned: the
+    process plays both ranks in turn and adds their gradients as gloo does, so the cached
+    weights are the same, bit for bit."""
+    import dataclasses
+
+    from workers.rollout import warmstart
+
+    options = dataclasses.replace(SMALL, transcripts=12, steps=3, batch_size=3, drills=5)
+    spawned = warm_start_path(tmp_path / "spawned", options=options)
+    monkeypatch.setattr(warmstart, "_can_spawn", lambda: False)
+    alone = warm_start_path(tmp_path / "alone", options=options)
+    assert verify_warm_start(alone)["sha256"] == verify_warm_start(spawned)["sha256"]
 
 
 def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ warning naming the file, removed and rebuilt; it is never loaded. Building is de
 for a seed and recipe. It trains data parallel in two processes of one thread each (each
 scores half of every step's rows; the gradients are summed over gloo and both take the same
 optimiser step): about 40 seconds on an idle two-core machine, against about 60 in one
-process. Once per seed: the folder is cached.
+process. Where no child process can be started (from a daemonic process, or a script read
+from standard input) one process plays both ranks in turn: the same weights, bit for bit.
+Once per seed: the folder is cached.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,23 +288,25 @@ def _suffix_loss_sum(model: Any, batch: list[tuple[list[int], list[int]]], prefi
     return total, int(keep.sum())
 
 
-def _train(rank: int, world: int, rendezvous: str | None, path: str,
+def _train(ranks: Sequence[int], world: int, rendezvous: str | None, path: str,
            data: list[tuple[list[int], list[int]]], prefix: int, pad: int, seed: int,
            options: WarmStartOptions) -> float:
-    """Fine-tune the model in ``path`` as rank ``rank`` of ``world`` processes (module
-    docstring) and return the final loss; rank 0 saves the weights. Every rank holds the
-    whole model and draws the same batches; each scores its share of the rows, the gradient
-    sums are added across ranks (gloo, rendezvous in the file ``rendezvous``), and every rank
-    takes the same optimiser step. One thread per process: a fixed count keeps the build
-    reproducible, and two threads in one process spin at each small operation's barrier as
-    soon as another process is busy (several times slower), where two processes meet once a
-    step."""
+    """Fine-tune the model in ``path`` as ranks ``ranks`` of ``world`` (module docstring) and
+    return the final loss; the process holding rank 0 saves the weights. Every rank holds the
+    whole model and draws the same batches; each scores its share of the rows, the gradients
+    of the ranks are added and every rank takes the same optimiser step. With one rank per
+    process the sums go over gloo (rendezvous in the file ``rendezvous``); one process given
+    every rank plays them in turn and adds the same gradients in rank order (the sum gloo
+    makes of two ranks). One thread per process: a fixed count keeps the build reproducible,
+    and two threads in one process spin at each small operation's barrier as soon as another
+    process is busy (several times slower), where two processes meet once a step."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen3ForCausalLM
 
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+    collective = len(ranks) < world
+    if collective:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=ranks[0],
                                 world_size=world)
     try:
         torch.set_num_threads(1)
@@ -315,54 +320,80 @@ def _train(rank: int, world: int, rendezvous: str | None, path: str,
         loss_value = 0.0
         for step in range(options.steps):
             batch = order.sample(data, min(options.batch_size, len(data)))
+            drill = ([(ids[prefix:], mask[prefix:])
+                      for ids, mask in order.sample(data, min(options.drills, len(data)))]
+                     if options.drills else [])
             for group in optimizer.param_groups:
                 group["lr"] = options.lr * min(1.0, (options.steps - step) / (options.steps / 4))
-            # The step's loss is the mean over the batch's assistant tokens plus the mean
-            # over the drills'; each rank adds its rows' sums over the global counts.
-            mine = _share(batch, rank, world)
-            loss = torch.zeros(())
-            if mine:
-                total, _ = _suffix_loss_sum(model, mine, prefix, pad=pad)
-                loss = loss + total / _labelled(batch, prefix)
-            if options.drills:
-                drill = [(ids[prefix:], mask[prefix:])
-                         for ids, mask in order.sample(data, min(options.drills, len(data)))]
-                count = _labelled(drill, 0)
-                for chunk in _share(_drill_chunks(drill, rows), rank, world):
-                    total, _ = _suffix_loss_sum(model, chunk, 0, pad=pad)
-                    loss = loss + total / count
-            optimizer.zero_grad()
-            if loss.requires_grad:
-                loss.backward()
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            if world > 1:
-                flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+            flat = None
+            for rank in ranks:
+                part = _rank_gradient(model, params, batch, drill, rank, world, prefix, pad,
+                                      rows)
+                flat = part if flat is None else flat + part
+            assert flat is not None
+            if collective:
                 dist.all_reduce(flat)
-                offset = 0
-                for p in params:
-                    p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
-                loss_value = float(flat[-1])
-            else:
-                for p, g in zip(params, grads, strict=True):
-                    p.grad = g
-                loss_value = float(loss.detach())
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            loss_value = float(flat[-1])
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
-        if rank == 0:
+        if 0 in ranks:
             model.eval()
             model.save_pretrained(path, safe_serialization=True)
         return loss_value
     finally:
-        if world > 1:
+        if collective:
             dist.destroy_process_group()
+
+
+def _rank_gradient(model: Any, params: list[Any], batch: list[tuple[list[int], list[int]]],
+                   drill: list[tuple[list[int], list[int]]], rank: int, world: int,
+                   prefix: int, pad: int, rows: int) -> Any:
+    """Rank ``rank``'s share of a step: the gradient of its rows' loss (the step's loss is
+    the mean over the batch's assistant tokens plus the mean over the drills'; each rank
+    adds its rows' sums over the global counts), flattened, with that loss last."""
+    import torch
+
+    mine = _share(batch, rank, world)
+    loss = torch.zeros(())
+    if mine:
+        total, _ = _suffix_loss_sum(model, mine, prefix, pad=pad)
+        loss = loss + total / _labelled(batch, prefix)
+    if drill:
+        count = _labelled(drill, 0)
+        for chunk in _share(_drill_chunks(drill, rows), rank, world):
+            total, _ = _suffix_loss_sum(model, chunk, 0, pad=pad)
+            loss = loss + total / count
+    for p in params:
+        p.grad = None
+    if loss.requires_grad:
+        loss.backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params] + [loss.detach().reshape(1)])
 
 
 def _train_rank(rank: int, world: int, rendezvous: str, result: str, *args: Any) -> None:
     """A spawned rank of :func:`_train`; rank 0 writes the final loss to ``result``."""
-    loss = _train(rank, world, rendezvous, *args)
+    loss = _train([rank], world, rendezvous, *args)
     if rank == 0:
         Path(result).write_text(repr(loss), encoding="utf-8")
+
+
+def _can_spawn() -> bool:
+    """Whether spawned processes can run here: not from a daemonic process (a Celery
+    worker's child), nor when the main module is a script that is not on disk (``python -``),
+    which a spawned child would import again."""
+    import multiprocessing
+
+    import __main__
+
+    if multiprocessing.current_process().daemon:
+        return False
+    main_file = getattr(__main__, "__file__", None)
+    return main_file is None or Path(main_file).is_file()
 
 
 def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
@@ -387,10 +418,12 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
                                         error_rate=options.error_rate)]
     prefix = _common_prefix([ids for ids, _ in data])
     args = (str(path), data, prefix, tokenizer.pad_token_id, seed, options)
-    if options.processes == 1:
+    if options.processes == 1 or not _can_spawn():
+        # Where no child process can be started, this process plays every rank in turn:
+        # the same weights, in about twice the time.
         with torch.random.fork_rng(devices=[]), contextlib.ExitStack() as restore:
             restore.callback(torch.set_num_threads, torch.get_num_threads())
-            loss = _train(0, 1, None, *args)
+            loss = _train(range(options.processes), options.processes, None, *args)
     else:
         import torch.multiprocessing as mp
 
