@@ -61,3 +61,31 @@ def test_format_number() -> None:
     assert format_number(2.0) == "2"
     assert format_number(1e20) == "1e+20"
     assert format_number(-0.25) == "-0.25"
+
+
+def test_parses_in_many_threads_at_once() -> None:
+    """Tool calls run in a pool of threads: expressions evaluated from many threads at once,
+    beside other parses of the process, all come out right. (The CPython 3.11 race that
+    ``_parse`` guards against needs a garbage collection that runs Python code in the middle
+    of a parse; this cannot provoke it at will, it checks the lock and retry keep answers
+    right.)"""
+    import ast
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    stop = threading.Event()
+
+    def other_parses() -> None:  # what the rest of a process (an import, a test) does
+        while not stop.is_set():
+            ast.parse("f(" * 20 + "x" + ")" * 20)
+
+    background = threading.Thread(target=other_parses)
+    background.start()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(evaluate_expression,
+                                    ["((1 + 2) * (3 - 4)) / (5 + 5)"] * 4000))
+    finally:
+        stop.set()
+        background.join()
+    assert results == [-0.3] * 4000

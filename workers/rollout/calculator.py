@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -98,10 +99,31 @@ def evaluate_expression(expression: str) -> int | float:
     if len(text) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression is longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = _parse(text)
     except SyntaxError as exc:
         raise SyntaxError(f"invalid expression: {exc.msg}") from None
     return _evaluate(tree)
+
+
+#: Serializes this module's parses (see :func:`_parse`).
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(text: str) -> ast.Expression:
+    """``ast.parse(text, mode="eval")`` for tool calls running in threads at once. CPython
+    3.11's AST conversion counts its recursion depth in state that every thread shares, so a
+    parse running beside another (this tool in a pool thread, any other ``ast.parse`` of the
+    process) can fail with a spurious ``SystemError: AST constructor recursion depth
+    mismatch`` (python/cpython#106905). Parses here are serialized, and one that still meets
+    a parse elsewhere is tried again."""
+    for attempt in range(3):
+        try:
+            with _PARSE_LOCK:
+                return ast.parse(text, mode="eval")
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def format_number(value: int | float) -> str:
