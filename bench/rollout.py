@@ -141,21 +141,16 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     if store is not None:  # right after the in-memory run it is compared with
         server = _Server(store)
 
-        def stored() -> Any:
+        def stored(sink: Any) -> Any:
             run_id = f"bench-{uuid.uuid4().hex[:8]}"
             store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
-            return _play(backend, store, in_flight=top_in_flight, run_id=run_id,
+            return _play(backend, sink, in_flight=top_in_flight, run_id=run_id,
                          server=server, **play)
 
-        arms["store"] = stored
+        arms["store"] = lambda: stored(store)
         if args.eager:
-            def eager() -> Any:
-                run_id = f"bench-{uuid.uuid4().hex[:8]}"
-                store.append(f"run-{run_id}", [RunCreated(run_id=run_id, config=RunConfig())])
-                return _play(backend, _EagerStore(store), in_flight=top_in_flight,
-                             run_id=run_id, server=server, **play)
-
-            arms["store-eager"] = eager
+            eager = _EagerStore(store)
+            arms["store-eager"] = lambda: stored(eager)
     if not args.recording_only:
         arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
                                            max_tokens=args.max_tokens)
@@ -222,8 +217,8 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
               + ("n/a" if server_ms is None else f"{server_ms:.3f}")
               + f" ms/event in PostgreSQL (the loop alone: "
               f"{recording['loop_cpu_ms_per_event']:.3f} ms/event)")
-        for arm, row in (("spaced", recording), ("eager", recording.get("eager"))):
-            if row is not None and "eager" in recording:
+        if "eager" in recording:
+            for arm, row in (("spaced", recording), ("eager", recording["eager"])):
                 server_ms = row["server_cpu_ms_per_event"]
                 print(f"{name:12s} {arm:6s} store      overhead {row['overhead']:+.3f}, "
                       f"{row['process_cpu_ms_per_event']:.3f} + "

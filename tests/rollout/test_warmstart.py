@@ -108,7 +108,16 @@ def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
 
     from workers.rollout.agent_tasks import calc_task
     from workers.rollout.tinymodel import build_tiny_model
-    from workers.rollout.warmstart import _common_prefix, _drill_loss, _encode, _suffix_loss
+    from workers.rollout.warmstart import (
+        _common_prefix,
+        _drill_chunks,
+        _encode,
+        _labelled,
+        _suffix_loss_sum,
+    )
+
+    def mean(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        return sum(total for total, _ in parts) / sum(count for _, count in parts)
 
     path = build_tiny_model(tmp_path / "m", seed=3)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -128,16 +137,20 @@ def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
             [t if m else -100 for t, m in zip(ids, mask, strict=True)])
     with torch.no_grad():
         full = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        cached = _suffix_loss(model, data, prefix, pad=0)
-        drill = _suffix_loss(model, [(ids[prefix:], mask[prefix:]) for ids, mask in data], 0,
-                             pad=0)
+        cached = mean([_suffix_loss_sum(model, data, prefix, pad=0)])
         drills = [(ids[prefix:], mask[prefix:]) for ids, mask in data]
-        chunked = _drill_loss(model, drills, pad=0, rows=4)
+        drill = mean([_suffix_loss_sum(model, drills, 0, pad=0)])
+        chunked = mean([_suffix_loss_sum(model, chunk, 0, pad=0)
+                        for chunk in _drill_chunks(drills, 4)])
     assert abs(float(cached) - float(full)) < 1e-5
     # Drills computed in length-sorted chunks: the same mean as one padded batch.
     assert abs(float(chunked) - float(drill)) < 1e-5
     # A drill (the same suffixes without the prefix) is another loss: the prefix matters.
     assert abs(float(drill) - float(full)) > 1e-3
+    # The counts the data-parallel ranks normalize by, known before any forward pass.
+    with torch.no_grad():
+        assert _labelled(data, prefix) == _suffix_loss_sum(model, data, prefix, pad=0)[1]
+        assert _labelled(drills, 0) == _suffix_loss_sum(model, drills, 0, pad=0)[1]
 
 
 def test_cache_is_checked_and_a_corrupt_one_rebuilt(tmp_path: Path,

@@ -11,7 +11,7 @@ result comes ``<think>…</think>`` and the number. :func:`warm_start_model` fin
 model on these (loss on the assistant tokens only), so the policy's own samples make real,
 recoverable errors at roughly that rate. Every transcript starts with the same system prompt and
 tool schemas, so each step encodes that prefix once without gradient and computes only the rest
-with it (:func:`_suffix_loss`), and adds ``drills``: the same turns without the prefix, cheap
+with it (:func:`_suffix_loss_sum`), and adds ``drills``: the same turns without the prefix, cheap
 rows that teach the small model to copy the operands and the tool's result.
 
 :func:`warm_start_path` caches the result under the data directory in
@@ -207,18 +207,6 @@ def _common_prefix(sequences: list[list[int]]) -> int:
     return length
 
 
-def _suffix_loss(model: Any, batch: list[tuple[list[int], list[int]]], prefix: int, *,
-                 pad: int) -> Any:
-    """Next-token loss on the assistant tokens of ``batch`` (the mean over them). The shared
-    prefix (every transcript starts with the same system prompt and tool schemas, about 80%
-    of its tokens) is encoded once, without gradient, and its keys and values are given to
-    every row; only the suffixes are computed with gradient. This is the forward pass the
-    rollout engine makes with a prefix cache; it leaves out the gradient through the
-    prefix's representations, which carry no loss."""
-    total, count = _suffix_loss_sum(model, batch, prefix, pad=pad)
-    return total / count
-
-
 def _drill_chunks(drills: list[tuple[list[int], list[int]]], rows: int
                   ) -> list[list[tuple[list[int], list[int]]]]:
     """``drills`` in order of length, ``rows`` at a time, so that each chunk is padded only
@@ -226,14 +214,6 @@ def _drill_chunks(drills: list[tuple[list[int], list[int]]], rows: int
     padding)."""
     ordered = sorted(drills, key=lambda row: len(row[0]))
     return [ordered[i:i + rows] for i in range(0, len(ordered), rows)]
-
-
-def _drill_loss(model: Any, drills: list[tuple[list[int], list[int]]], *, pad: int,
-                rows: int = 16) -> Any:
-    """:func:`_suffix_loss` of ``drills`` (no prefix), computed in :func:`_drill_chunks`.
-    The same mean as one batch."""
-    parts = [_suffix_loss_sum(model, chunk, 0, pad=pad) for chunk in _drill_chunks(drills, rows)]
-    return sum(total for total, _ in parts) / sum(count for _, count in parts)
 
 
 def _labelled(rows: list[tuple[list[int], list[int]]], prefix: int) -> int:
@@ -245,15 +225,21 @@ def _labelled(rows: list[tuple[list[int], list[int]]], prefix: int) -> int:
 def _share(items: list[Any], rank: int, world: int) -> list[Any]:
     """The items of ``rank``: dealt in snake order (0, 1, 1, 0, 0, 1, ...), so that with
     items sorted by size every rank gets about the same amount of work."""
-    return [item for i, item in enumerate(items)
-            if (i % (2 * world) if i % (2 * world) < world else 2 * world - 1 - i % (2 * world))
-            == rank]
+    def owner(index: int) -> int:
+        turn = index % (2 * world)
+        return turn if turn < world else 2 * world - 1 - turn
+
+    return [item for i, item in enumerate(items) if owner(i) == rank]
 
 
 def _suffix_loss_sum(model: Any, batch: list[tuple[list[int], list[int]]], prefix: int, *,
                      pad: int) -> tuple[Any, int]:
-    """The summed next-token loss over the assistant tokens of ``batch`` and their count
-    (:func:`_suffix_loss`)."""
+    """The summed next-token loss over the assistant tokens of ``batch`` and their count.
+    The shared prefix (every transcript starts with the same system prompt and tool schemas,
+    about 80% of its tokens) is encoded once, without gradient, and its keys and values are
+    given to every row; only the suffixes are computed with gradient. This is the forward
+    pass the rollout engine makes with a prefix cache; it leaves out the gradient through the
+    prefix's representations, which carry no loss. ``prefix`` 0: whole rows (the drills)."""
     import torch
     from transformers import DynamicCache
 
