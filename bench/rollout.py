@@ -81,11 +81,10 @@ async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_t
     results = []
 
     async def one(index: int) -> None:
-        async with gate:
-            results.append(await arun_episode(
-                task=tasks[index], backend=backend, tools=tools, sink=sink, run_id=run_id,
-                sampling=_sampling(max_tokens, index), episode_id=str(uuid.uuid4()),
-                max_turns=4, tool_runner=runner))
+        results.append(await arun_episode(
+            task=tasks[index], backend=backend, tools=tools, sink=sink, run_id=run_id,
+            sampling=_sampling(max_tokens, index), episode_id=str(uuid.uuid4()),
+            max_turns=4, tool_runner=runner, gate=gate))
 
     server_before = server.cpu_seconds() if server is not None else None
     cpu = time.process_time()

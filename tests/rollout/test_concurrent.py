@@ -6,7 +6,8 @@
   outcome while the other episodes go on; async tools are awaited on the loop;
 - an engine that dies fails the episodes in flight as ``error`` with the reason;
 - the weights gate lets in-flight episodes finish on their weights and never starves a new
-  policy; concurrency settings out of range are refused naming the setting.
+  policy; concurrency settings out of range are refused naming the setting;
+- the bound on episodes in flight is not held while an episode's last events are stored.
 """
 
 from __future__ import annotations
@@ -249,3 +250,45 @@ def test_concurrency_settings_out_of_range_are_refused() -> None:
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "TRAJSTORE_ROLLOUT_CONCURRENCY" in done.stdout + done.stderr
+
+
+class _HeldSink(ListSink):
+    """Holds the append of every ``episode_finished`` until an episode named in ``waits_for``
+    has appended something: the store taking its time to commit an episode's end."""
+
+    def __init__(self, waits_for: str) -> None:
+        super().__init__()
+        self.waits_for = waits_for
+        self.order: list[str] = []
+        self.other_started = asyncio.Event()
+
+    async def aappend(self, stream_id: str, events: Sequence[Any]) -> int:
+        if stream_id == self.waits_for:
+            self.other_started.set()
+        if events[-1].type == "episode_finished" and stream_id != self.waits_for:
+            self.order.append(f"{stream_id} end held")
+            await self.other_started.wait()
+        self.order.append(f"{stream_id} {events[-1].type}")
+        return self.append(stream_id, events)
+
+
+def test_the_episode_bound_is_released_before_the_last_events_are_stored(
+        batching: TransformersBackend, registry: ToolRegistry) -> None:
+    sink = _HeldSink(waits_for="second")
+    tasks = arithmetic_tasks(2, seed=8)
+
+    async def play() -> list[Any]:
+        gate = asyncio.Semaphore(1)  # one episode generating at a time
+        return await asyncio.wait_for(asyncio.gather(*(
+            arun_episode(task=task, backend=batching, tools=registry, sink=sink, run_id="r",
+                         episode_id=name, sampling=GREEDY, max_turns=1, gate=gate)
+            for name, task in zip(("first", "second"), tasks, strict=True))), timeout=120)
+
+    # Were the gate held until "first" is stored, "second" could never start: a timeout.
+    first, second = asyncio.run(play())
+    assert first.episode_id == "first" and second.episode_id == "second"
+    assert sink.order.index("first end held") < sink.order.index("first episode_finished")
+    assert sink.types("first")[-1] == sink.types("second")[-1] == "episode_finished"
+    with pytest.raises(TypeError, match="gate must be an asyncio.Semaphore"):
+        asyncio.run(arun_episode(task=tasks[0], backend=batching, tools=registry,
+                                 sink=ListSink(), run_id="r", gate=1))  # type: ignore[arg-type]

@@ -29,7 +29,6 @@ So a group never holds more than n episodes that were played to the end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import uuid
@@ -176,17 +175,13 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
             aborted.append(episode_id)
             continue
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                if plan.gate is not None:
-                    await stack.enter_async_context(plan.gate)
-                result = await arun_episode(
-                    task=plan.task, backend=plan.backend, tools=plan.tools, sink=plan.writer,
-                    run_id=plan.run_id,
-                    sampling=plan.sampling.replace(seed=episode_seed(episode_id)),
-                    rollback=plan.config, group_id=plan.group_id, episode_id=episode_id,
-                    max_turns=plan.max_turns, max_total_tokens=plan.max_total_tokens,
-                    policy_version=plan.policy_version, tool_runner=plan.tool_runner,
-                    prompt=plan.prompt)
+            result = await arun_episode(
+                task=plan.task, backend=plan.backend, tools=plan.tools, sink=plan.writer,
+                run_id=plan.run_id, sampling=plan.sampling.replace(seed=episode_seed(episode_id)),
+                rollback=plan.config, group_id=plan.group_id, episode_id=episode_id,
+                max_turns=plan.max_turns, max_total_tokens=plan.max_total_tokens,
+                policy_version=plan.policy_version, tool_runner=plan.tool_runner,
+                prompt=plan.prompt, gate=plan.gate)
         except (ConflictError, IdempotencyError):
             # Another delivery of this task got to the slot first: it is theirs.
             outcome = SlotOutcome(slot, episode_id, None, None, False)
@@ -226,12 +221,14 @@ async def aplay_group(
     sampling and limits of ``RunConfig.rollout`` (which then also sets ``max_turns`` and
     ``max_total_tokens``); each episode's seed is derived from its id. ``backend`` must
     already hold that policy's weights. ``gate``, when given, is held by each episode while
-    it plays (the worker's bound on episodes in flight across groups); ``tool_runner`` runs
-    the tool calls (the process's default when None). Raises ValueError for a negative
-    ``group_index`` or ``policy_version``, ``TokenizerNotFound`` when the run's tokenizer
-    cannot be loaded here, and the log's errors (``NotFoundError`` for an unknown run,
-    ``TransientError`` when it is unreachable). Failures inside an episode (backend, tools,
-    reward, the template) end that episode with status ``error`` and do not raise.
+    it plays, up to the wait for its last events to be stored (the worker's bound on
+    episodes in flight across groups, :func:`~workers.rollout.loop.arun_episode`);
+    ``tool_runner`` runs the tool calls (the process's default when None). Raises ValueError
+    for a negative ``group_index`` or ``policy_version``, ``TokenizerNotFound`` when the
+    run's tokenizer cannot be loaded here, and the log's errors (``NotFoundError`` for an
+    unknown run, ``TransientError`` when it is unreachable). Failures inside an episode
+    (backend, tools, reward, the template) end that episode with status ``error`` and do
+    not raise.
     """
     for name, value, low in (("group_index", group_index, 0),
                              ("policy_version", policy_version, 0)):

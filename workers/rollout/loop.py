@@ -148,8 +148,10 @@ class _Episode:
                  sink: EventSink, run_id: str, group_id: str, episode_id: str,
                  sampling: SamplingParams, rollback: RollbackConfig, max_turns: int,
                  max_total_tokens: int, agent: str, policy_version: int,
-                 tool_runner: ToolRunner, prompt: RunPrompt | None) -> None:
+                 tool_runner: ToolRunner, prompt: RunPrompt | None,
+                 gate: asyncio.Semaphore | None) -> None:
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
+        self.gate = gate
         self.prompt = prompt
         self.run_id, self.group_id, self.episode_id = run_id, group_id, episode_id
         self.sampling, self.rollback, self.agent = sampling, rollback, agent
@@ -385,11 +387,23 @@ class _Episode:
 
     async def run(self) -> EpisodeResult:
         try:
-            return await self._run()
+            if self.gate is None:
+                status, reason, reward = await self._play_to_end()
+            else:
+                # The gate bounds episodes that generate, run tools or score: one whose
+                # last events are being stored no longer holds a place in it.
+                async with self.gate:
+                    status, reason, reward = await self._play_to_end()
+            await self.drain()
         except _SinkFailure as failure:
             raise failure.original from None
+        return EpisodeResult(
+            episode_id=self.episode_id, status=status, reason=reason, reward=reward,
+            messages=tuple(self.context), llm_calls=self.calls, tool_calls=self.tool_calls,
+            generated_tokens=self.generated, rollbacks=self.rollbacks)
 
-    async def _run(self) -> EpisodeResult:
+    async def _play_to_end(self) -> tuple[EpisodeStatus, str | None, Reward]:
+        """Play the episode and queue its last events (written by :meth:`drain`)."""
         await self.emit(EpisodeStarted(
             **self.stamp(), run_id=self.run_id, group_id=self.group_id,
             task_id=self.task.task_id, messages=[dict(m) for m in self.task.messages],
@@ -411,18 +425,14 @@ class _Episode:
                            source=reward.source),
             EpisodeFinished(**self.stamp(), status=status, reason=reason),
         )
-        await self.drain()
-        return EpisodeResult(
-            episode_id=self.episode_id, status=status, reason=reason, reward=reward,
-            messages=tuple(self.context), llm_calls=self.calls, tool_calls=self.tool_calls,
-            generated_tokens=self.generated, rollbacks=self.rollbacks)
+        return status, reason, reward
 
 
 def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id: str,
              sampling: SamplingParams | None, rollback: Any, group_id: str | None,
              episode_id: str | None, max_turns: int, max_total_tokens: int, agent: str,
              policy_version: int | None, tool_runner: ToolRunner | None,
-             prompt: RunPrompt | None) -> _Episode:
+             prompt: RunPrompt | None, gate: asyncio.Semaphore | None = None) -> _Episode:
     """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
@@ -446,6 +456,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
         raise TypeError(f"tool_runner must be a ToolRunner, got {type(tool_runner).__name__}")
     if prompt is not None and not isinstance(prompt, RunPrompt):
         raise TypeError(f"prompt must be a RunPrompt, got {type(prompt).__name__}")
+    if gate is not None and not isinstance(gate, asyncio.Semaphore):
+        raise TypeError(f"gate must be an asyncio.Semaphore, got {type(gate).__name__}")
     if policy_version is None:
         policy_version = int(getattr(backend, "policy_version", 0))
     if episode_id is None:
@@ -460,7 +472,7 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
                     max_total_tokens=max_total_tokens, agent=agent,
                     policy_version=policy_version,
                     tool_runner=tool_runner if tool_runner is not None else default_tool_runner(),
-                    prompt=prompt)
+                    prompt=prompt, gate=gate)
 
 
 async def arun_episode(
@@ -480,6 +492,7 @@ async def arun_episode(
     policy_version: int | None = None,
     tool_runner: ToolRunner | None = None,
     prompt: RunPrompt | None = None,
+    gate: asyncio.Semaphore | None = None,
 ) -> EpisodeResult:
     """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
     ``episode_id`` (a new UUID string when None); see the module docstring for the event
@@ -496,7 +509,10 @@ async def arun_episode(
     ``policy_version`` defaults to the backend's ``policy_version`` attribute (0 without one);
     ``rollback`` accepts the run config, its rollback part, a dict of its fields or None for
     the defaults; ``task.max_turns`` overrides ``max_turns``; ``prompt`` renders requests
-    for the engine (the run's tokenizer and template; None: the backend renders). Failures
+    for the engine (the run's tokenizer and template; None: the backend renders). ``gate``,
+    when given, is held while the episode generates, runs tools and is scored, and released
+    before the wait for its last events to be stored (a bound on the episodes that use the
+    engine, not on those whose commit is pending). Failures
     of the backend, tools, the template or the reward end the episode with status
     ``error``; failures of the sink propagate (the episode cannot be recorded). Invalid
     arguments raise ValueError/TypeError naming them.
@@ -506,7 +522,7 @@ async def arun_episode(
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
-                       prompt=prompt)
+                       prompt=prompt, gate=gate)
     return await episode.run()
 
 
