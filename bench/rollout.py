@@ -17,19 +17,28 @@ for every measurement and, per engine, the same engine object throughout. For ea
 Throughput is generated tokens per second. Ratios: concurrent at the highest concurrency over
 the sequential loop, and over the ceiling; the recording overhead is
 ``1 - median over rounds of tokens/s(store) / tokens/s(memory)``, the store run right after
-the in-memory one in each round. Every round (``--repeats`` of them) measures every
-arm once, in turn, so the drift of a shared, noisy machine hits them all, and each arm keeps
-its best round.
+the in-memory one in each round. Every round (``--repeats`` of them, 4 by default)
+measures every arm once, in turn, odd rounds in the reverse order, so the drift of a shared,
+noisy machine and what one arm leaves behind (the database's background work after a store
+run) weigh on both sides of each pair; each arm keeps its best round. The paired ratios'
+range is printed with their median.
 
 That overhead is wall time, so on a machine with few cores it also measures how the
 recording's work competes with the loop and the engine for them. What the recording costs
 on its own is reported beside it, as CPU milliseconds per event recorded (medians over the
-rounds): this process's CPU time in the store run less that of the in-memory run it is
-paired with (validation, encoding, the driver, the writer thread, and whatever the loop does
-differently meanwhile), and the CPU time of the PostgreSQL server processes serving the
-scratch database (read from ``/proc``; absent where the server is not on this host). The
-in-memory run's own process CPU per event is printed with it, for scale. The last line is
-machine-readable, for the first engine measured (vLLM when importable):
+rounds): the CPU time the store's writing threads spent in append transactions
+(validation, encoding, the driver: ``AppendBatcher.cpu_seconds``), and that of the
+PostgreSQL server processes serving the scratch database (read from ``/proc``; absent where
+the server is not on this host). This process's CPU time in the store run less that of the
+in-memory run it is paired with is printed too (it also holds whatever the loop does
+differently meanwhile, so it is noisier), the in-memory run's own process CPU per event for
+scale, and the recording's share: the writing threads' and the server's CPU over
+everything the machine's processors did during the in-memory run (``/proc/stat``: the
+loop, the engine's processes, the rest), a figure noise moves far less than the wall-time
+overhead. Where the cores are few and all busy, the wall-time overhead is a multiple of
+that share: the recording's CPU is taken from the loop's process and the engine, and a
+loop that falls behind leaves the engine smaller batches.
+The last line is machine-readable, for the first engine measured (vLLM when importable):
 
     RESULT concurrent_vs_sequential=<x> concurrent_vs_engine=<x> recording_overhead=<f>
 
@@ -87,21 +96,27 @@ async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_t
             max_turns=4, tool_runner=runner, gate=gate))
 
     server_before = server.cpu_seconds() if server is not None else None
+    machine = _machine_cpu_seconds()
+    writer = _writer_cpu_seconds(sink)
     cpu = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(episodes)))
     seconds = time.perf_counter() - started
     cpu = time.process_time() - cpu
+    machine_after = _machine_cpu_seconds()
     tokens = sum(r.generated_tokens for r in results)
     run = {"in_flight": in_flight, "episodes": episodes, "seconds": seconds,
            "tokens": tokens, "llm_calls": sum(r.llm_calls for r in results),
            "errors": sum(1 for r in results if r.status == "error"),
            "tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds,
-           "process_cpu_s": cpu}
+           "process_cpu_s": cpu,
+           "machine_cpu_s": (None if machine is None or machine_after is None
+                             else machine_after - machine)}
     if isinstance(sink, ListSink):
         run["events"] = sum(len(events) for events in sink.streams.values())
     if server is not None:
         run["events"] = server.events(run_id)
+        run["writer_cpu_s"] = _writer_cpu_seconds(sink) - writer
         if server_before is not None:
             after = server.cpu_seconds()
             # A process that served the run from its start to its end; one that started
@@ -109,6 +124,24 @@ async def _play(backend: Any, sink: Any, *, episodes: int, in_flight: int, max_t
             run["server_cpu_s"] = None if after is None else sum(
                 seconds - server_before.get(pid, 0.0) for pid, seconds in after.items())
     return run
+
+
+def _writer_cpu_seconds(sink: Any) -> float:
+    """The CPU time the store's writing threads have spent in append transactions so far
+    (0 for a sink that writes no other way)."""
+    batcher = getattr(sink, "append_batcher", None)
+    return 0.0 if batcher is None else batcher.cpu_seconds
+
+
+def _machine_cpu_seconds() -> float | None:
+    """The CPU time all of the machine's processors have spent busy so far (Linux's
+    ``/proc/stat``; None elsewhere)."""
+    try:
+        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and waiting for I/O
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 async def _ceiling(backend: Any, *, episodes: int, max_tokens: int) -> dict[str, float]:
@@ -155,10 +188,13 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
                                            max_tokens=args.max_tokens)
     # Every round measures every arm, so the drift of a shared machine hits them all; each
     # arm keeps its best round.
+    # Odd rounds run the arms in the reverse order, so what one arm leaves behind (the
+    # database's background work after a store run) and a drifting machine weigh on each
+    # arm of a pair from both sides.
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
-    for _ in range(args.repeats):
-        for arm, measure in arms.items():
-            runs[arm].append(asyncio.run(measure()))
+    for round_ in range(args.repeats):
+        for arm in (list(arms) if round_ % 2 == 0 else list(reversed(arms))):
+            runs[arm].append(asyncio.run(arms[arm]()))
 
     def best(name: str) -> dict[str, float]:
         return max(runs[name], key=lambda run: run["tokens_per_s"])
@@ -188,6 +224,7 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
                   for s, m in zip(runs["store"], memory, strict=True)]
         report["recording"] = {"memory": memory, "store": runs["store"],
                                "overhead": 1.0 - statistics.median(ratios),
+                               "overhead_range": [1.0 - max(ratios), 1.0 - min(ratios)],
                                **_recording_cpu(memory, runs["store"])}
         if "store-eager" in runs:
             eager_ratios = [s["tokens_per_s"] / m["tokens_per_s"]
@@ -208,21 +245,28 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
         print(f"{name:12s} engine alone      {report['ceiling']['tokens_per_s']:8.1f} tokens/s")
     if "recording" in report:
         recording = report["recording"]
+        low, high = recording["overhead_range"]
         print(f"{name:12s} recording overhead {recording['overhead']:+.3f} "
-              f"(EventStore against memory, {top['in_flight']} in flight)")
+              f"(EventStore against memory, {top['in_flight']} in flight; median of "
+              f"{len(recording['store'])} paired rounds, from {low:+.3f} to {high:+.3f})")
         server_ms = recording["server_cpu_ms_per_event"]
-        print(f"{name:12s} recording CPU      {recording['process_cpu_ms_per_event']:.3f} ms/event "
-              f"in this process + "
+        print(f"{name:12s} recording CPU      {recording['writer_cpu_ms_per_event']:.3f} ms/event "
+              f"in the writing thread + "
               + ("n/a" if server_ms is None else f"{server_ms:.3f}")
-              + f" ms/event in PostgreSQL (the loop alone: "
-              f"{recording['loop_cpu_ms_per_event']:.3f} ms/event)")
+              + f" ms/event in PostgreSQL; this process "
+              f"{recording['process_cpu_ms_per_event']:+.3f} ms/event against the in-memory run "
+              f"(whose loop used {recording['loop_cpu_ms_per_event']:.3f} ms/event)")
+        if recording["cpu_share"] is not None:
+            print(f"{name:12s} recording share   {recording['cpu_share']:.3f} of the CPU the "
+                  f"in-memory run kept busy ({recording['machine_cpu_ms_per_event']:.3f} "
+                  f"ms/event on the whole machine)")
         if "eager" in recording:
             for arm, row in (("spaced", recording), ("eager", recording["eager"])):
                 server_ms = row["server_cpu_ms_per_event"]
                 print(f"{name:12s} {arm:6s} store      overhead {row['overhead']:+.3f}, "
-                      f"{row['process_cpu_ms_per_event']:.3f} + "
+                      f"{row['writer_cpu_ms_per_event']:.3f} + "
                       + ("n/a" if server_ms is None else f"{server_ms:.3f}")
-                      + " ms/event (process + PostgreSQL)")
+                      + " ms/event (writing thread + PostgreSQL)")
     return report
 
 
@@ -231,14 +275,28 @@ def _recording_cpu(memory: list[dict[str, Any]], stored: list[dict[str, Any]]
     """The recording's CPU per event (module docstring), medians over the paired rounds."""
     process = [(s["process_cpu_s"] - m["process_cpu_s"]) * 1000 / s["events"]
                for s, m in zip(stored, memory, strict=True)]
+    writer = [s["writer_cpu_s"] * 1000 / s["events"] for s in stored]
     server = [s["server_cpu_s"] * 1000 / s["events"] for s in stored
               if s.get("server_cpu_s") is not None]
-    return {
+    machine = [m["machine_cpu_s"] * 1000 / m["events"] for m in memory
+               if m.get("machine_cpu_s") is not None]
+    report: dict[str, float | None] = {
         "process_cpu_ms_per_event": statistics.median(process),
+        "writer_cpu_ms_per_event": statistics.median(writer),
         "server_cpu_ms_per_event": statistics.median(server) if server else None,
         "loop_cpu_ms_per_event": statistics.median(
             m["process_cpu_s"] * 1000 / m["events"] for m in memory),
+        "machine_cpu_ms_per_event": statistics.median(machine) if machine else None,
+        "cpu_share": None,
     }
+    if server and machine and report["machine_cpu_ms_per_event"]:
+        # What the recording adds, over all the CPU the in-memory run kept busy (the loop,
+        # the engine, everything else on the machine): its share of the work, which noise
+        # moves far less than wall time.
+        report["cpu_share"] = ((report["writer_cpu_ms_per_event"]
+                                + report["server_cpu_ms_per_event"])
+                               / report["machine_cpu_ms_per_event"])
+    return report
 
 
 class _EagerStore:
@@ -249,13 +307,13 @@ class _EagerStore:
         from store.append_batcher import AppendBatcher
 
         self.store = store
-        self.batcher = AppendBatcher(store, interval_s=0)
+        self.append_batcher = AppendBatcher(store, interval_s=0)
 
     def append(self, stream_id: str, events: Any, expected_version: Any = "any") -> Any:
         return self.store.append(stream_id, events, expected_version)
 
     async def aappend(self, stream_id: str, events: Any, expected_version: Any = "any") -> Any:
-        return await self.batcher.append(stream_id, events, expected_version)
+        return await self.append_batcher.append(stream_id, events, expected_version)
 
 
 class _Server:
@@ -297,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", default="1,8,32,64",
                         help="episodes in flight, comma separated (the last is compared)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the tiny model is cached (a temporary folder by default)")
     parser.add_argument("--no-vllm", action="store_true", help="measure transformers only")

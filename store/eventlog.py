@@ -17,7 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from psycopg.rows import dict_row
 
@@ -41,6 +41,9 @@ from store.rows import (
 )
 from store.settings import Settings
 from store.validation import check_text, validate_batch
+
+if TYPE_CHECKING:
+    from store.append_batcher import AppendBatcher
 
 __all__ = [
     "EventStore",
@@ -230,6 +233,12 @@ class EventStore:
                 self._batcher = AppendBatcher(
                     self, interval_s=self.settings.append_interval_ms / 1000)
         return await self._batcher.append(stream_id, events, expected_version)
+
+    @property
+    def append_batcher(self) -> AppendBatcher | None:
+        """The batcher :meth:`aappend` writes through (its transaction count and CPU time),
+        None before the first ``aappend``."""
+        return self._batcher
 
     def append_many(
         self, batches: Sequence[tuple[str, Sequence[Event], ExpectedVersion]]

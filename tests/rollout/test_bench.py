@@ -40,8 +40,9 @@ def test_benchmark_runs_with_tiny_sizes(tiny_model_dir: Path,
 def test_benchmark_reports_what_recording_costs(tiny_model_dir: Path, pg_server: PostgresServer,
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """With the store, the overhead comes with the recording's CPU per event, in this process
-    and in the PostgreSQL processes serving the scratch database."""
+    """With the store, the overhead comes with the recording's CPU per event, in the writing
+    thread and in the PostgreSQL processes serving the scratch database, and its share of
+    all the CPU the in-memory run used."""
     monkeypatch.setenv("TRAJSTORE_TEST_DATABASE_URL", pg_server.admin_url)
     spec = importlib.util.spec_from_file_location("bench_rollout_store", BENCH)
     assert spec is not None and spec.loader is not None
@@ -54,8 +55,13 @@ def test_benchmark_reports_what_recording_costs(tiny_model_dir: Path, pg_server:
     assert len(recording["store"]) == len(recording["memory"]) == 2
     for memory, stored in zip(recording["memory"], recording["store"], strict=True):
         assert memory["events"] > 0 and stored["events"] > 0
-        assert stored["process_cpu_s"] > 0
+        assert stored["process_cpu_s"] > 0 and stored["writer_cpu_s"] > 0
     assert isinstance(recording["process_cpu_ms_per_event"], float)
+    assert recording["writer_cpu_ms_per_event"] > 0
+    low, high = recording["overhead_range"]
+    assert low <= recording["overhead"] <= high
+    share = recording["cpu_share"]  # on Linux with the server on this host (any size here:
+    assert share is None or share > 0  # four episodes keep the machine busy for a moment)
     assert recording["loop_cpu_ms_per_event"] > 0
     server = recording["server_cpu_ms_per_event"]
     assert server is None or server >= 0

@@ -70,6 +70,7 @@ def test_concurrent_coroutines_share_transactions(store: EventStore) -> None:
 
     assert asyncio.run(everything()) == [[1, 2, 5]] * len(streams)
     assert batcher.transactions < 3 * len(streams)
+    assert batcher.cpu_seconds > 0  # the writing threads' CPU time in those transactions
     for stream in streams:
         assert [r.type for r in store.read_stream(stream)] == [
             "episode_started", "llm_called", "tool_returned", "reward_assigned",
@@ -80,6 +81,8 @@ def test_concurrent_coroutines_share_transactions(store: EventStore) -> None:
 
     with pytest.raises(errors.ClosedError):
         asyncio.run(stale())
+    assert isinstance(store.append_batcher, AppendBatcher)  # the one aappend writes through
+    assert store.append_batcher.transactions >= 1
     with pytest.raises(ValueError, match="max_batches"):
         AppendBatcher(store, max_batches=0)
 
