@@ -16,7 +16,7 @@ for every measurement and, per engine, the same engine object throughout. For ea
 
 Throughput is generated tokens per second. Ratios: concurrent at the highest concurrency over
 the sequential loop, and over the ceiling; the recording overhead is
-``1 - median over rounds of tokens/s(store) / tokens/s(memory)``, the store run right after
+``1 - median over rounds of tokens/s(store) / tokens/s(memory)``, the store run next to
 the in-memory one in each round. Every round (``--repeats`` of them, 4 by default)
 measures every arm once, in turn, odd rounds in the reverse order, so the drift of a shared,
 noisy machine and what one arm leaves behind (the database's background work after a store
@@ -170,7 +170,7 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     for c in args.concurrency if not args.recording_only else [top_in_flight]:
         arms[f"concurrent-{c}"] = lambda c=c: _play(backend, ListSink(), in_flight=c,
                                                     run_id="bench", **play)
-    if store is not None:  # right after the in-memory run it is compared with
+    if store is not None:  # next to the in-memory run it is compared with
         server = _Server(store)
 
         def stored(sink: Any) -> Any:
@@ -186,11 +186,9 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     if not args.recording_only:
         arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
                                            max_tokens=args.max_tokens)
-    # Every round measures every arm, so the drift of a shared machine hits them all; each
-    # arm keeps its best round.
-    # Odd rounds run the arms in the reverse order, so what one arm leaves behind (the
-    # database's background work after a store run) and a drifting machine weigh on each
-    # arm of a pair from both sides.
+    # Every round measures every arm, odd rounds in the reverse order, so a drifting machine
+    # and what one arm leaves behind (the database's background work after a store run)
+    # weigh on each arm of a pair from both sides; each arm keeps its best round.
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for round_ in range(args.repeats):
         for arm in (list(arms) if round_ % 2 == 0 else list(reversed(arms))):
