@@ -131,6 +131,35 @@ class Lookup:
         return ToolOutcome(output=f"value of {arguments['key']}")
 
 
+def test_a_burst_of_requests_to_an_idle_engine_runs_as_one_batch(
+        batching: TransformersBackend) -> None:
+    # Episodes started together submit one by one, a few milliseconds apart; every submit
+    # wakes the scheduler, which must go on gathering while they keep coming instead of
+    # running the first one or two and keeping the rest waiting a whole batch.
+    scheduler = BatchScheduler(batching.generate_batch, key=lambda r: 0, max_batch=16,
+                               gather_s=0.05)
+    requests = [GenerationRequest(sampling=SamplingParams(temperature=0, max_tokens=4),
+                                  messages=task.messages)
+                for task in arithmetic_tasks(12, seed=3)]
+
+    async def one(index: int) -> GenerationResult:
+        await asyncio.sleep(0.005 * index)  # each rendered its prompt, say, 5 ms after the last
+        return await scheduler.submit(requests[index])
+
+    async def burst() -> list[GenerationResult]:
+        return await asyncio.gather(*(one(i) for i in range(len(requests))))
+
+    try:
+        results = asyncio.run(burst())
+        assert (scheduler.batches, scheduler.largest_batch) == (1, 12)
+        assert all(r.response_ids.shape[0] >= 1 for r in results)
+        # A second burst to the idle engine: one batch again.
+        asyncio.run(burst())
+        assert (scheduler.batches, scheduler.largest_batch) == (2, 12)
+    finally:
+        scheduler.close()
+
+
 def test_hanging_tool_is_cut_at_its_deadline_while_others_go_on(
         hf_backend: TransformersBackend) -> None:
     lookup = Lookup()
