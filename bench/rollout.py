@@ -46,6 +46,13 @@ The last line is machine-readable, for the first engine measured (vLLM when impo
     python bench/rollout.py --episodes 8 --concurrency 1,8 --no-vllm --max-tokens 16
     python bench/rollout.py --recording-only --repeats 5  # the store against memory only
     python bench/rollout.py --recording-only --eager      # ... and against eager transactions
+
+On a GPU, ``--device cuda --model qwen3-0.6b`` measures a real-size model instead of the tiny
+one: Qwen3's shape and its real tokenizer, random weights (throughput does not depend on
+them; a random model almost never ends a turn or calls a tool, so its episodes are one
+``max_tokens`` call each), in bfloat16:
+
+    python bench/rollout.py --device cuda --model qwen3-0.6b --episodes 64 --repeats 2
 """
 
 from __future__ import annotations
@@ -75,6 +82,49 @@ from workers.rollout.tinymodel import tiny_model_path  # noqa: E402
 from workers.rollout.tool_runner import ToolRunner  # noqa: E402
 
 __all__ = ["main"]
+
+# Qwen3's published shapes (config.json of each size): hidden, MLP, layers, query heads, key/
+# value heads. Every size has head_dim 128, vocabulary 151936 and tied embeddings up to 4B.
+_QWEN3_SHAPES = {
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8),
+    "qwen3-1.7b": (2048, 6144, 28, 16, 8),
+    "qwen3-4b": (2560, 9728, 36, 32, 8),
+}
+
+
+def _model_folder(name: str, data_dir: Path) -> Path:
+    """The model the bench runs: the tiny model, or a Qwen3 shape with random weights and
+    Qwen3's tokenizer, saved once under ``data_dir`` in bfloat16."""
+    if name == "tiny":
+        return tiny_model_path(data_dir)
+    folder = data_dir / f"{name}-random"
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from workers.tokenizers import qwen3_tokenizer_dir
+
+    hidden, mlp, layers, heads, kv_heads = _QWEN3_SHAPES[name]
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()), local_files_only=True)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"),
+           tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    config = Qwen3Config(
+        vocab_size=151_936, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
+        max_position_embeddings=40_960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        bos_token_id=None, eos_token_id=eos[0], pad_token_id=eos[1], dtype="bfloat16",
+        architectures=["Qwen3ForCausalLM"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1],
+                                               do_sample=True, temperature=1.0, top_p=1.0,
+                                               top_k=0)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def _sampling(max_tokens: int, seed: int) -> SamplingParams:
@@ -193,6 +243,8 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
     for round_ in range(args.repeats):
         for arm in (list(arms) if round_ % 2 == 0 else list(reversed(arms))):
             runs[arm].append(asyncio.run(arms[arm]()))
+            print(f"  round {round_ + 1} {arm}: {runs[arm][-1]['tokens_per_s']:.1f} tokens/s",
+                  file=sys.stderr, flush=True)
 
     def best(name: str) -> dict[str, float]:
         return max(runs[name], key=lambda run: run["tokens_per_s"])
@@ -357,6 +409,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the tiny model is cached (a temporary folder by default)")
     parser.add_argument("--no-vllm", action="store_true", help="measure transformers only")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:n] (transformers)")
+    parser.add_argument("--model", default="tiny", choices=["tiny", *_QWEN3_SHAPES],
+                        help="the tiny model, or a Qwen3 shape with random weights")
     parser.add_argument("--no-store", action="store_true",
                         help="skip the recording measurement (no database)")
     parser.add_argument("--recording-only", action="store_true",
@@ -381,8 +436,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.concurrency or min(args.concurrency) < 1:
         parser.error("--concurrency values must be >= 1")
 
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device must be cpu or cuda[:n], got {args.device!r}")
+    dtype = "float32" if args.model == "tiny" else "bfloat16"
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench-rollout-"))
-    model_dir = tiny_model_path(data_dir)
+    model_dir = _model_folder(args.model, data_dir)
     import torch
 
     from workers.rollout.backend_transformers import TransformersBackend
@@ -390,18 +448,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     report: dict[str, Any] = {"episodes": args.episodes, "max_tokens": args.max_tokens,
                               "threads": args.threads, "engines": {}}
-    if not args.no_vllm:  # before vllm is first imported: a CPU engine with a bounded cache
+    if not args.no_vllm and args.device == "cpu":
+        # before vllm is first imported: a CPU engine with a bounded cache
         os.environ.update(cpu_engine_environment(data_dir / "vllm-cache"))
     use_vllm = not args.no_vllm and vllm_available()
-    print(f"tiny Qwen3, {args.episodes} arithmetic episodes, max_tokens {args.max_tokens}, "
-          f"{args.threads} torch threads")
+    print(f"{args.model} Qwen3 on {args.device}, {args.episodes} arithmetic episodes, "
+          f"max_tokens {args.max_tokens}, {args.threads} torch threads")
     with _store(args) as store:
         if use_vllm:
             from workers.rollout.backend_vllm import AsyncVLLMBackend
 
             engine = AsyncVLLMBackend(model_dir, distributed_executor_backend="uni",
-                                      enforce_eager=True, dtype="float32", max_model_len=2048,
-                                      seed=0, enable_chunked_prefill=False)
+                                      enforce_eager=args.device == "cpu", dtype=dtype,
+                                      max_model_len=2048, seed=0,
+                                      enable_chunked_prefill=False)
             try:
                 report["engines"]["vllm"] = _measure("vLLM", engine, args, store)
             finally:
@@ -410,7 +470,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             reason = "--no-vllm given" if args.no_vllm else "vllm is not importable"
             print(f"vLLM not measured ({reason})")
         torch.set_num_threads(args.threads)
-        hf = TransformersBackend(model_dir, max_batch=max(args.concurrency))
+        hf = TransformersBackend(model_dir, max_batch=max(args.concurrency),
+                                 device=args.device, dtype=getattr(torch, dtype))
         try:
             report["engines"]["transformers"] = _measure("transformers", hf, args, store)
         finally:

@@ -35,6 +35,10 @@ def test_benchmark_runs_with_tiny_sizes(tiny_model_dir: Path,
         module.main(["--episodes", "0"])
     with pytest.raises(SystemExit):
         module.main(["--concurrency", "1,x"])
+    with pytest.raises(SystemExit):
+        module.main(["--device", "tpu"])
+    with pytest.raises(SystemExit):
+        module.main(["--model", "qwen3-9000b"])
 
 
 def test_benchmark_reports_what_recording_costs(tiny_model_dir: Path, pg_server: PostgresServer,
