@@ -140,8 +140,9 @@ def _int_over_range(model: BaseModel, prefix: str = "") -> str | None:
     """The dotted name of the first integer field of ``model`` (or of a model inside it)
     above ``MAX_INT``, or None. Free-form dicts and lists are not looked into. Checked on
     append only: reading keeps accepting what older versions stored."""
-    for name in type(model).model_fields:
-        value = getattr(model, name)
+    values = model.__dict__  # the field values, read without getattr's cost per field
+    for name in _field_names(type(model)):
+        value = values[name] if name in values else getattr(model, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT:
             return prefix + name
         if isinstance(value, BaseModel):
@@ -149,6 +150,18 @@ def _int_over_range(model: BaseModel, prefix: str = "") -> str | None:
             if inner is not None:
                 return inner
     return None
+
+
+_FIELD_NAMES: dict[type[BaseModel], tuple[str, ...]] = {}
+
+
+def _field_names(cls: type[BaseModel]) -> tuple[str, ...]:
+    """The field names of a model class in their declared order (cached per class: the
+    ``model_fields`` lookup costs more than a small event's whole check)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(cls.model_fields)
+    return names
 
 
 def check_text(text: str) -> str | None:
@@ -195,17 +208,36 @@ def _plainly_storable(model: BaseModel) -> bool:
     event to the exact walk, which names the field (and accepts what this merely could not
     rule out)."""
     # The field values as validated (not to_data(): its JSON mode writes NaN as null).
-    data = {name: getattr(model, name) for name in type(model).model_fields}
-    for name in ("event_id", "occurred_at", *TOKEN_FIELDS):
-        data.pop(name, None)
+    values = model.__dict__  # read as _int_over_range does
+    data = {name: values[name] if name in values else getattr(model, name)
+            for name in _field_names(type(model)) if name not in _NOT_JSON}
     try:
-        text = json.dumps(data, ensure_ascii=False, allow_nan=False)
-        text.encode()  # a lone surrogate cannot be encoded
+        text = _CHECK_JSON.encode(data)
+        encoded = text.encode()  # a lone surrogate cannot be encoded
     except (TypeError, ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return False
     if "\\u0000" in text:
         return False
+    # The text settles nesting and integers without walking the values when it can: a list
+    # or object at depth MAX_DEPTH + 1 opens MAX_DEPTH + 2 brackets in it (the outer object
+    # is one), and an integer past MAX_JSON_INT has 19 digits or more. Whatever else has as
+    # many (brackets or digits in a string, a float's decimals) only makes it walk.
+    if (text.count("[") + text.count("{") <= MAX_DEPTH + 1
+            and _LONG_NUMBER not in encoded.translate(_DIGITS_AS_ZERO)):
+        return True
     return _nested_ok(data, 0)
+
+
+# The check's JSON text: one encoder for every event, not one made per call as json.dumps
+# does; a circular value raises RecursionError instead of ValueError, refused the same way.
+_CHECK_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, check_circular=False,
+                               separators=(",", ":"))
+# The fields kept out of an event's JSON data.
+_NOT_JSON = frozenset({"event_id", "occurred_at", *TOKEN_FIELDS})
+# Every digit as 0 and every other byte as a space: a run of 19 digits is then b"0" * 19
+# (a byte-table translation and a substring search, both in C, far cheaper than a regex).
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_NUMBER = b"0" * 19
 
 
 def _nested_ok(value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> bool:
