@@ -123,14 +123,21 @@ def same_content(a: Event, b: Event) -> bool:
 def data_json(data: dict[str, Any]) -> str:
     """The JSON text stored for an event's data; ``ValueError`` when it is not JSON."""
     try:
-        return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _DATA_JSON.encode(data)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"data is not JSON-serialisable: {exc}") from None
 
 
+# What json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False) makes,
+# with one encoder for every event instead of one made per call.
+_DATA_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def stored_size(row: EventRow) -> int:
     """Bytes an event takes in its row: JSON text plus token payloads as stored."""
-    return len(row.data_json.encode()) + sum(
+    text = row.data_json
+    # An ASCII text's UTF-8 takes a byte per character: no need to encode it to count.
+    return (len(text) if text.isascii() else len(text.encode())) + sum(
         len(b) for b in (row.prompt_ids, row.response_ids, row.logprobs) if b is not None
     )
 
