@@ -213,23 +213,14 @@ def text_array(values: Sequence[Any]) -> BinaryArray:
     """``text[]`` of ``values`` (str or None) encoded as UTF-8, the connection's encoding
     (the caller checks it); NotBinary for any other value or one UTF-8 cannot encode (a
     lone surrogate). A NUL goes through as psycopg sends it: the server refuses it."""
-    parts: list[bytes] = []
-    nulls = 0
     pack = _LENGTH.pack
-    for value in values:
-        if value is None:
-            parts.append(_NULL)
-            nulls = 1
-            continue
-        if type(value) is not str:
-            raise NotBinary(value)
-        try:
-            encoded = value.encode()
-        except UnicodeEncodeError:
-            raise NotBinary(value) from None
-        parts.append(pack(len(encoded)))
-        parts.append(encoded)
-    return _array(_TEXTS, len(values), nulls, b"".join(parts))
+    try:
+        "".join([v for v in values if v is not None])  # TypeError unless each is a str
+        body = b"".join([_NULL if v is None else pack(len(e := v.encode())) + e
+                         for v in values])
+    except (TypeError, UnicodeEncodeError):
+        raise NotBinary(values) from None
+    return _array(_TEXTS, len(values), 1 if None in values else 0, body)
 
 
 def _int_array(cls: type[BinaryArray], item: struct.Struct, bits: int,

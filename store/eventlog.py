@@ -119,8 +119,11 @@ ON CONFLICT (event_id) DO NOTHING
 RETURNING event_id, position
 """
 
-# append_many's INSERT of many batches: without ON CONFLICT, all rows or an error.
-_INSERT_TOGETHER = _INSERT[: _INSERT.index("-- Idempotency")] + "RETURNING event_id, position\n"
+# append_many's INSERT of many batches: without ON CONFLICT, all rows or an error. Each row
+# comes back by its (stream, version), which it alone holds: cheaper to read than its id,
+# which the driver makes into a uuid.UUID in Python.
+_INSERT_TOGETHER = (_INSERT[: _INSERT.index("-- Idempotency")]
+                    + "RETURNING stream_id, stream_version, position\n")
 
 # append_many's locks: one per stream, taken in the order of the (sorted) array, as a
 # function scan returns it; a second lock on a colliding hash is granted at once.
@@ -321,17 +324,19 @@ class EventStore:
         together: list[tuple[int, str, list[Event], list[EventRow], _Memo, int]]
         together = []
         alone: list[_Prepared] = []
-        positions: dict[Any, int] = {}
+        positions: dict[tuple[str, int], int] = {}
         inserted: Any = None
         # Pipeline mode: BEGIN and the three statements below go in one round trip, the
         # INSERT and COMMIT in a second. The locks are taken in the order of the (sorted)
         # array, and in READ COMMITTED the reads, which start once they are granted, see
         # every append committed before (as in _append_in).
         with self.db.connection() as conn, conn.pipeline(), conn.transaction():
-            conn.execute(_LOCK_STREAMS, (streams,))
+            streams_param = _array_param(text_array, streams, conn)
+            conn.execute(_LOCK_STREAMS, (streams_param,))
             stored_cur = conn.execute(
-                "SELECT event_id FROM events WHERE event_id = ANY(%s)", (ids,))
-            state_cur = conn.execute(_STREAM_STATES, (streams,))
+                "SELECT event_id FROM events WHERE event_id = ANY(%s)",
+                (_array_param(uuid_array, ids, conn),))
+            state_cur = conn.execute(_STREAM_STATES, (streams_param,))
             stored = {row[0] for row in stored_cur.fetchall()}
             states = {row[0]: (row[1], row[2]) for row in state_cur.fetchall()}
             seen_streams: set[str] = set()
@@ -363,13 +368,15 @@ class EventStore:
                 inserted = conn.execute(_INSERT_TOGETHER, _columns(
                     [row for *_, batch_rows, _, _ in together for row in batch_rows], conn))
                 if alone:  # its error, if any, is not the next batch's
-                    positions = dict(inserted.fetchall())
+                    positions = _positions(inserted.fetchall())
             self._append_apart(conn, alone, outcome)
         if together:
-            positions = positions or dict(inserted.fetchall())
+            positions = positions or _positions(inserted.fetchall())
             for index, stream_id, events, batch_rows, memo, current in together:
-                result = AppendResult(stream_id, tuple(positions[r.event_id] for r in batch_rows),
-                                      current + len(events))
+                result = AppendResult(
+                    stream_id,
+                    tuple(positions[stream_id, r.stream_version] for r in batch_rows),
+                    current + len(events))
                 outcome.done.append((index, stream_id, events, result, memo))
         return outcome
 
@@ -511,15 +518,20 @@ class EventStore:
         rows: list[EventRow] = []
         for i, event in enumerate(events):
             data = event.to_data()
+            # The denormalised columns, from the fields of the events that have them. Read
+            # from the field values: getattr on a pydantic model that lacks the field goes
+            # through its __getattr__ and an AttributeError, the dearest step of a small
+            # event's row.
+            fields = event.__dict__
             row = EventRow(
                 event_id=event.event_id,  # type: ignore[arg-type]
                 stream_id=stream_id,
                 stream_version=current + i + 1,
                 type=event.type,
                 schema_version=event.schema_version,
-                run_id=getattr(event, "run_id", None) or run_id,
-                group_id=getattr(event, "group_id", None) or group_id,
-                agent=getattr(event, "agent", None),
+                run_id=fields.get("run_id") or run_id,
+                group_id=fields.get("group_id") or group_id,
+                agent=fields.get("agent"),
                 data=data,
                 occurred_at=event.occurred_at or dt.datetime.now(dt.UTC),
             )
@@ -972,6 +984,23 @@ def _columns(rows: list[EventRow], conn: Any) -> tuple[Any, ...]:
         return tuple(encode(column) for encode, column in zip(_ENCODERS, columns, strict=True))
     except NotBinary:
         return columns
+
+
+def _positions(returned: list[Any]) -> dict[tuple[str, int], int]:
+    """_INSERT_TOGETHER's rows as {(stream, version): position}."""
+    return {(stream_id, version): position for stream_id, version, position in returned}
+
+
+def _array_param(encode: Callable[[Sequence[Any]], BinaryArray], values: list[Any],
+                 conn: Any) -> Any:
+    """``values`` as a binary array parameter (see _columns), or as the list itself for
+    psycopg to adapt when the encoder does not take them."""
+    if conn.info.encoding != "utf-8":
+        return values
+    try:
+        return encode(values)
+    except NotBinary:
+        return values
 
 
 #: The binary encoder of each of _INSERT's columns (the types its unnest casts to).
