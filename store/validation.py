@@ -6,9 +6,11 @@ Errors name the event's index in the batch and the field path, e.g.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import re
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -143,6 +145,8 @@ def _int_over_range(model: BaseModel, prefix: str = "") -> str | None:
     values = model.__dict__  # the field values, read without getattr's cost per field
     for name in _field_names(type(model)):
         value = values[name] if name in values else getattr(model, name)
+        if type(value) in _NEITHER_INT_NOR_MODEL:
+            continue
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT:
             return prefix + name
         if isinstance(value, BaseModel):
@@ -151,6 +155,11 @@ def _int_over_range(model: BaseModel, prefix: str = "") -> str | None:
                 return inner
     return None
 
+
+# The types most fields hold, none an int (bool is refused below anyway) or a model: a set
+# lookup skips them without two isinstance calls each.
+_NEITHER_INT_NOR_MODEL = frozenset({str, float, bool, type(None), list, dict, tuple,
+                                    np.ndarray, uuid.UUID, dt.datetime})
 
 _FIELD_NAMES: dict[type[BaseModel], tuple[str, ...]] = {}
 
