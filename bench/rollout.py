@@ -46,6 +46,7 @@ The last line is machine-readable, for the first engine measured (vLLM when impo
     python bench/rollout.py --episodes 8 --concurrency 1,8 --no-vllm --max-tokens 16
     python bench/rollout.py --recording-only --repeats 5  # the store against memory only
     python bench/rollout.py --recording-only --eager      # ... and against eager transactions
+    python bench/rollout.py --recording-only --compare-interval 50  # ... or another spacing
 
 On a GPU, ``--device cuda --model qwen3-0.6b`` measures a real-size model instead of the tiny
 one: Qwen3's shape and its real tokenizer, random weights (throughput does not depend on
@@ -230,9 +231,9 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
                          server=server, **play)
 
         arms["store"] = lambda: stored(store)
-        if args.eager:
-            eager = _EagerStore(store)
-            arms["store-eager"] = lambda: stored(eager)
+        if args.compare_interval is not None:
+            other = _SpacedStore(store, args.compare_interval)
+            arms["store-other"] = lambda: stored(other)
     if not args.recording_only:
         arms["ceiling"] = lambda: _ceiling(backend, episodes=args.episodes,
                                            max_tokens=args.max_tokens)
@@ -276,12 +277,13 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
                                "overhead": 1.0 - statistics.median(ratios),
                                "overhead_range": [1.0 - max(ratios), 1.0 - min(ratios)],
                                **_recording_cpu(memory, runs["store"])}
-        if "store-eager" in runs:
-            eager_ratios = [s["tokens_per_s"] / m["tokens_per_s"]
-                            for s, m in zip(runs["store-eager"], memory, strict=True)]
-            report["recording"]["eager"] = {
-                "store": runs["store-eager"], "overhead": 1.0 - statistics.median(eager_ratios),
-                **_recording_cpu(memory, runs["store-eager"])}
+        if "store-other" in runs:
+            other_ratios = [s["tokens_per_s"] / m["tokens_per_s"]
+                            for s, m in zip(runs["store-other"], memory, strict=True)]
+            report["recording"]["compared"] = {
+                "interval_ms": args.compare_interval, "store": runs["store-other"],
+                "overhead": 1.0 - statistics.median(other_ratios),
+                **_recording_cpu(memory, runs["store-other"])}
     runner.close()
     seq = report.get("sequential")
     if seq is not None:
@@ -310,10 +312,11 @@ def _measure(name: str, backend: Any, args: argparse.Namespace, store: Any) -> d
             print(f"{name:12s} recording share   {recording['cpu_share']:.3f} of the CPU the "
                   f"in-memory run kept busy ({recording['machine_cpu_ms_per_event']:.3f} "
                   f"ms/event on the whole machine)")
-        if "eager" in recording:
-            for arm, row in (("spaced", recording), ("eager", recording["eager"])):
+        if "compared" in recording:
+            own = store.settings.append_interval_ms
+            for ms, row in ((own, recording), (args.compare_interval, recording["compared"])):
                 server_ms = row["server_cpu_ms_per_event"]
-                print(f"{name:12s} {arm:6s} store      overhead {row['overhead']:+.3f}, "
+                print(f"{name:12s} {ms:4d} ms spacing  overhead {row['overhead']:+.3f}, "
                       f"{row['writer_cpu_ms_per_event']:.3f} + "
                       + ("n/a" if server_ms is None else f"{server_ms:.3f}")
                       + " ms/event (writing thread + PostgreSQL)")
@@ -349,15 +352,15 @@ def _recording_cpu(memory: list[dict[str, Any]], stored: list[dict[str, Any]]
     return report
 
 
-class _EagerStore:
-    """The store with each shared append transaction written as soon as the one before it
-    is done (``append_interval_ms`` 0), to compare with the spaced default."""
+class _SpacedStore:
+    """The store with its shared append transactions spaced ``interval_ms`` apart instead of
+    the configured ``append_interval_ms`` (0: each as soon as the one before it is done)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, interval_ms: int) -> None:
         from store.append_batcher import AppendBatcher
 
         self.store = store
-        self.append_batcher = AppendBatcher(store, interval_s=0)
+        self.append_batcher = AppendBatcher(store, interval_s=interval_ms / 1000)
 
     def append(self, stream_id: str, events: Any, expected_version: Any = "any") -> Any:
         return self.store.append(stream_id, events, expected_version)
@@ -417,12 +420,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--recording-only", action="store_true",
                         help="measure only the recording: the in-memory and store runs at the "
                              "highest concurrency (the RESULT ratios are then nan)")
+    parser.add_argument("--compare-interval", type=int, default=None, metavar="MS",
+                        help="also measure the store with its shared transactions spaced MS "
+                             "milliseconds apart (0-1000), paired the same way")
     parser.add_argument("--eager", action="store_true",
-                        help="also measure the store writing each shared transaction as soon "
-                             "as the last is done (append_interval_ms 0), paired the same way")
+                        help="--compare-interval 0: each shared transaction written as soon "
+                             "as the last is done")
     args = parser.parse_args(argv)
-    if args.eager and args.no_store:
-        parser.error("--eager measures the store: it cannot go with --no-store")
+    if args.eager:
+        if args.compare_interval not in (None, 0):
+            parser.error("--eager is --compare-interval 0: give one or the other")
+        args.compare_interval = 0
+    if args.compare_interval is not None and args.no_store:
+        parser.error("--compare-interval and --eager measure the store: they cannot go with "
+                     "--no-store")
+    if args.compare_interval is not None and not 0 <= args.compare_interval <= 1000:
+        parser.error(f"--compare-interval must be 0-1000 ms, got {args.compare_interval}")
     if args.recording_only and args.no_store:
         parser.error("--recording-only measures the store: it cannot go with --no-store")
     for name in ("episodes", "max_tokens", "threads", "repeats"):

@@ -76,7 +76,7 @@ class Settings(BaseSettings):
         default=60_000, ge=0, description="Server-side limit on one SQL statement (0: none)."
     )
     append_interval_ms: int = Field(
-        default=50, ge=0, le=1000,
+        default=100, ge=0, le=1000,
         description="While coroutines keep appending (the concurrent agent loop), at most one "
         "shared append transaction per this many milliseconds per event loop; an append "
         "after a quiet spell is written at once (0: every transaction as soon as the last "

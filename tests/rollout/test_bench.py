@@ -79,12 +79,17 @@ def test_benchmark_reports_what_recording_costs(tiny_model_dir: Path, pg_server:
                         "--data-dir", str(tiny_model_dir.parent)])["engines"]["transformers"]
     assert "sequential" not in only and "ceiling" not in only
     assert [row["in_flight"] for row in only["concurrent"]] == [4]
-    eager = only["recording"]["eager"]  # transactions written as soon as the last is done
+    eager = only["recording"]["compared"]  # transactions written as soon as the last is done
+    assert eager["interval_ms"] == 0
     assert len(eager["store"]) == 1 and eager["store"][0]["events"] > 0
     assert len(only["recording"]["store"]) == 1
     out = capsys.readouterr().out
-    assert "eager  store" in out
+    assert "   0 ms spacing" in out
     last = out.strip().splitlines()[-1]
     assert "concurrent_vs_sequential=nan" in last and "recording_overhead=nan" not in last
     with pytest.raises(SystemExit):
         module.main(["--recording-only", "--no-store"])
+    for bad in (["--compare-interval", "1001"], ["--eager", "--compare-interval", "50"],
+                ["--compare-interval", "50", "--no-store"]):
+        with pytest.raises(SystemExit):
+            module.main(bad)

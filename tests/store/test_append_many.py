@@ -194,7 +194,7 @@ def test_append_interval_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> 
 
     from store.settings import Settings
 
-    assert Settings().append_interval_ms == 50
+    assert Settings().append_interval_ms == 100
     for bad in ("-1", "1001", "soon"):
         monkeypatch.setenv("TRAJSTORE_APPEND_INTERVAL_MS", bad)
         with pytest.raises(pydantic.ValidationError, match="append_interval_ms"):
