@@ -982,12 +982,7 @@ def _columns(rows: list[EventRow], conn: Any) -> tuple[Any, ...]:
         [r.logprobs for r in rows],
         [r.occurred_at for r in rows],
     )
-    if conn.info.encoding != "utf-8":
-        return columns
-    try:
-        return tuple(encode(column) for encode, column in zip(_ENCODERS, columns, strict=True))
-    except NotBinary:
-        return columns
+    return _binary(conn, _ENCODERS, columns)
 
 
 def _positions(returned: list[Any]) -> dict[tuple[str, int], int]:
@@ -999,12 +994,19 @@ def _array_param(encode: Callable[[Sequence[Any]], BinaryArray], values: list[An
                  conn: Any) -> Any:
     """``values`` as a binary array parameter (see _columns), or as the list itself for
     psycopg to adapt when the encoder does not take them."""
+    return _binary(conn, (encode,), (values,))[0]
+
+
+def _binary(conn: Any, encoders: Sequence[Callable[[Sequence[Any]], BinaryArray]],
+            columns: tuple[list[Any], ...]) -> tuple[Any, ...]:
+    """Each column built by its encoder when the connection speaks UTF-8 and every value is
+    taken; else all of them as the plain lists, for psycopg to adapt (and refuse)."""
     if conn.info.encoding != "utf-8":
-        return values
+        return columns
     try:
-        return encode(values)
+        return tuple(encode(column) for encode, column in zip(encoders, columns, strict=True))
     except NotBinary:
-        return values
+        return columns
 
 
 #: The binary encoder of each of _INSERT's columns (the types its unnest casts to).
