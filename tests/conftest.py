@@ -7,18 +7,30 @@ otherwise on an embedded PostgreSQL started in a temporary directory.
 
 from __future__ import annotations
 
+import os
+import sys
 import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
-import pytest
+# This checkout's code, whatever is installed: the repository root goes first on the path of
+# this process and of every process a test starts (``trajstore serve``, Celery workers,
+# torchrun ranks), so an editable install of another clone is never what runs.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                   if p and p != str(ROOT)])
 
-from store import migrate
-from store.db import Database
-from store.eventlog import EventStore
-from store.settings import Settings
+import psycopg  # noqa: E402
+import pytest  # noqa: E402
+
+from store import migrate  # noqa: E402
+from store.db import Database  # noqa: E402
+from store.eventlog import EventStore  # noqa: E402
+from store.settings import Settings  # noqa: E402
 
 
 def _with_dbname(url: str, name: str) -> str:
