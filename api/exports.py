@@ -278,7 +278,7 @@ def _prompt_batches(store: EventStore, run_id: str, *, data_source: str,
 # --- verl-batch --------------------------------------------------------------------------
 
 def _pad_token_id(config: RunConfig, loader: Callable[[str | None], Any] | None) -> int:
-    from workers.tokenizers import TokenizerNotFound, load_tokenizer
+    from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 
     name = config.tokenizer_name
     try:

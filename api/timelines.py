@@ -17,6 +17,7 @@ from api.tokens import Encoding, encode_array
 from store.codec import ID_DTYPE, LOGPROB_DTYPE
 from store.eventlog import EventStore, RecordedEvent
 from store.events import RunCreated
+from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 from workers.replay import (
     ReplayError,
     ReplayResult,
@@ -24,7 +25,6 @@ from workers.replay import (
     needs_tokenizer,
     replay_episode,
 )
-from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
 __all__ = [
     "StoredReplay",

@@ -53,10 +53,10 @@ from store.events import (  # noqa: E402
     ToolReturned,
 )
 from store.settings import Settings  # noqa: E402
+from workers.engines.tokenizers import load_tokenizer  # noqa: E402
 from workers.replay.jobs.parallel import ProjectionPool  # noqa: E402
 from workers.replay.jobs.project import project_episode, project_episodes  # noqa: E402
 from workers.replay.jobs.sweep import BATCH  # noqa: E402
-from workers.tokenizers import load_tokenizer  # noqa: E402
 
 TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",

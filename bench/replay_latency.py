@@ -34,7 +34,7 @@ from store.eventlog import NO_STREAM, EventStore, run_stream_id  # noqa: E402
 from store.events import RunConfig, RunCreated  # noqa: E402
 from store.projections import Projections  # noqa: E402
 from store.settings import Settings  # noqa: E402
-from workers.tokenizers import load_tokenizer  # noqa: E402
+from workers.engines.tokenizers import load_tokenizer  # noqa: E402
 
 
 def _wait_ready(log: Path, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:

@@ -73,13 +73,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from store.events import RunConfig, RunCreated  # noqa: E402
+from workers.engines.backend import GenerationRequest, SamplingParams  # noqa: E402
+from workers.engines.tinymodel import tiny_model_path  # noqa: E402
 from workers.rollout.agent_tasks import arithmetic_tasks  # noqa: E402
 from workers.rollout.aio import generate_async  # noqa: E402
-from workers.rollout.backend import GenerationRequest, SamplingParams  # noqa: E402
 from workers.rollout.builtin_tools import default_tool_registry  # noqa: E402
 from workers.rollout.loop import arun_episode  # noqa: E402
 from workers.rollout.sink import ListSink  # noqa: E402
-from workers.rollout.tinymodel import tiny_model_path  # noqa: E402
 from workers.rollout.tool_runner import ToolRunner  # noqa: E402
 
 __all__ = ["main"]
@@ -104,7 +104,7 @@ def _model_folder(name: str, data_dir: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from workers.tokenizers import qwen3_tokenizer_dir
+    from workers.engines.tokenizers import qwen3_tokenizer_dir
 
     hidden, mlp, layers, heads, kv_heads = _QWEN3_SHAPES[name]
     tokenizer = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()), local_files_only=True)
@@ -456,8 +456,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir = _model_folder(args.model, data_dir)
     import torch
 
-    from workers.rollout.backend_transformers import TransformersBackend
-    from workers.rollout.backend_vllm import cpu_engine_environment, vllm_available
+    from workers.engines.backend_transformers import TransformersBackend
+    from workers.engines.backend_vllm import cpu_engine_environment, vllm_available
 
     report: dict[str, Any] = {"episodes": args.episodes, "max_tokens": args.max_tokens,
                               "threads": args.threads, "engines": {}}
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"max_tokens {args.max_tokens}, {args.threads} torch threads")
     with _store(args) as store:
         if use_vllm:
-            from workers.rollout.backend_vllm import AsyncVLLMBackend
+            from workers.engines.backend_vllm import AsyncVLLMBackend
 
             engine = AsyncVLLMBackend(model_dir, distributed_executor_backend="uni",
                                       enforce_eager=args.device == "cpu", dtype=dtype,

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.rollout.tinymodel import tiny_model_path
+from workers.engines.tinymodel import tiny_model_path
 from workers.trainer.advantages import AdvantageSettings
 from workers.trainer.batch import TrainingBatch, pad_samples
 from workers.trainer.checkpoint import load_model

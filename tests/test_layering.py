@@ -2,12 +2,17 @@
 
 ``trajstore`` (command line, supervision, demo) is the top: it imports ``api``, ``workers`` and
 ``store``, and nothing imports it. ``api`` and ``workers`` import ``store``; ``store`` imports
-neither. ``api`` never runs the agent loop in a request (it starts a task) and never imports
-the replay jobs. Only ``store`` talks to the database driver.
+neither. ``api`` never runs the agent loop in a request (it starts a task), never imports
+the replay jobs, and takes from ``workers`` only the modules of :data:`API_USES`. Inside
+``workers``, ``workers.engines`` (talking to a model) is below rollout, replay and the
+trainer, and the trainer never imports rollout. Only ``store`` talks to the database driver.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +34,11 @@ RULES: list[tuple[str, tuple[str, ...], str]] = [
     ("api", ("workers.rollout.loop", "workers.rollout.remote", "workers.rollout.group",
              "workers.rollout.agent_tasks"),
      "a request never runs an agent loop: it starts a Celery task"),
+    ("workers.trainer", ("workers.rollout",),
+     "the trainer talks to engines (workers.engines), never to the agent loop's room"),
+    ("workers.engines", ("workers.rollout", "workers.replay", "workers.trainer",
+                         "workers.celery_tasks", "workers.app"),
+     "engines is the room below rollout, replay and the trainer"),
 ]
 DRIVER = ("psycopg", "psycopg_pool")
 
@@ -70,16 +80,74 @@ IMPURE = ("psycopg", "psycopg_pool", "celery", "redis", "multiprocessing", "subp
           "workers.app")
 
 
+# The engine modules the pure core of replay may import: rendering only, nothing that loads
+# torch, a model or a network client.
+PURE_ENGINES = ("workers.engines.render", "workers.engines.chat_template")
+
+
 def test_replay_core_is_pure(found: list[depgraph.Import]) -> None:
     """``workers.replay`` outside ``workers.replay.jobs`` is plain functions over plain data:
-    of the store it reads only the event schemas and the shared argument checks."""
+    of the store it reads only the event schemas and the shared argument checks, of the rest
+    of ``workers`` only the prompt renderer (:data:`PURE_ENGINES`)."""
     core = [i for i in found if _matches(i.importer, ("workers.replay",))
             and not _matches(i.importer, ("workers.replay.jobs",))]
     broken = sorted({_where(i) for i in core
                      if _matches(i.imported, IMPURE)
                      or (_matches(i.imported, ("store",))
-                         and not _matches(i.imported, ("store.events", "store.arguments")))})
+                         and not _matches(i.imported, ("store.events", "store.arguments")))
+                     or (_matches(i.imported, ("workers",))
+                         and not _matches(i.imported, ("workers.replay", *PURE_ENGINES)))})
     assert not broken, "the replay core does no I/O:\n" + "\n".join(broken)
+
+
+# What the API may import from workers (a module and what it holds), each with the reason.
+API_USES: dict[str, str] = {
+    "workers.engines.backend": "the gateway's requests and results are the engines' types",
+    "workers.engines.prompt": "the gateway decodes a response as the local backends do",
+    "workers.engines.render": "the capture gateway renders prompt ids with the one renderer",
+    "workers.engines.toolcall": "the OpenAI format parses tool calls as rollout does",
+    "workers.engines.tokenizers": "the one rule for a run's tokenizer name (checked when a run "
+                                  "is created; loaded for timelines, exports and the gateway)",
+    "workers.engines.tinymodel": "the in-process engine serves the tiny model when no model "
+                                 "is named (imported when that engine starts)",
+    "workers.engines.backend_transformers": "the in-process engine of the gateway (imported "
+                                            "when it starts, never by import api.app)",
+    "workers.replay": "timelines and the UI run the pure replay core on stored events",
+    "workers.rollout.remote_request": "a remote rollout's request is checked in the route",
+    "workers.rollout.remote_dispatch": "the route queues a remote rollout and waits for its "
+                                       "answer; a rollout worker plays it",
+    "workers.queues": "queue depths for /metrics",
+}
+
+
+def test_api_imports_only_the_allowed_workers_modules(found: list[depgraph.Import]) -> None:
+    broken = sorted({_where(i) for i in found
+                     if _matches(i.importer, ("api",)) and _matches(i.imported, ("workers",))
+                     and not _matches(i.imported, tuple(API_USES))})
+    assert not broken, ("the API imports from workers only API_USES (add a module there with "
+                        "its reason):\n" + "\n".join(broken))
+
+
+# What ``import api.app`` must not load: the agent loop's room, the trainer, the replay jobs,
+# and the model runtimes.
+NOT_LOADED_BY_API = ("workers.rollout.loop", "workers.rollout.group", "workers.rollout.sandbox",
+                     "workers.rollout.rewards", "workers.rollout.agent_tasks",
+                     "workers.rollout.remote", "workers.trainer", "workers.replay.jobs",
+                     "torch", "transformers", "vllm")
+
+
+def test_importing_the_api_loads_no_agent_loop_and_no_torch(tmp_path: Path) -> None:
+    """Import rules on paper are not enough (a package's ``__init__`` can re-export a heavy
+    module): a fresh interpreter imports ``api.app`` and tells what it loaded."""
+    script = "import json, sys\nimport api.app\nprint(json.dumps(sorted(sys.modules)))\n"
+    env = {**os.environ, "TRAJSTORE_DATA_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout.splitlines()[-1]))
+    assert {"api.app", "workers.engines.backend", "workers.rollout.remote_request"} <= loaded
+    heavy = sorted(m for m in loaded if _matches(m, NOT_LOADED_BY_API))
+    assert not heavy, f"import api.app loaded {heavy}"
 
 
 def test_nothing_imports_trajstore(found: list[depgraph.Import]) -> None:

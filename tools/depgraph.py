@@ -39,7 +39,8 @@ PICTURE = ROOT / "docs" / "img" / "dependencies.mmd"
 PARTS = (
     "trajstore",
     "api.gateway", "api.routers", "api.ui", "api.schemas", "api",
-    "workers.replay.jobs", "workers.replay", "workers.rollout", "workers.trainer", "workers",
+    "workers.replay.jobs", "workers.replay", "workers.rollout", "workers.trainer",
+    "workers.engines", "workers",
     "store",
     "migrations",
 )

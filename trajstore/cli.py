@@ -304,7 +304,7 @@ def example(
 
     settings = get_settings()
     try:  # the run names Qwen3's tokenizer when it is installed, so the episode replays
-        from workers.tokenizers import load_tokenizer
+        from workers.engines.tokenizers import load_tokenizer
 
         tokenizer, tokenizer_name = load_tokenizer("qwen3"), "qwen3"
     except (ImportError, LookupError):

@@ -44,6 +44,7 @@ from store.events import (
     RunCreated,
 )
 from store.settings import Settings
+from workers.engines.registry import BACKENDS
 
 __all__ = ["DemoOptions", "VersionRow", "json_summary", "run_demo", "version_rows",
            "write_charts"]
@@ -128,8 +129,9 @@ class DemoOptions:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
-        if self.backend not in ("transformers", "vllm"):
-            raise ValueError(f"--backend must be transformers or vllm, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {list(BACKENDS.names())}, "
+                             f"got {self.backend!r}")
         if self.backend == "vllm" and not _installed("vllm"):
             # Found here, not minutes later in a rollout worker's log.
             raise ValueError("--backend vllm needs vLLM: pip install -e '.[vllm]' "
@@ -259,7 +261,7 @@ def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[l
 
 
 def _create_run(store: EventStore, settings: Settings, options: DemoOptions) -> str:
-    from workers.rollout.tinymodel import tiny_model_path
+    from workers.engines.tinymodel import tiny_model_path
     from workers.rollout.warmstart import warm_start_path
 
     if options.task == "calc":

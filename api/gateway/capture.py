@@ -126,7 +126,7 @@ class Capture:
         return self.target(key, episode_id)
 
     def _create_run(self, key: ApiKey, new: NewEpisode) -> None:
-        from workers.tokenizers import canonical_tokenizer, tokenizer_problem
+        from workers.engines.tokenizers import canonical_tokenizer, tokenizer_problem
 
         tokenizer = None
         if new.model and tokenizer_problem(new.model) is None:

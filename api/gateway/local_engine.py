@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from store.settings import Settings
-from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.engines.backend import GenerationRequest, GenerationResult
 
 __all__ = ["LocalEngine", "engine_model_dir"]
 
@@ -27,7 +27,7 @@ def engine_model_dir(settings: Settings) -> Path | None:
     if not name:
         return None
     if name == "tiny":
-        from workers.rollout.tinymodel import tiny_model_path
+        from workers.engines.tinymodel import tiny_model_path
 
         return tiny_model_path(settings.data_dir / "models")
     path = Path(name).expanduser()
@@ -41,7 +41,7 @@ class LocalEngine:
 
     def __init__(self, model_dir: Path, *, device: str = "cpu", name: str = "trajstore"
                  ) -> None:
-        from workers.rollout.backend_transformers import TransformersBackend
+        from workers.engines.backend_transformers import TransformersBackend
 
         self.backend = TransformersBackend(model_dir, device=device)
         self.tokenizer: Any = self.backend.tokenizer

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from api.errors import ApiError
-from workers.rollout.backend import SamplingParams
+from workers.engines.backend import SamplingParams
 
 __all__ = ["DEFAULT_MAX_TOKENS", "normalize_messages", "sampling_params"]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.rollout.toolcall import parse_response
+from workers.engines.toolcall import parse_response
 
 __all__ = [
     "Captured",

@@ -63,9 +63,9 @@ from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from store import errors as store_errors
 from store import queries
 from store.events import Event
-from workers.replay.render import prompt_ids
-from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
-from workers.rollout.prompt import decode_response
+from workers.engines.backend import GenerationRequest, GenerationResult, SamplingParams
+from workers.engines.prompt import decode_response
+from workers.engines.render import prompt_ids
 
 if TYPE_CHECKING:
     from api.context import ApiContext
@@ -393,7 +393,7 @@ class Gateway:
         in-process engine's vocabulary: the ids the engine reads and writes would be recorded
         as another tokenizer's. Checked before anything is created; a run created by this
         call takes the engine's own tokenizer and needs no check."""
-        from workers.tokenizers import TokenizerNotFound, load_tokenizer
+        from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 
         store = self.ctx.store
         run_id = queries.episode_run(store, episode) or (new.run_id if new else None)
@@ -636,7 +636,7 @@ class Gateway:
     async def remote(self, body: ChatCompletionRequest | CompletionRequest, *, key: ApiKey,
                      agent: str, policy_version: int | None) -> JSONResponse:
         """A remote-rollout call (module docstring)."""
-        from workers.tokenizers import TokenizerNotFound, load_tokenizer
+        from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 
         if body.stream:
             raise ApiError(422, "invalid_request", "remote-rollout calls are not streamed",

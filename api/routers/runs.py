@@ -29,7 +29,7 @@ from store import queries, serving
 from store.eventlog import NO_STREAM, run_stream_id
 from store.events import RunCreated as RunCreatedEvent
 from store.validation import check_text
-from workers.tokenizers import tokenizer_problem
+from workers.engines.tokenizers import tokenizer_problem
 
 __all__ = ["router", "run_out"]
 
@@ -59,8 +59,8 @@ def run_out(ctx: ApiContext, record: dict[str, Any]) -> RunOut:
 def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) -> RunCreated:
     """Create a run with its configuration (appends ``run_created`` to the run's stream).
     A tokenizer replay could not load (``config.tokenizer``, else ``config.model``) is refused
-    with 422 naming the accepted names (``workers.tokenizers``), before anything is stored. A
-    run that names neither is accepted: its episodes are stored and analysed, and replay
+    with 422 naming the accepted names (``workers.engines.tokenizers``), before anything is
+    stored. A run that names neither is accepted: its episodes are stored and analysed, and replay
     records them as untrainable until a tokenizer is known."""
     project = body.project or key.project
     if project != key.project:

@@ -18,8 +18,8 @@ from store.analytics import Filters
 from store.eventlog import EventStore
 from store.events import AttemptFailed, RolledBack, ToolReturned
 from store.training_steps import exclusions, training_steps
+from workers.engines.tokenizers import load_tokenizer
 from workers.replay import ReplayResult, has_token_ids
-from workers.tokenizers import load_tokenizer
 
 __all__ = [
     "dashboard",

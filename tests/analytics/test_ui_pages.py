@@ -19,8 +19,8 @@ from store import analytics
 from store.analytics import Filters
 from store.settings import Settings
 from tests.analytics.conftest import OTHER, RUN, Seeded
+from workers.engines.tokenizers import load_tokenizer
 from workers.replay import replay_episode
-from workers.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from store.error_signature import error_signature
 from store.events import LLMCalled, RunConfig
 from tests.analytics.conftest import OTHER, RUN, Seeded
 from tests.analytics.rows import assert_rows
+from workers.engines.tokenizers import load_tokenizer
 from workers.replay.episode import replay_episode
-from workers.tokenizers import load_tokenizer
 
 V0 = ("e1", "e2", "e3", "e4")
 V1 = ("e5", "e6")

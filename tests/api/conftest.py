@@ -118,7 +118,7 @@ def start_server(api_settings: Settings, tmp_path: Path) -> Iterator[Callable[..
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from workers.rollout.tinymodel import tiny_model_path
+    from workers.engines.tinymodel import tiny_model_path
 
     return tiny_model_path(tmp_path_factory.mktemp("api-tiny-model"), seed=0)
 

@@ -75,7 +75,7 @@ def build_qwen3_tool_model(directory: Path, *, steps: int = 400, seed: int = 0) 
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
 
-    from workers.tokenizers import qwen3_tokenizer_dir
+    from workers.engines.tokenizers import qwen3_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()),
                                               local_files_only=True)

@@ -22,7 +22,7 @@ from tests.workers.conftest import wait_for
 
 @pytest.fixture(scope="module")
 def qwen3() -> Any:
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     return load_tokenizer("qwen3")
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tiny_model_dir: Path) -> Any:
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
 

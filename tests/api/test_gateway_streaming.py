@@ -18,7 +18,7 @@ from store.events import LLMCalled
 from store.settings import Settings
 from tests.api.conftest import Project, Server
 from trajstore.client import TrajstoreClient
-from workers.rollout.prompt import decode_response
+from workers.engines.prompt import decode_response
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -103,7 +103,7 @@ def test_live_text_adds_up_to_the_final_answer(tiny_model_dir: Path) -> None:
     """What is sent live is always the start of the final answer; markers, stop strings and
     surrounding whitespace are held back."""
     from api.gateway.openai_format import assistant_message
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
 

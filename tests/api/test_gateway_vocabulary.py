@@ -16,7 +16,7 @@ from api.app import create_app
 from store.eventlog import EventStore
 from store.settings import Settings
 from tests.api.conftest import Project
-from workers.tokenizers import qwen3_tokenizer_dir
+from workers.engines.tokenizers import qwen3_tokenizer_dir
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -224,7 +224,7 @@ def test_a_lease_whose_answer_cannot_be_built_leaves_nothing_leased(
     from api.app import create_app
     from tests.api.episodes import create_run as store_run
     from tests.api.episodes import record_group
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     store_run(api_store, run_id, project=project.name, group_size=2)

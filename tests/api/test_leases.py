@@ -23,7 +23,7 @@ from tests.factories import database_now
 
 @pytest.fixture(scope="module")
 def qwen3() -> Any:
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     return load_tokenizer("qwen3")
 

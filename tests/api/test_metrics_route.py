@@ -26,7 +26,7 @@ from workers.app import QUEUES, configure
 
 @pytest.fixture(scope="module")
 def qwen3() -> Any:
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     return load_tokenizer("qwen3")
 

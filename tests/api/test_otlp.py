@@ -601,7 +601,7 @@ def test_spans_with_token_ids_become_training_samples(
         client: TestClient, project: Project, api_store: EventStore) -> None:
     """A chat span with trajstore's token attributes, as an engine-side tracer writes them,
     replays into a sample whose trained tokens are exactly the generated ids."""
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     qwen3 = load_tokenizer("qwen3")
     question = [{"role": "user", "content": "What is 2+3?"}]

@@ -48,7 +48,7 @@ class Dataset:
 
 @pytest.fixture(scope="module")
 def qwen3() -> Any:
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     return load_tokenizer("qwen3")
 

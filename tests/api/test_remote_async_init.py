@@ -47,7 +47,7 @@ def client(api_settings: Settings, api_store: EventStore, rollout_worker: Worker
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model_dir: Path) -> Iterator[ChatTrainer]:
-    from workers.rollout.backend_transformers import TransformersBackend
+    from workers.engines.backend_transformers import TransformersBackend
 
     with ChatTrainer(TransformersBackend(tiny_model_dir)) as server:
         yield server

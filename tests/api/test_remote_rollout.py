@@ -40,7 +40,7 @@ TOOL_TURN = ("\n<|im_start|>user\n<tool_response>\n8\n</tool_response><|im_end|>
 
 @pytest.fixture(scope="module")
 def qwen3() -> Any:
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     return load_tokenizer("qwen3")
 

@@ -162,7 +162,7 @@ def test_rollout_route_accepts_the_reference_request_and_plays_a_chat_only_train
     tool calls outside its token ids, played by a real rollout worker process."""
     from tests.rollout.chat_trainer import ChatTrainer
     from tests.rollout.turns import tool_call
-    from workers.rollout.backend_transformers import TransformersBackend
+    from workers.engines.backend_transformers import TransformersBackend
 
     run_id, _ = new_rollout(gateway, project, str(tiny_model_dir))
     body = {"rollout_id": f"r-{uuid.uuid4().hex[:8]}", "messages": QUESTION,

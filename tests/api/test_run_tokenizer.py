@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.api.conftest import Project
-from workers.tokenizers import canonical_tokenizer, load_tokenizer, tokenizer_problem
+from workers.engines.tokenizers import canonical_tokenizer, load_tokenizer, tokenizer_problem
 
 
 @pytest.mark.parametrize("name", ["qwen3", "Qwen3", "Qwen/Qwen3-8B", "qwen/qwen3-0.6b", "tiny"])

@@ -7,8 +7,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.replay.replay_tokenizers import qwen3_tokenizer
-from workers.replay.render import ChatRenderer, prompt_ids
-from workers.rollout.chat_template import CHAT_TEMPLATE
+from workers.engines.chat_template import CHAT_TEMPLATE
+from workers.engines.render import ChatRenderer, prompt_ids
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "What is 2+3?"},

@@ -12,10 +12,10 @@ import pytest
 from replay_episodes import SEARCH_TOOL, Script, tool_call
 
 from store.events import LLMCalled, RunConfig
+from workers.engines.render import CHECKED, ChatRenderer, _verified
 from workers.replay.episode import replay_episode
 from workers.replay.errors import PromptMismatchError, ReplayError
 from workers.replay.offsets import decode_appendable
-from workers.replay.render import CHECKED, ChatRenderer, _verified
 from workers.replay.segment import Segmenter, _render_key
 
 TOOLS = [SEARCH_TOOL]
@@ -283,7 +283,7 @@ def test_renderer_loops_by_position_as_loop_context_does(qwen3) -> None:
     # The compiled template's own renders matched (none fell back to apply_chat_template).
     assert _verified[(template, renderer._variables_key)] == CHECKED
     # ... and its positional loops were compiled as such.
-    from workers.replay.render import _fast_template
+    from workers.engines.render import _fast_template
     fast = _fast_template(renderer._source(False))
     code = fast.template.environment.compile(template, raw=True)
     assert code.count(") is list else LoopContext(") == 9
@@ -318,7 +318,7 @@ def test_decodings_that_are_not_byte_level_are_not_appendable(metaspace) -> None
 
 
 def test_renderer_falls_back_when_its_render_differs(qwen3, monkeypatch) -> None:
-    import workers.replay.render as render
+    import workers.engines.render as render
 
     class Wrong:
         def render(self, **variables) -> str:
@@ -373,7 +373,7 @@ def test_tojson_memo_dumps_what_marshal_refuses_each_time() -> None:
     import enum
     import json
 
-    from workers.replay.render import _memoized_tojson
+    from workers.engines.render import _memoized_tojson
 
     class Level(enum.IntEnum):
         HIGH = 2

@@ -37,10 +37,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tests.servers import ThreadedServer
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_replay import ReplayBackend
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.prompt import render_prompt_ids
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_replay import ReplayBackend
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.prompt import render_prompt_ids
 
 __all__ = ["ChatCall", "ChatTrainer"]
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.tinymodel import tiny_model_path
 from workers.rollout.builtin_tools import default_tool_registry
 from workers.rollout.sandbox import PythonSandbox
-from workers.rollout.tinymodel import tiny_model_path
 from workers.rollout.tools import ToolRegistry
 
 

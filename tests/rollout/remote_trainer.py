@@ -28,11 +28,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tests.servers import ThreadedServer
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_replay import ReplayBackend
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.prompt import render_prompt_ids
-from workers.rollout.toolcall import parse_response
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_replay import ReplayBackend
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.prompt import render_prompt_ids
+from workers.engines.toolcall import parse_response
 
 __all__ = ["CallRecord", "TrainerServer"]
 

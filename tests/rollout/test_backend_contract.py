@@ -1,4 +1,4 @@
-"""The generation backend contract (``workers.rollout.backend``), written once and run against
+"""The generation backend contract (``workers.engines.backend``), written once and run against
 every backend: transformers, the replay backend, the remote trainer's completions endpoint,
 vLLM's offline engine, vLLM's async engine and the OpenAI-compatible vLLM server.
 
@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 
 from tests.rollout.remote_trainer import TrainerServer
-from workers.replay.render import prompt_ids
-from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.backend_vllm import cpu_engine_environment, vllm_available
+from workers.engines.backend import GenerationRequest, GenerationResult, SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.backend_vllm import cpu_engine_environment, vllm_available
+from workers.engines.prompt import end_of_turn_ids
+from workers.engines.render import prompt_ids
 from workers.rollout.calculator import Calculator
-from workers.rollout.prompt import end_of_turn_ids
 
 MESSAGES = ({"role": "user", "content": "What is 12 * 7? Use the calculator."},)
 TOOLS = (Calculator.schema,)
@@ -88,24 +88,24 @@ def subject(request: pytest.FixtureRequest, hf_backend: TransformersBackend,
     if kind == "transformers":
         yield Subject(kind, lambda: hf_backend)
     elif kind == "replay":
-        from workers.rollout.backend_replay import ReplayBackend
+        from workers.engines.backend_replay import ReplayBackend
 
         yield Subject(kind, lambda: ReplayBackend(hf_backend, [SCRIPT]), samples=False)
     elif kind == "remote-trainer":
-        from workers.rollout.backend_remote import RemoteTrainerBackend
+        from workers.engines.backend_remote import RemoteTrainerBackend
 
         with TrainerServer(hf_backend) as server:
             yield Subject(kind, lambda: RemoteTrainerBackend(
                 server.url, rollout_id=uuid.uuid4().hex, tokenizer=hf_backend.tokenizer))
     elif kind == "vllm-offline":
-        from workers.rollout.backend_vllm import VLLMBackend
+        from workers.engines.backend_vllm import VLLMBackend
 
         request.getfixturevalue("vllm_environment")
         engine = VLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
                              enforce_eager=True, dtype="float32", max_model_len=2048, seed=0)
         yield Subject(kind, lambda: engine)
     elif kind == "vllm-async":
-        from workers.rollout.backend_vllm import AsyncVLLMBackend
+        from workers.engines.backend_vllm import AsyncVLLMBackend
 
         request.getfixturevalue("vllm_environment")
         async_engine = AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
@@ -117,7 +117,7 @@ def subject(request: pytest.FixtureRequest, hf_backend: TransformersBackend,
             async_engine.close()
     else:
         from tests.servers import vllm_server
-        from workers.rollout.backend_openai import OpenAIServerBackend
+        from workers.engines.backend_openai import OpenAIServerBackend
 
         with vllm_server(tiny_model_dir, request.getfixturevalue("tmp_path_factory")
                          .mktemp("vllm-contract-server")) as url:

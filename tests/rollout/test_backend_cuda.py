@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_openai import OpenAIServerBackend, ServerResponseError
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_openai import OpenAIServerBackend, ServerResponseError
 
 
 def test_rejects_bad_arguments() -> None:

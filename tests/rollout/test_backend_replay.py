@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_replay import ReplayBackend
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_replay import ReplayBackend
+from workers.engines.backend_transformers import TransformersBackend
 
 MESSAGES = ({"role": "user", "content": "Say hi."},)
 

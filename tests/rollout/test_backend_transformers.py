@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from workers.rollout.backend import (
+from workers.engines.backend import (
     GenerationBackend,
     GenerationRequest,
     SamplingParams,
     WeightUpdatable,
 )
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.calculator import Calculator
 
 MESSAGES = ({"role": "user", "content": "What is 12 * 7?"},)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
+from workers.engines.backend import GenerationRequest, GenerationResult, SamplingParams
 
 
 def test_sampling_params_round_trip_and_replace() -> None:

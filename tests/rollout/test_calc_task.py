@@ -7,8 +7,8 @@ import pytest
 
 from tests.rollout.test_loop import of_type, play
 from tests.rollout.turns import tool_call, turn
+from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.agent_tasks import builtin_task, calc_task, calc_tasks, load_tasks
-from workers.rollout.backend_transformers import TransformersBackend
 from workers.rollout.rewards import Transcript, tool_answer_reward
 from workers.rollout.tools import ToolRegistry
 

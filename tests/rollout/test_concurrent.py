@@ -26,11 +26,11 @@ import pytest
 
 from store.settings import Settings
 from tests.rollout.turns import tool_call, turn
+from workers.engines.backend import GenerationRequest, GenerationResult, SamplingParams
+from workers.engines.backend_replay import ReplayBackend
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.batching import BatchScheduler, EngineStopped
 from workers.rollout.agent_tasks import Task, arithmetic_tasks
-from workers.rollout.backend import GenerationRequest, GenerationResult, SamplingParams
-from workers.rollout.backend_replay import ReplayBackend
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.batching import BatchScheduler, EngineStopped
 from workers.rollout.calculator import Calculator
 from workers.rollout.loop import arun_episode, run_episode
 from workers.rollout.runtime import RolloutRuntime, WeightsGate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.rollout.backend import GenerationResult
+from workers.engines.backend import GenerationResult
 
 
 def test_nul_and_lone_surrogates_become_storable_text_with_exact_ids() -> None:

@@ -19,9 +19,9 @@ from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig, RunCreated, ToolReturned
 from store.settings import Settings
 from tests.servers import ThreadedServer, free_port
+from workers.engines.backend import SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.agent_tasks import arithmetic_tasks
-from workers.rollout.backend import SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
 from workers.rollout.group import group_id_for, play_group
 from workers.rollout.group_log import ApiGroupLog, PolicyState, StoreGroupLog
 from workers.rollout.tools import ToolRegistry

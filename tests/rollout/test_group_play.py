@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from store.errors import ConflictError
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import Event, PolicyUpdated, RollbackConfig, RunConfig, RunCreated
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.agent_tasks import (
     MAX_BUILTIN_INDEX,
     arithmetic_tasks,
@@ -24,9 +26,6 @@ from workers.rollout.agent_tasks import (
     function_call_tasks,
     resolve_task,
 )
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.engine import RolloutEngine, base_model_dir
 from workers.rollout.episode_writer import EpisodeWriter, deterministic_event_id
 from workers.rollout.group import (
     episode_id_for,
@@ -36,6 +35,7 @@ from workers.rollout.group import (
 )
 from workers.rollout.group_log import PolicyState, StoreGroupLog
 from workers.rollout.tools import ToolRegistry
+from workers.rollout.worker_engine import RolloutEngine, base_model_dir
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=24)
 TASK = arithmetic_tasks(1, seed=5)[0]

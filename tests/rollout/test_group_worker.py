@@ -21,8 +21,8 @@ from tests.workers.conftest import (  # noqa: F401  (fixtures)
     worker_settings,
     worker_store,
 )
+from workers.engines.tinymodel import tiny_model_path
 from workers.rollout.group import episode_id_for, group_id_for
-from workers.rollout.tinymodel import tiny_model_path
 
 
 def new_run(store: EventStore, settings: Settings, group_size: int) -> str:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.rollout.logprobs import sampled_token_logprobs, sampling_log_softmax
+from workers.engines.logprobs import sampled_token_logprobs, sampling_log_softmax
 
 
 def reference_log_softmax(logits: list[list[float]], temperature: float, top_p: float

@@ -14,10 +14,10 @@ import pytest
 
 from store.events import Event, RollbackConfig, RunConfig, parse_event
 from tests.rollout.turns import tool_call, turn
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_replay import ReplayBackend
+from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.agent_tasks import Task, arithmetic_tasks, function_call_tasks
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_replay import ReplayBackend
-from workers.rollout.backend_transformers import TransformersBackend
 from workers.rollout.calculator import Calculator
 from workers.rollout.loop import EpisodeResult, run_episode
 from workers.rollout.sandbox import PythonTool

@@ -22,7 +22,7 @@ from tests.workers.conftest import (  # noqa: F401  (fixtures)
     worker_settings,
     worker_store,
 )
-from workers.rollout.tinymodel import tiny_model_path
+from workers.engines.tinymodel import tiny_model_path
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

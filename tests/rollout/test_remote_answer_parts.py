@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from workers.rollout.backend_remote import answer_tool_calls_text, split_endpoint
-from workers.rollout.toolcall import parse_response
+from workers.engines.backend_remote import answer_tool_calls_text, split_endpoint
+from workers.engines.toolcall import parse_response
 
 
 @pytest.mark.parametrize("url,expected", [

@@ -18,8 +18,8 @@ from store.events import LLMCalled, RunConfig, ToolReturned
 from store.settings import Settings
 from tests.rollout.chat_trainer import ChatTrainer
 from tests.rollout.turns import tool_call
+from workers.engines.backend_transformers import TransformersBackend
 from workers.replay.episode import replay_episode
-from workers.rollout.backend_transformers import TransformersBackend
 from workers.rollout.remote import run_remote_rollout
 from workers.rollout.remote_request import remote_episode_id
 

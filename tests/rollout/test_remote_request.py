@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 
 from store.settings import Settings
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_remote import (
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_remote import (
     RemoteTrainerBackend,
     RemoteTrainerError,
     session_response_mask,
 )
-from workers.rollout.prompt import render_prompt_ids
+from workers.engines.prompt import render_prompt_ids
+from workers.engines.tokenizers import load_tokenizer
 from workers.rollout.remote_request import parse_rollout_request, resolve_tokenizer
-from workers.tokenizers import load_tokenizer
 
 GOOD: dict[str, Any] = {
     "rollout_id": "r1",

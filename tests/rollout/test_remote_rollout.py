@@ -16,7 +16,7 @@ from store.settings import Settings
 from tests.rollout.remote_trainer import TrainerServer
 from tests.rollout.turns import tool_call, turn
 from tests.servers import free_port
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.remote import run_remote_rollout
 from workers.rollout.remote_request import DuplicateRolloutError, remote_episode_id
 

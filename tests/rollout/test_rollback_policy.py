@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from store.events import DEFAULT_ROLLBACK_ERRORS, RollbackConfig, RunConfig, RunCreated
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.prompt import render_prompt_ids
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.prompt import render_prompt_ids
 from workers.rollout.rollback import format_error_feedback, matches_rollback, rollback_config
 from workers.rollout.sink import EventSink, ListSink
 from workers.rollout.tools import ToolOutcome

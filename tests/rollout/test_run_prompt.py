@@ -13,18 +13,18 @@ import pytest
 
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import LLMCalled, RunConfig, RunCreated
+from workers.engines.backend import SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.chat_template import CHAT_TEMPLATE
+from workers.engines.prompt import RunPrompt, run_prompt
+from workers.engines.render import prompt_ids
+from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 from workers.replay.episode import replay_episode
 from workers.replay.errors import ReplayError
-from workers.replay.render import prompt_ids
 from workers.rollout.agent_tasks import function_call_tasks
-from workers.rollout.backend import SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.chat_template import CHAT_TEMPLATE
 from workers.rollout.group import play_group
 from workers.rollout.group_log import StoreGroupLog
-from workers.rollout.prompt import RunPrompt, run_prompt
 from workers.rollout.tools import ToolRegistry
-from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
 MARK = "Answer in one line."
 #: The tiny model's template with a system line of the run's own before every prompt.

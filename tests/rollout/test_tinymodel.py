@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workers.rollout.tinymodel import (
+from workers.engines.tinymodel import (
     SPECIAL_TOKENS,
     TOKEN_MARKERS,
     build_tiny_model,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.rollout.turns import tool_call, turn
-from workers.rollout.toolcall import TOOL_CALL_FORMAT_ERROR, parse_response
+from workers.engines.toolcall import TOOL_CALL_FORMAT_ERROR, parse_response
 
 
 def test_reasoning_and_several_calls() -> None:

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from tests.servers import vllm_server
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_openai import OpenAIServerBackend, ServerResponseError
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.backend_vllm import VLLMBackend, cpu_engine_environment, vllm_available
 from workers.rollout.agent_tasks import arithmetic_tasks
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_openai import OpenAIServerBackend, ServerResponseError
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.backend_vllm import VLLMBackend, cpu_engine_environment, vllm_available
 from workers.rollout.calculator import Calculator
 from workers.rollout.loop import run_episode
 from workers.rollout.sink import ListSink
@@ -170,8 +170,8 @@ def test_server_reloads_a_checkpoint_and_reports_the_version(
     from store.eventlog import NO_STREAM, run_stream_id
     from store.events import PolicyUpdated, RunCreated
     from store.serving import policy_takeup
-    from workers.rollout.engine import RolloutEngine
     from workers.rollout.group_log import PolicyState, StoreGroupLog
+    from workers.rollout.worker_engine import RolloutEngine
 
     reference = TransformersBackend(tiny_model_dir)
     checkpoint = tmp_path / "v000001"

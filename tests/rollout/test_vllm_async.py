@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from tests.rollout.test_vllm import _request, server  # noqa: F401  (fixture)
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_openai import OpenAIServerBackend
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.backend_vllm import cpu_engine_environment, vllm_available
+from workers.engines.batching import EngineStopped
 from workers.rollout.agent_tasks import arithmetic_tasks
-from workers.rollout.backend import GenerationRequest, SamplingParams
-from workers.rollout.backend_openai import OpenAIServerBackend
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.backend_vllm import cpu_engine_environment, vllm_available
-from workers.rollout.batching import EngineStopped
 from workers.rollout.loop import arun_episode
 from workers.rollout.sink import ListSink
 from workers.rollout.tools import ToolRegistry
@@ -41,7 +41,7 @@ def _requests(count: int) -> list[GenerationRequest]:
 
 @pytest.fixture(scope="module")
 def async_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    from workers.rollout.backend_vllm import AsyncVLLMBackend
+    from workers.engines.backend_vllm import AsyncVLLMBackend
 
     os.environ.update(cpu_engine_environment(tmp_path_factory.mktemp("vllm-async-cache")))
     engine = AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
@@ -119,7 +119,7 @@ def test_server_client_async_path_matches_sync(server: str) -> None:  # noqa: F8
 
 def test_closed_engine_refuses_requests(tiny_model_dir: Path,
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
-    from workers.rollout.backend_vllm import AsyncVLLMBackend
+    from workers.engines.backend_vllm import AsyncVLLMBackend
 
     with pytest.raises(ValueError, match="does not exist"):
         AsyncVLLMBackend(tiny_model_dir / "missing")

@@ -23,9 +23,9 @@ from tests.workers.conftest import (  # noqa: F401  (fixtures)
     worker_settings,
     worker_store,
 )
-from workers.rollout.backend_vllm import vllm_available
+from workers.engines.backend_vllm import vllm_available
+from workers.engines.tinymodel import tiny_model_path
 from workers.rollout.group import group_id_for
-from workers.rollout.tinymodel import tiny_model_path
 
 pytestmark = [
     pytest.mark.vllm,

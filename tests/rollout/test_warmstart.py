@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers.engines.tinymodel import build_tiny_model
+from workers.engines.toolcall import parse_response
 from workers.rollout.rewards import Transcript, tool_answer_reward
-from workers.rollout.tinymodel import build_tiny_model
-from workers.rollout.toolcall import parse_response
 from workers.rollout.warmstart import (
     WarmStartCacheError,
     WarmStartOptions,
@@ -106,8 +106,8 @@ def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
+    from workers.engines.tinymodel import build_tiny_model
     from workers.rollout.agent_tasks import calc_task
-    from workers.rollout.tinymodel import build_tiny_model
     from workers.rollout.warmstart import (
         _common_prefix,
         _drill_chunks,

@@ -57,7 +57,7 @@ def test_ping(store: EventStore) -> None:
 
 def test_the_example_episode_replays_into_samples(store: EventStore) -> None:
     from store.example_episode import record_example_episode
-    from workers.tokenizers import load_tokenizer
+    from workers.engines.tokenizers import load_tokenizer
 
     run_id, episode = record_example_episode(
         store, seed=4, run_id=f"example-{uuid.uuid4().hex[:8]}",

@@ -20,9 +20,9 @@ from store.events import PolicyUpdated
 from store.leasing import Leasing
 from store.serving import policy_takeup
 from workers import checkpoint_urls
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.engine import RolloutEngine
+from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.group_log import StoreGroupLog
+from workers.rollout.worker_engine import RolloutEngine
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

@@ -10,7 +10,7 @@ import torch
 import trainer_episodes
 from trainer_episodes import new_run, record_group
 
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend_transformers import TransformersBackend
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

@@ -18,8 +18,8 @@ from api.keys import KeyStore
 from store.eventlog import NO_STREAM
 from store.events import EpisodeFinished, EpisodeStarted
 from store.training_steps import EXCLUSION_CATEGORIES, exclusions
+from workers.engines.backend_transformers import TransformersBackend
 from workers.replay.jobs.project import project_episode
-from workers.rollout.backend_transformers import TransformersBackend
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

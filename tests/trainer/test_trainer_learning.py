@@ -17,8 +17,11 @@ import torch
 import trainer_episodes
 from trainer_episodes import DIGITS_TASK, new_run, record_group
 
-from workers.rollout import ListSink, SamplingParams, ToolRegistry, run_episode
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend import SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
+from workers.rollout.loop import run_episode
+from workers.rollout.sink import ListSink
+from workers.rollout.tools import ToolRegistry
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

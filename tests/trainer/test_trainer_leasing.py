@@ -18,7 +18,7 @@ from store.eventlog import run_stream_id
 from store.events import PolicyUpdated
 from store.leasing import Leasing
 from store.settings import Settings
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend_transformers import TransformersBackend
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

@@ -17,7 +17,7 @@ from api.keys import KeyStore
 from store.eventlog import run_stream_id
 from store.events import PolicyUpdated
 from store.training_steps import training_steps
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend_transformers import TransformersBackend
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer, staleness_metrics
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.rollout.tinymodel import tiny_model_path
+from workers.engines.tinymodel import tiny_model_path
 from workers.trainer.batch import TrainingBatch, pad_samples
 from workers.trainer.checkpoint import load_model
 from workers.trainer.config import TrainerConfig

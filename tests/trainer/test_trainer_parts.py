@@ -13,9 +13,9 @@ import torch
 import trainer_episodes
 from trainer_episodes import new_run
 
-from workers.rollout import GenerationRequest, SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.tokenizers import load_tokenizer
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.tokenizers import load_tokenizer
 from workers.trainer import worker as trainer_worker
 from workers.trainer.advantages import (
     ADVANTAGE_ESTIMATORS,

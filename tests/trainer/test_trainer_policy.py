@@ -14,8 +14,8 @@ import pytest
 import torch
 import trainer_episodes
 
-from workers.rollout import GenerationRequest, SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
 from workers.trainer.batch import pad_samples
 from workers.trainer.checkpoint import load_model
 from workers.trainer.config import TrainerConfig

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
+from workers.registry import Registry
 from workers.trainer.aggregation import LOSS_AGG_MODES
 from workers.trainer.kl import KL_ESTIMATORS
-from workers.trainer.registry import Registry
 
 
 def test_register_and_get_with_aliases() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from store.stored_sample import StoredSample
-from workers.rollout.tinymodel import tiny_model_path
+from workers.engines.tinymodel import tiny_model_path
 from workers.trainer.advantages import AdvantageSettings
 from workers.trainer.batch import TrainingBatch, pad_samples
 from workers.trainer.checkpoint import load_model

@@ -16,8 +16,8 @@ from trainer_episodes import new_run, record_group
 from store.eventlog import run_stream_id
 from store.events import PolicyUpdated
 from store.leasing import Leasing
-from workers.rollout import GenerationRequest, SamplingParams
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend import GenerationRequest, SamplingParams
+from workers.engines.backend_transformers import TransformersBackend
 from workers.trainer.checkpoint import load_model, read_state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import StepHooks, Trainer, TrainerBroken
@@ -190,7 +190,7 @@ def test_egpo_step_reports_its_entropy_bonus(trainer_store, tiny_model: Path) ->
     """An EGPO step records the share of responses whose advantage got the entropy bonus and
     the bonus's mean size over them; responses with a <think> block and a nonzero advantage
     get one."""
-    from workers.rollout.backend_replay import ReplayBackend
+    from workers.engines.backend_replay import ReplayBackend
 
     run_id = new_run(trainer_store, tiny_model, group_size=4, lam=0.1)
     engine = TransformersBackend(tiny_model)

@@ -16,9 +16,10 @@ from trainer_episodes import new_run, record_group
 
 from store import errors
 from store.serving import policy_takeup
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.engine import RolloutEngine, engine_id
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.identity import engine_id
 from workers.rollout.group_log import StoreGroupLog
+from workers.rollout.worker_engine import RolloutEngine
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

@@ -16,7 +16,7 @@ from trainer_episodes import new_run, record_group
 from store.leasing import Leasing
 from store.settings import Settings
 from tests.workers import conftest as worker_fixtures
-from workers.rollout.backend_transformers import TransformersBackend
+from workers.engines.backend_transformers import TransformersBackend
 
 tiny_model = trainer_episodes.tiny_model
 trainer_settings = trainer_episodes.trainer_settings

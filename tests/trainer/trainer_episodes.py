@@ -22,11 +22,13 @@ from store.db import Database
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import EgpoConfig, RunConfig, RunCreated
 from store.settings import Settings
+from workers.engines.backend import SamplingParams
+from workers.engines.tinymodel import tiny_model_path
 from workers.replay.jobs.project import project_episode
-from workers.rollout import SamplingParams, ToolRegistry, run_episode
 from workers.rollout.agent_tasks import Task
+from workers.rollout.loop import run_episode
 from workers.rollout.rewards import REWARDS, Reward, Transcript, register_reward
-from workers.rollout.tinymodel import tiny_model_path
+from workers.rollout.tools import ToolRegistry
 
 __all__ = [
     "DIGITS_TASK",

@@ -85,10 +85,10 @@ from typing import Any
 
 import numpy as np
 
+from workers.engines.render import ChatRenderer
 from workers.replay.equality import PrefixInterner, content_text
 from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
 from workers.replay.offsets import IdDecoder
-from workers.replay.render import ChatRenderer
 
 __all__ = ["Segmentation", "Segmenter", "common_prefix_length"]
 

@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from store.events import Event
-from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.engines.backend import GenerationRequest, GenerationResult
 
 __all__ = ["append_async", "generate_async", "run_sync"]
 

@@ -38,13 +38,13 @@ from typing import Any
 from store.arguments import whole_number
 from store.errors import ConflictError, IdempotencyError
 from store.events import EpisodeFinished, RunConfig
+from workers.engines.backend import AsyncGenerationBackend, GenerationBackend, SamplingParams
+from workers.engines.prompt import RunPrompt, run_prompt
 from workers.rollout.agent_tasks import Task
 from workers.rollout.aio import run_sync
-from workers.rollout.backend import AsyncGenerationBackend, GenerationBackend, SamplingParams
 from workers.rollout.episode_writer import EpisodeWriter
 from workers.rollout.group_log import GroupLog
 from workers.rollout.loop import arun_episode
-from workers.rollout.prompt import RunPrompt, run_prompt
 from workers.rollout.tool_runner import ToolRunner
 from workers.rollout.tools import ToolRegistry
 
@@ -217,7 +217,7 @@ async def aplay_group(
     ``run_config`` (read from ``log`` when None) is the run's configuration, the one source
     of the group's behaviour: ``group_size`` episodes, the rollback rules, the prompt
     rendering (the run's tokenizer and chat template, as replay renders them,
-    :func:`~workers.rollout.prompt.run_prompt`) and, unless ``sampling`` is given, the
+    :func:`~workers.engines.prompt.run_prompt`) and, unless ``sampling`` is given, the
     sampling and limits of ``RunConfig.rollout`` (which then also sets ``max_turns`` and
     ``max_total_tokens``); each episode's seed is derived from its id. ``backend`` must
     already hold that policy's weights. ``gate``, when given, is held by each episode while

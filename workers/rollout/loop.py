@@ -30,7 +30,7 @@ Semantics:
 - The whole turn rolls back when any of its outputs matches (see
   :mod:`workers.rollout.rollback`). Without a match, or with rollback disabled, tool results are
   appended as ``tool`` messages and the loop continues.
-- A turn that tries to call a tool but does not parse (:mod:`workers.rollout.toolcall`) runs no
+- A turn that tries to call a tool but does not parse (:mod:`workers.engines.toolcall`) runs no
   tool; it yields one ``tool_returned`` with name ``invalid_tool_call``, error type
   ``ToolCallFormatError`` and the "tool call format is wrong: …" text as output, which the
   default rollback patterns match. Without rollback that text is appended as a user message.
@@ -40,10 +40,10 @@ Semantics:
   reached with tool calls pending, a response cut at ``max_tokens``, or ``max_total_tokens``
   reached: each call's ``max_tokens`` is capped so that prompt + response fit in it, exactly
   when the loop renders the prompt (``prompt``) or the backend renders it and says how
-  (:class:`~workers.rollout.backend.PromptRenderer`), and otherwise by the room the previous
+  (:class:`~workers.engines.backend.PromptRenderer`), and otherwise by the room the previous
   call left), ``error`` (the backend, a tool
   registry or the reward raised: reward 0 with source "error", the exception text as reason).
-- Prompts: with ``prompt`` (a :class:`~workers.rollout.prompt.RunPrompt`, the run's tokenizer
+- Prompts: with ``prompt`` (a :class:`~workers.engines.prompt.RunPrompt`, the run's tokenizer
   and chat template) the loop renders each request and gives the engine its token ids, so
   rollout renders as replay does; without it the backend renders ``messages`` itself.
 - Sampling seeds: with ``sampling.seed`` set, the k-th call of the episode uses ``seed + k``.
@@ -78,9 +78,7 @@ from store.events import (
     RunConfig,
     ToolReturned,
 )
-from workers.rollout.agent_tasks import Task
-from workers.rollout.aio import append_async, generate_async, run_sync
-from workers.rollout.backend import (
+from workers.engines.backend import (
     AsyncGenerationBackend,
     GenerationBackend,
     GenerationRequest,
@@ -88,12 +86,14 @@ from workers.rollout.backend import (
     PromptRenderer,
     SamplingParams,
 )
-from workers.rollout.prompt import RunPrompt
+from workers.engines.prompt import RunPrompt
+from workers.engines.toolcall import ParsedResponse, parse_response
+from workers.rollout.agent_tasks import Task
+from workers.rollout.aio import append_async, generate_async, run_sync
 from workers.rollout.rewards import Reward, Transcript
 from workers.rollout.rollback import format_error_feedback, matches_rollback, rollback_config
 from workers.rollout.sink import EventSink
 from workers.rollout.tool_runner import ToolRunner, default_tool_runner
-from workers.rollout.toolcall import ParsedResponse, parse_response
 from workers.rollout.tools import TOOL_NOT_FOUND_ERROR, ToolOutcome, ToolRegistry
 
 __all__ = [

@@ -20,7 +20,7 @@ format there), this process drives the agent loop and generates at the trainer's
 Semantics:
 
 - Every LLM call goes to the trainer through
-  :class:`~workers.rollout.backend_remote.RemoteTrainerBackend`, which sends the explicit
+  :class:`~workers.engines.backend_remote.RemoteTrainerBackend`, which sends the explicit
   ``response_mask`` of the protocol. The endpoint is the path ``server_url`` ends with when it
   names one, else ``/v1/chat/completions`` (the later revision's), falling back to
   ``/v1/completions`` (the first revision's) when the trainer answers 404/405;
@@ -59,8 +59,8 @@ from typing import Any
 from store.errors import ConflictError, IdempotencyError
 from store.events import RollbackConfig
 from store.settings import Settings
+from workers.engines.backend_remote import RemoteTrainerBackend
 from workers.rollout.agent_tasks import Task
-from workers.rollout.backend_remote import RemoteTrainerBackend
 from workers.rollout.calculator import Calculator
 from workers.rollout.episode_writer import EpisodeWriter, VersionedLog
 from workers.rollout.loop import EpisodeResult, run_episode

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from store.settings import Settings
-from workers.rollout.backend import SamplingParams
+from workers.engines.backend import SamplingParams
 from workers.rollout.calculator import Calculator
 from workers.rollout.chat_messages import check_messages
 from workers.rollout.tools import ToolRegistry
@@ -210,7 +210,7 @@ def check_trainer_host(server_url: str, settings: Settings) -> None:
 def resolve_tokenizer(name: str, *, settings: Settings) -> Any:
     """The tokenizer ``name`` stands for (module docstring). Raises ValueError naming
     ``tokenizer_name`` when it is neither a known name nor a local tokenizer folder."""
-    from workers.tokenizers import TokenizerNotFound, load_tokenizer
+    from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"tokenizer_name must be a non-empty string, got {name!r}")
@@ -241,7 +241,7 @@ def check_run_tokenizer(run_id: str, run_tokenizer: str | None, name: str) -> No
     vocabulary (:class:`TokenizerMismatchError`, naming both) or one that cannot be loaded
     (ValueError naming ``tokenizer_name``). A run naming no tokenizer is not checked (its
     episodes give samples once it names one)."""
-    from workers.tokenizers import TokenizerNotFound, canonical_tokenizer, load_tokenizer
+    from workers.engines.tokenizers import TokenizerNotFound, canonical_tokenizer, load_tokenizer
 
     if not run_tokenizer or canonical_tokenizer(run_tokenizer) == canonical_tokenizer(name):
         return

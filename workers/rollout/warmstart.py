@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.engines.tinymodel import build_tiny_model
 from workers.rollout.agent_tasks import calc_question, calc_task
 from workers.rollout.calculator import evaluate_expression, format_number
 from workers.rollout.rollback import format_error_feedback
-from workers.rollout.tinymodel import build_tiny_model
 
 __all__ = [
     "FOLDER_PREFIX",

@@ -3,7 +3,7 @@
 The log is the database (the worker process's store; replay workers follow the log and queue
 the replay of each finished episode) unless the settings name an ``api_url``: then events go
 through the HTTP API with ``api_key``. The engine is the process's
-:func:`~workers.rollout.engine.worker_engine`, brought to the run's newest policy; the group
+:func:`~workers.rollout.worker_engine.worker_engine`, brought to the run's newest policy; the group
 plays on the process's :mod:`~workers.rollout.runtime` event loop, its episodes concurrent with
 those of the other groups the worker's threads hand it. Tasks are
 resolved by id: built-in ids (``arith-<seed>-<index>``, ``fc-<seed>-<index>``) or the JSONL
@@ -67,7 +67,7 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     bad ``group_index`` or a run whose model is not a local folder; ``TokenizerNotFound``
     when the run's tokenizer cannot be loaded here; ``NotFoundError`` for an unknown run;
     ``TransientError`` when the log is unreachable (the task is retried)."""
-    from workers.rollout.engine import worker_engine
+    from workers.rollout.worker_engine import worker_engine
 
     log = worker_log(settings)
     config = log.run_config(run_id)

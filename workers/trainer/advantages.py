@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from store.events import EGPO_ALPHA, EGPO_LAM
+from workers.registry import Registry
 from workers.trainer.egpo import egpo_advantages, grpo_advantages
-from workers.trainer.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.registry import Registry
 from workers.trainer.checks import require_2d, require_same_shape
-from workers.trainer.registry import Registry
 
 __all__ = [
     "LOSS_AGG_MODES",

@@ -369,7 +369,7 @@ class DistributedTrainer(Trainer):
         rank loads those weights and shards them. Raises on every rank the ValueError or
         ``store.errors.NotFoundError`` that rank 0 met (unknown run, no model, a world size
         the batch cannot feed, not a causal LM, an unwritable checkpoint location)."""
-        from workers.tokenizers import load_tokenizer
+        from workers.engines.tokenizers import load_tokenizer
 
         config = config or TrainerConfig()
         rank, world = dist.get_rank(), dist.get_world_size()

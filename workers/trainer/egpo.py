@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from workers.registry import Registry
 from workers.trainer.checks import (
     require_2d,
     require_finite_number,
@@ -33,7 +34,6 @@ from workers.trainer.checks import (
 )
 from workers.trainer.cot import cot_mask
 from workers.trainer.groups import group_codes, group_mean_std
-from workers.trainer.registry import Registry
 
 __all__ = [
     "EGPO_VARIANTS",

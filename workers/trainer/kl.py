@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from workers.registry import Registry
 from workers.trainer.checks import require_floating, require_same_shape, require_tensor
-from workers.trainer.registry import Registry
 
 __all__ = ["KL_ESTIMATORS", "kl_penalty"]
 

@@ -47,9 +47,9 @@ from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired, Leasing
 from store.serving import append_policy_updated, policy_takeup, record_policy_served
 from workers import checkpoint_urls
-from workers.rollout.backend import WeightUpdatable
-from workers.rollout.engine import engine_id
-from workers.tokenizers import load_tokenizer
+from workers.engines.backend import WeightUpdatable
+from workers.engines.identity import engine_id
+from workers.engines.tokenizers import load_tokenizer
 from workers.trainer.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageSettings,

@@ -1,6 +1,6 @@
 """Pushing the trainer's weights to a rollout engine after a policy update.
 
-Any :class:`~workers.rollout.backend.WeightUpdatable` backend takes them: the in-process
+Any :class:`~workers.engines.backend.WeightUpdatable` backend takes them: the in-process
 transformers backend copies tensors into its model, the vLLM backend calls its workers'
 ``reload_weights``. Names are the model's state-dict names, which are the checkpoint's names
 for Hugging Face models, so an engine that loaded the same checkpoint folder knows them all.
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from workers.rollout.backend import WeightUpdatable
+from workers.engines.backend import WeightUpdatable
 
 __all__ = ["named_weights", "push_weights"]
 

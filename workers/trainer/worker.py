@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from store.eventlog import EventStore
-from workers.rollout.backend import WeightUpdatable
+from workers.engines.backend import WeightUpdatable
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import Trainer
 

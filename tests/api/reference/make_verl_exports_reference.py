@@ -33,7 +33,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from api.exports import PROMPTS_SCHEMA, prompt_row, verl_batch
 from tests.api.export_cases import PAD, STARTS, samples
-from workers.tokenizers import load_tokenizer
+from workers.engines.tokenizers import load_tokenizer
 
 OUTPUT = Path(__file__).with_name("verl_exports_reference.json")
 TENSORS = ("input_ids", "attention_mask", "position_ids", "prompts", "responses",

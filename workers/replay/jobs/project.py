@@ -44,6 +44,7 @@ from store.projections import (
     ToolCallRow,
 )
 from store.streams import read_run_events, read_streams
+from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 from workers.replay.episode import (
     ReplayResult,
     needs_tokenizer,
@@ -51,7 +52,6 @@ from workers.replay.episode import (
     untokenized_reason,
 )
 from workers.replay.errors import ReplayError
-from workers.tokenizers import TokenizerNotFound, load_tokenizer
 
 __all__ = ["ProjectOutcome", "build_projection", "project_episode", "project_episodes",
            "run_row"]

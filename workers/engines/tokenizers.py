@@ -89,7 +89,7 @@ def load_tokenizer(name: str | None) -> Any:
         if canonical in _cache:
             return _cache[canonical]
     if canonical == "tiny":
-        from workers.rollout.tinymodel import build_tiny_tokenizer
+        from workers.engines.tinymodel import build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer(seed=0)
     else:

@@ -10,10 +10,10 @@ sampled tokens' logprobs, and read:
 - logprobs from ``choices[0].logprobs.content[i].logprob`` (chat) or
   ``choices[0].logprobs.token_logprobs`` (completions).
 
-Tool calls are parsed by this package from the raw text (:mod:`workers.rollout.toolcall`), so
+Tool calls are parsed by this package from the raw text (:mod:`workers.engines.toolcall`), so
 chat requests send the tool schemas with ``tool_choice: "none"``: the server renders them into
 the prompt but does not need a tool parser. For logprobs under the sampling distribution
-(:mod:`workers.rollout.backend`) start the server with ``--logprobs-mode processed_logprobs``;
+(:mod:`workers.engines.backend`) start the server with ``--logprobs-mode processed_logprobs``;
 with vLLM's default (``raw_logprobs``) the logprobs are those of the unscaled model
 distribution.
 
@@ -21,7 +21,7 @@ Weight updates: :meth:`OpenAIServerBackend.update_weights_from` asks a vLLM serv
 weights in place from a checkpoint folder the *server* can read (shared storage), through
 vLLM's development routes (``POST /collective_rpc`` with ``reload_weights``, then ``POST
 /reset_prefix_cache``; start the server with ``VLLM_SERVER_DEV_MODE=1``). Wrapped in a
-:class:`~workers.rollout.engine.RolloutEngine`, the server then reports the version it took
+:class:`~workers.rollout.worker_engine.RolloutEngine`, the server then reports the version it took
 like any engine (``policy_served``, engine id: the server's address). Tensors cannot be pushed
 to it (:meth:`OpenAIServerBackend.update_weights` refuses).
 
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from store.arguments import whole_number
-from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.engines.backend import GenerationRequest, GenerationResult
 
 __all__ = ["OpenAIServerBackend", "ServerResponseError"]
 

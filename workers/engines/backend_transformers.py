@@ -1,10 +1,10 @@
 """Generation with a plain ``transformers`` causal LM, on CPU or CUDA.
 
 Sampling runs through ``model.generate`` with an explicit generation config built from the
-request's :class:`~workers.rollout.backend.SamplingParams` only (temperature, top-p, no top-k,
+request's :class:`~workers.engines.backend.SamplingParams` only (temperature, top-p, no top-k,
 no repetition penalty: a model's own generation defaults are not merged in). The logprob of
 each sampled token is read from the processed scores ``generate`` sampled from
-(``output_scores``), i.e. the sampling distribution of :mod:`workers.rollout.logprobs`.
+(``output_scores``), i.e. the sampling distribution of :mod:`workers.engines.logprobs`.
 
 :meth:`TransformersBackend.score` recomputes the same logprobs with one teacher-forced forward
 pass; it is also what the replay backend uses to score recorded responses.
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from store.arguments import whole_number
-from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
-from workers.rollout.batching import BatchScheduler
-from workers.rollout.logprobs import sampled_token_logprobs
-from workers.rollout.prompt import decode_response, end_of_turn_ids, render_prompt_ids
+from workers.engines.backend import FinishReason, GenerationRequest, GenerationResult
+from workers.engines.batching import BatchScheduler
+from workers.engines.logprobs import sampled_token_logprobs
+from workers.engines.prompt import decode_response, end_of_turn_ids, render_prompt_ids
 
 __all__ = ["TransformersBackend"]
 
@@ -92,7 +92,7 @@ class _TokenStreamer:
 
 
 class TransformersBackend:
-    """A :class:`~workers.rollout.backend.GenerationBackend` over a transformers causal LM.
+    """A :class:`~workers.engines.backend.GenerationBackend` over a transformers causal LM.
 
     ``model`` is a folder path or an already loaded ``PreTrainedModel``; ``tokenizer`` defaults
     to the one saved beside a folder model (required when passing a loaded model). ``device``
@@ -149,7 +149,7 @@ class TransformersBackend:
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The token ids this backend feeds the model for ``request`` (see
-        :func:`workers.rollout.prompt.render_prompt_ids`)."""
+        :func:`workers.engines.prompt.render_prompt_ids`)."""
         return render_prompt_ids(self.tokenizer, request)
 
     def generate(self, request: GenerationRequest,
@@ -295,7 +295,7 @@ class TransformersBackend:
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Generate ``request`` together with the other requests in flight: a scheduler
         thread runs them in padded batches of up to ``max_batch``
-        (:mod:`workers.rollout.batching`; requests with stop strings run alone)."""
+        (:mod:`workers.engines.batching`; requests with stop strings run alone)."""
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
         return await self.scheduler().submit(request)

@@ -1,4 +1,5 @@
-"""Name -> function registries for estimators, bonus variants, loss modes and KL kinds.
+"""Name -> function registries: the trainer's estimators, bonus variants, loss modes and KL
+kinds, and the generation backends a worker builds by name (:mod:`workers.engines.registry`).
 
 Callers resolve a configured name once through a registry instead of branching on it. A
 registry refuses to register a name twice, so two modules cannot silently replace each other's

@@ -4,7 +4,7 @@ Prompts are rendered here with the model's tokenizer and chat template and hande
 engine as token ids (``TokensPrompt``), so ``prompt_ids`` are exactly what the engine consumed.
 The engine is created with ``logprobs_mode="processed_logprobs"``: the logprob of a sampled
 token is taken after temperature scaling and top-p truncation, i.e. under the sampling
-distribution defined in :mod:`workers.rollout.backend`, the same quantity the transformers
+distribution defined in :mod:`workers.engines.backend`, the same quantity the transformers
 backend reports. Weights are replaced in place with the worker's ``reload_weights`` followed by
 a prefix-cache reset (cached key/values of the old weights must not be reused).
 
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from store.arguments import whole_number
-from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
-from workers.rollout.batching import EngineStopped
-from workers.rollout.prompt import end_of_turn_ids, render_prompt_ids
+from workers.engines.backend import FinishReason, GenerationRequest, GenerationResult
+from workers.engines.batching import EngineStopped
+from workers.engines.prompt import end_of_turn_ids, render_prompt_ids
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +73,7 @@ def _engine_folder(model: str | os.PathLike[str], policy_version: object,
 
 
 class VLLMBackend:
-    """A :class:`~workers.rollout.backend.GenerationBackend` over ``vllm.LLM``.
+    """A :class:`~workers.engines.backend.GenerationBackend` over ``vllm.LLM``.
 
     ``model`` is a model folder; ``engine_kwargs`` go to ``vllm.LLM`` (e.g.
     ``distributed_executor_backend="uni", enforce_eager=True, dtype="float32",
@@ -193,7 +193,7 @@ class AsyncVLLMBackend:
     (``reload_weights(weights_path=...)``), then the prefix cache is reset.
 
     When the engine dies, requests in flight fail with the engine's error and later ones
-    with :class:`~workers.rollout.batching.EngineStopped`; :attr:`dead` says why, and the
+    with :class:`~workers.engines.batching.EngineStopped`; :attr:`dead` says why, and the
     rollout worker builds a new engine for its next group. ``engine_kwargs`` go to
     ``AsyncEngineArgs``. Raises ValueError when the folder does not exist or
     ``engine_kwargs`` sets ``logprobs_mode``.
@@ -268,7 +268,7 @@ class AsyncVLLMBackend:
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Generate ``request`` in the engine's continuous batch (awaitable from any loop).
         Raises ValueError for a prompt that does not fit the context and
-        :class:`~workers.rollout.batching.EngineStopped` once the engine is dead."""
+        :class:`~workers.engines.batching.EngineStopped` once the engine is dead."""
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
         if self.dead is not None:

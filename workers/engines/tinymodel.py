@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.rollout.chat_template import CHAT_TEMPLATE, TOOL_SYSTEM_PREAMBLE
+from workers.engines.chat_template import CHAT_TEMPLATE, TOOL_SYSTEM_PREAMBLE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -130,7 +130,7 @@ def build_tiny_tokenizer(*, seed: int = 0) -> PreTrainedTokenizerFast:
     ChatML control tokens get ids 0, 1, 2 (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``);
     the markup tokens (``<think>`` … ``</tool_response>``) follow and are kept when decoding.
     ``eos_token`` is ``<|im_end|>``, ``pad_token`` is ``<|endoftext|>`` and the chat template is
-    :data:`workers.rollout.chat_template.CHAT_TEMPLATE`. Any text can be encoded (the initial
+    :data:`workers.engines.chat_template.CHAT_TEMPLATE`. Any text can be encoded (the initial
     alphabet holds all 256 bytes). Raises ValueError for a negative ``seed``.
     """
     if not isinstance(seed, int) or seed < 0:

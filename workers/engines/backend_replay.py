@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from workers.rollout.backend import FinishReason, GenerationRequest, GenerationResult
-from workers.rollout.backend_transformers import TransformersBackend
-from workers.rollout.prompt import decode_response
+from workers.engines.backend import FinishReason, GenerationRequest, GenerationResult
+from workers.engines.backend_transformers import TransformersBackend
+from workers.engines.prompt import decode_response
 
 __all__ = ["ReplayBackend"]
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from store.events import RunConfig
-from workers.replay.render import prompt_ids
-from workers.rollout.backend import GenerationRequest
+from workers.engines.backend import GenerationRequest
+from workers.engines.render import prompt_ids
 
 __all__ = ["RunPrompt", "decode_response", "end_of_turn_ids", "render_prompt_ids",
            "run_prompt"]
@@ -42,14 +42,14 @@ class RunPrompt:
     def ids(self, messages: Sequence[Mapping[str, Any]],
             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The prompt ids of ``messages`` and ``tools`` with the generation prompt appended
-        (:func:`workers.replay.render.prompt_ids`); the template's own errors propagate."""
+        (:func:`workers.engines.render.prompt_ids`); the template's own errors propagate."""
         return prompt_ids(self.tokenizer, messages, tools=tools,
                           chat_template=self.chat_template)
 
 
 def run_prompt(config: RunConfig, *, backend: Any = None) -> RunPrompt | None:
     """The rendering rollout uses for a run with ``config``: the run's tokenizer
-    (``tokenizer_name``, loaded with :func:`workers.tokenizers.load_tokenizer`) with its
+    (``tokenizer_name``, loaded with :func:`workers.engines.tokenizers.load_tokenizer`) with its
     ``chat_template``; a template without a tokenizer name is used with ``backend``'s
     ``tokenizer``. None when the run names neither (the backend renders with its own).
     Raises ``TokenizerNotFound`` for a tokenizer that cannot be loaded here, ValueError for
@@ -58,7 +58,7 @@ def run_prompt(config: RunConfig, *, backend: Any = None) -> RunPrompt | None:
     if name is None and config.chat_template is None:
         return None
     if name is not None:
-        from workers.tokenizers import load_tokenizer
+        from workers.engines.tokenizers import load_tokenizer
 
         tokenizer = load_tokenizer(name)
     else:
@@ -74,7 +74,7 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>")
 def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     """The prompt ids of ``request``: its ``prompt_ids`` as given, or its messages (and tools)
     rendered with ``tokenizer``'s chat template and the generation prompt appended
-    (:func:`workers.replay.render.prompt_ids`, the renderer replay's text matches).
+    (:func:`workers.engines.render.prompt_ids`, the renderer replay's text matches).
     Raises ValueError when the tokenizer has no chat template, or when an id is outside the
     tokenizer's vocabulary."""
     if request.prompt_ids is not None:
