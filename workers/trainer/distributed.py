@@ -54,7 +54,7 @@ from store.leasing import Lease, LeaseExpired
 from store.serving import append_policy_updated
 from workers import checkpoint_urls
 from workers.trainer.advantages import ADVANTAGE_ESTIMATORS
-from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
+from workers.trainer.batch import TrainingBatch, token_level_rewards
 from workers.trainer.checkpoint import (
     checkpoint_dir,
     load_model,
@@ -120,13 +120,17 @@ class _Scorer(torch.nn.Module):
         self.lm, self.pack = lm, pack
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                responses: torch.Tensor, response_positions: torch.Tensor, temperature: float,
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        part = types.SimpleNamespace(input_ids=input_ids, attention_mask=attention_mask,
-                                     responses=responses, response_positions=response_positions)
+                responses: torch.Tensor, response_positions: torch.Tensor,
+                temperatures: Sequence[float], chunk_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The temperatures come as plain numbers: FSDP's mixed precision casts floating
+        # tensor inputs to bfloat16, which would turn 0.7 into 0.6992.
+        part = types.SimpleNamespace(
+            input_ids=input_ids, attention_mask=attention_mask, responses=responses,
+            response_positions=response_positions,
+            temperatures=torch.tensor(temperatures, dtype=torch.float64, device=input_ids.device))
         score = packed_response_log_probs if self.pack else response_log_probs
-        log_probs, entropies = score(
-            self.lm, cast(TrainingBatch, part), temperature=temperature, chunk_size=chunk_size)
+        log_probs, entropies = score(self.lm, cast(TrainingBatch, part), chunk_size=chunk_size)
         # FSDP hooks its backward onto the outputs; views of a larger tensor would lose it.
         return log_probs.clone(), entropies.clone()
 
@@ -213,11 +217,12 @@ class RankSharding:
             yield rows[:1], dataclasses.replace(
                 idle, response_mask=torch.zeros_like(idle.response_mask))
 
-    def log_probs(self, model: Any, batch: TrainingBatch, *, temperature: float,
-                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_probs(self, model: Any, batch: TrainingBatch, *, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Score ``batch`` through the sharded root (``model`` is its causal LM)."""
         result = self.root(batch.input_ids, batch.attention_mask, batch.responses,
-                           batch.response_positions, temperature, chunk_size)
+                           batch.response_positions, tuple(batch.temperatures.tolist()),
+                           chunk_size)
         return cast(tuple[torch.Tensor, torch.Tensor], result)
 
 
@@ -230,8 +235,7 @@ def _score(sharding: RankSharding, batch: TrainingBatch, config: TrainerConfig
     entropies = torch.zeros_like(log_probs)
     for rows, part in sharding.micro_batches(batch, list(range(len(batch))),
                                              size=config.micro_batch_size):
-        lp, ent = sharding.log_probs(None, part, temperature=config.temperature,
-                                     chunk_size=config.logit_chunk_size)
+        lp, ent = sharding.log_probs(None, part, chunk_size=config.logit_chunk_size)
         width = lp.shape[1]
         index = torch.tensor(rows, device=log_probs.device)
         log_probs[index, :width] += lp.float() * part.response_mask
@@ -457,9 +461,8 @@ class DistributedTrainer(Trainer):
                 try:
                     if hooks.after_lease is not None:
                         hooks.after_lease(lease)
-                    batch = pad_samples(lease.samples, pad_token_id=self.pad_token_id,
-                                        vocab_size=self.vocab_size)
-                    payload = ("batch", batch, lease.lease_id.hex[:8])
+                    batch, scoring = self._pad(lease)
+                    payload = ("batch", batch, lease.lease_id.hex[:8], scoring)
                 except BaseException as exc:
                     payload = ("error", exc)
             payload = _broadcast(payload)
@@ -513,6 +516,7 @@ class DistributedTrainer(Trainer):
                     metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
                                             stats.metrics(), started, correction, current)
                     metrics["world_size"] = float(self.sharding.world_size)
+                    metrics.update(payload[3])
                     version, path = self._record_consolidated(full, metrics, lease,
                                                               optimizer_dir)
                     changed = False

@@ -52,8 +52,8 @@ class Sharding(Protocol):
     def micro_batches(self, batch: TrainingBatch, rows: list[int], *, size: int
                       ) -> Iterable[tuple[list[int], TrainingBatch]]: ...
 
-    def log_probs(self, model: Any, batch: TrainingBatch, *, temperature: float,
-                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def log_probs(self, model: Any, batch: TrainingBatch, *, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def micro_batches(batch: TrainingBatch, rows: list[int], *, size: int
@@ -81,6 +81,7 @@ def trim(batch: TrainingBatch) -> TrainingBatch:
         response_mask=batch.response_mask[:, :response_length],
         response_lengths=batch.response_lengths,
         rollout_log_probs=batch.rollout_log_probs[:, :response_length],
+        temperatures=batch.temperatures,
         rewards=batch.rewards,
         is_negative=batch.is_negative,
         group_ids=batch.group_ids,
@@ -102,8 +103,7 @@ def score_batch(model: torch.nn.Module, batch: TrainingBatch, *, config: Trainer
     entropies = torch.zeros(shape, dtype=torch.float32, device=device)
     for rows, part in micro_batches(batch, list(range(len(batch))),
                                      size=config.micro_batch_size):
-        lp, ent = response_log_probs(model, part, temperature=config.temperature,
-                                     chunk_size=config.logit_chunk_size)
+        lp, ent = response_log_probs(model, part, chunk_size=config.logit_chunk_size)
         width = lp.shape[1]
         index = torch.tensor(rows, device=device)
         log_probs[index, :width] = lp * part.response_mask
@@ -225,8 +225,7 @@ process) makes this one rank of a data-parallel update (:class:`Sharding`).
                 width = part.responses.shape[1]
                 log_prob, entropy = (response_log_probs if sharding is None
                                      else sharding.log_probs)(
-                    model, part, temperature=config.temperature,
-                    chunk_size=config.logit_chunk_size)
+                    model, part, chunk_size=config.logit_chunk_size)
                 weights = is_weights[part_rows, :width] if is_weights is not None else None
                 if first_pass is not None:
                     assert stats.old_log_probs is not None and stats.entropies is not None
