@@ -24,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import ValidationError as _PydanticValidationError
 
 __all__ = [
     "ABANDONED_ERROR_TYPE",
@@ -222,23 +224,46 @@ EGPO_LAM = 0.4
 EGPO_ALPHA = 2.0
 
 
+def _reading_stored(info: ValidationInfo) -> bool:
+    """Whether the event is being read back from the log (``parse_event(..., stored=True)``):
+    checks added after a run could be created apply to new runs only, so a run stored before
+    them still reads."""
+    return bool(info.context and info.context.get("stored"))
+
+
+def _refuse(loc: tuple[str | int, ...], message: str, value: Any) -> _PydanticValidationError:
+    """A validation error located at the field ``loc`` (relative to the model being checked),
+    for a check that spans several fields: pydantic prefixes the enclosing models' location,
+    so a run config refused this way names e.g. ``config.egpo.alpha``, not just ``egpo``."""
+    return _PydanticValidationError.from_exception_data("RunConfig", [InitErrorDetails(
+        type=PydanticCustomError("value_error", "Value error, {reason}", {"reason": message}),
+        loc=loc, input=value)])
+
+
 class EgpoConfig(_Frozen):
     """EGPO's entropy bonus (seed ``004``): ``lam`` its weight (0 turns EGPO into GRPO),
-    ``alpha`` the bound on it relative to the advantage, ``variant`` the bonus's form. The
-    ``clip`` form keeps an advantage's sign only when ``lam < alpha``; a run that asks for
-    more is refused when it is created, not at its first training step."""
+    ``alpha`` the bound on it relative to the advantage, ``variant`` the bonus's form. Each
+    form keeps an advantage's sign only under a condition, checked when the run is created
+    (not at its first training step), as the trainer's bonus functions check it: ``clip``
+    needs ``lam < alpha`` (refused naming ``lam``), ``paper`` needs ``alpha > 1`` (refused
+    naming ``alpha``). Both numbers must be finite."""
 
-    lam: float = Field(default=EGPO_LAM, ge=0)
-    alpha: float = Field(default=EGPO_ALPHA, gt=0)
+    lam: float = Field(default=EGPO_LAM, ge=0, allow_inf_nan=False)
+    alpha: float = Field(default=EGPO_ALPHA, gt=0, allow_inf_nan=False)
     variant: Literal["clip", "paper"] = "clip"
 
     @model_validator(mode="after")
-    def _clip_keeps_the_sign(self) -> EgpoConfig:
-        if self.variant == "clip" and self.lam > 0 and not self.lam < self.alpha:
-            raise ValueError(
-                f"egpo.lam ({self.lam}) must be below egpo.alpha ({self.alpha}) for the 'clip' "
-                "variant, or the bonus can flip a negative advantage"
-            )
+    def _keeps_the_sign(self, info: ValidationInfo) -> EgpoConfig:
+        if _reading_stored(info):
+            return self
+        if self.variant == "clip" and not self.lam < self.alpha:
+            raise _refuse(("lam",), f"egpo.lam ({self.lam}) must be below egpo.alpha "
+                          f"({self.alpha}) for the 'clip' variant, or the bonus can flip a "
+                          "negative advantage", self.lam)
+        if self.variant == "paper" and not self.alpha > 1.0:
+            raise _refuse(("alpha",), f"egpo.alpha ({self.alpha}) must be above 1 for the "
+                          "'paper' variant (bonus min(lam*H, |A|/alpha)), or the bonus can "
+                          "flip a negative advantage", self.alpha)
         return self
 
 
@@ -255,14 +280,14 @@ class RollbackConfig(_Frozen):
 
 
 class NegativeConfig(_Frozen):
-    negative_reward: float = -1.0
+    negative_reward: float = Field(default=-1.0, allow_inf_nan=False)
     max_negative_samples_per_group: int = Field(default=1, ge=0)
 
 
 class RolloutConfig(_Frozen):
     """How a run's rollout workers sample: per-call sampling and per-episode limits."""
 
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
     max_turns: int = Field(default=8, ge=1)
@@ -287,6 +312,30 @@ class CorrectionConfig(_Frozen):
     rejection_lower: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
 
 
+def template_syntax_problem(template: str) -> str | None:
+    """Why ``template`` is not a Jinja chat template transformers can compile (its syntax,
+    with the ``loopcontrols`` extension and the ``{% generation %}`` block transformers
+    adds), or None. Only the syntax is checked: nothing is rendered."""
+    from jinja2 import TemplateSyntaxError, nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"])
+    try:
+        environment.parse(template)
+    except TemplateSyntaxError as exc:
+        return f"chat_template is not a valid Jinja template: {exc.message} (line {exc.lineno})"
+    return None
+
+
 class RunConfig(_Frozen):
     group_size: int = Field(default=8, ge=1)
     rollout: RolloutConfig = RolloutConfig()
@@ -302,6 +351,18 @@ class RunConfig(_Frozen):
     model: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, template: str | None, info: ValidationInfo) -> str | None:
+        # Checked here, not at the first rollout: a template that does not parse fails every
+        # episode of the run.
+        if not template or _reading_stored(info):
+            return template
+        problem = template_syntax_problem(template)
+        if problem is not None:
+            raise ValueError(problem)
+        return template
 
     @property
     def tokenizer_name(self) -> str | None:
@@ -490,12 +551,16 @@ def parse_event(
     tokens: dict[str, Any] | None = None,
     event_id: uuid.UUID | str | None = None,
     occurred_at: dt.datetime | None = None,
+    stored: bool = False,
 ) -> Event:
     """Build the event model of ``type_name`` from its JSON ``data`` (and token payloads).
 
     Raises ``KeyError`` naming the type when it is unknown and pydantic's
     ``ValidationError`` when the data does not fit the schema. Data stored under an older
-    ``schema_version`` is upcast step by step to the current one first.
+    ``schema_version`` is upcast step by step to the current one first. ``stored`` (an event
+    read back from the log) skips the run configuration's checks that span several fields
+    (EGPO's sign conditions, the chat template's syntax), so a run created before a check
+    existed still reads; the field types and ranges are checked either way.
     """
     cls = EVENT_TYPES.get(type_name)
     if cls is None:
@@ -516,4 +581,4 @@ def parse_event(
         fields["event_id"] = event_id
     if occurred_at is not None:
         fields["occurred_at"] = occurred_at
-    return cls.model_validate(fields)
+    return cls.model_validate(fields, context={"stored": True} if stored else None)
