@@ -60,12 +60,12 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
     """Create a run with its configuration (appends ``run_created`` to the run's stream).
     The configuration is checked whole before anything is stored (``store.events.RunConfig``):
     an out-of-range value, a non-finite number, a chat template that does not parse, or
-    settings that contradict each other (EGPO's sign conditions) are refused with
-    422 naming the field, e.g. ``body.config.egpo.alpha``. A tokenizer replay could not load
-    (``config.tokenizer``, else ``config.model``) is refused with 422 naming the accepted names
-    (``workers.tokenizers``), before anything is stored. A run that names neither is accepted:
-    its episodes are stored and analysed, and replay records them as untrainable until a
-    tokenizer is known."""
+    settings that contradict each other (EGPO's sign conditions, the off-policy
+    correction's) are refused with 422 naming the field, e.g. ``body.config.egpo.alpha``. A
+    tokenizer replay could not load (``config.tokenizer``, else ``config.model``) is refused
+    with 422 naming the accepted names (``workers.tokenizers``), before anything is stored. A
+    run that names neither is accepted: its episodes are stored and analysed, and replay
+    records them as untrainable until a tokenizer is known."""
     project = body.project or key.project
     if project != key.project:
         raise ApiError(403, "forbidden", f"this key may create runs in project "

@@ -1,11 +1,12 @@
 """A run configuration accepted at creation never fails training later: for EGPO's forms, the
-rollout temperature and the negative reward, what ``RunConfig``
+off-policy correction, the rollout temperature and the negative reward, what ``RunConfig``
 accepts is exactly what the trainer's functions run with, and what it refuses names the
 field."""
 
 from __future__ import annotations
 
 import math
+import random
 import uuid
 from typing import Any
 
@@ -16,10 +17,11 @@ import trainer_episodes
 from pydantic import ValidationError
 
 from store.eventlog import NO_STREAM, run_stream_id
-from store.events import EgpoConfig, RunConfig, RunCreated
+from store.events import REJECTION_MODES, EgpoConfig, RunConfig, RunCreated
 from store.stored_sample import StoredSample
 from workers.trainer.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings
 from workers.trainer.batch import pad_samples
+from workers.trainer.correction import bypass_policy_loss, compute_correction
 from workers.trainer.temperature import scoring_temperatures
 
 trainer_settings = trainer_episodes.trainer_settings
@@ -60,6 +62,59 @@ def test_egpo_accepted_exactly_where_the_trainer_runs(lam: float, alpha: float,
             _egpo_step(RunConfig.model_construct(egpo=RunConfig().egpo.model_construct(**egpo)))
         return
     _egpo_step(config)
+
+
+def _random_correction(rng: random.Random) -> dict[str, Any]:
+    """Settings drawn from in- and out-of-range values and every combination of fields."""
+    pick = rng.choice
+    out: dict[str, Any] = {}
+    for name, values in (("mode", ["decoupled", "bypass"]),
+                         ("loss_type", ["ppo_clip", "reinforce"]),
+                         ("is_level", ["none", "token", "sequence"]),
+                         ("is_threshold", [0.5, 1.0, 2.0, 1e7]),
+                         ("is_threshold_lower", [None, 0.0, 0.5, 1.0, 1.5]),
+                         ("is_batch_normalize", [False, True])):
+        if rng.random() < 0.7:
+            out[name] = pick(values)
+    rules = []
+    for mode in rng.sample(list(REJECTION_MODES), rng.randint(0, 3)):
+        rule: dict[str, Any] = {"mode": mode, "upper": pick([0.0, 0.01, 0.9, 1.0, 3.0])}
+        if rng.random() < 0.3:
+            rule["lower"] = pick([0.5, 1.0, 2.0])
+        rules.append(rule)
+    if rules and rng.random() < 0.2:
+        rules.append(dict(rules[0]))
+    out["rejection"] = rules
+    return out
+
+
+def test_every_accepted_correction_trains_and_every_refusal_names_a_field() -> None:
+    rng = random.Random(7)
+    generator = torch.Generator().manual_seed(7)
+    mask = (torch.rand((4, 6), generator=generator) > 0.2).float()
+    rollout = (-torch.rand((4, 6), generator=generator) * 3 - 0.01) * mask
+    old = (rollout + torch.randn((4, 6), generator=generator) * 0.5) * mask
+    new = (old + torch.randn((4, 6), generator=generator) * 0.1).requires_grad_(True)
+    advantages = torch.randn((4, 6), generator=generator)
+    accepted = refused = 0
+    for _ in range(400):
+        spec = _random_correction(rng)
+        try:
+            config = RunConfig.model_validate({"correction": spec}).correction
+        except ValidationError as error:
+            refused += 1
+            loc = error.errors()[0]["loc"]
+            assert loc[0] == "correction" and len(loc) >= 2, loc
+            continue
+        accepted += 1
+        result = compute_correction(old, rollout, mask, config)
+        assert bool(torch.isfinite(result.weights).all())
+        assert all(math.isfinite(v) for v in result.metrics.values())
+        if config.mode == "bypass":
+            loss, _ = bypass_policy_loss(rollout, new, advantages, mask, config)
+            loss.backward()
+            assert math.isfinite(float(loss.detach()))
+    assert accepted > 40 and refused > 40
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 2.0])

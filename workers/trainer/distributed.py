@@ -76,6 +76,7 @@ from workers.trainer.loop import (
 from workers.trainer.packing import packed_response_log_probs
 from workers.trainer.policy import response_log_probs
 from workers.trainer.ppo import PPOStats, micro_batches, ppo_update
+from workers.trainer.update import applied, bypass_of
 
 __all__ = [
     "OPTIMIZER_DIR",
@@ -479,6 +480,8 @@ class DistributedTrainer(Trainer):
                              if self.reference_sharding is not None else None)
             correction = compute_correction(old_log_probs, batch.rollout_log_probs,
                                             batch.response_mask, self.correction)
+            is_weights, response_mask = applied(correction, self.correction,
+                                                batch.response_mask)
             rewards = token_level_rewards(batch.rewards, batch.response_mask,
                                           response_lengths=batch.response_lengths)
             units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
@@ -487,7 +490,7 @@ class DistributedTrainer(Trainer):
             advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
                 rewards, batch.response_mask, batch.group_ids, entropies=entropies,
                 responses=batch.responses, settings=self.advantage_settings, units=units)
-            loss_weights = correction.weights
+            loss_weights = is_weights
             if units is not None:
                 loss_weights = loss_weights * unit_loss_weights(units).to(
                     loss_weights.device).unsqueeze(1)
@@ -503,7 +506,8 @@ class DistributedTrainer(Trainer):
                                old_log_probs=old_log_probs, advantages=advantages,
                                config=config, ref_log_probs=ref_log_probs,
                                between_steps=keep_lease, is_weights=loss_weights,
-                               response_mask=correction.response_mask, sharding=self.sharding)
+                               response_mask=response_mask, sharding=self.sharding,
+                               bypass=bypass_of(batch, self.correction))
             _reduce_stats(stats, self.sharding.world_size, self.device)
             self.steps_done += stats.optimizer_steps
             full = self._full_state_dict()

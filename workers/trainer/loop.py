@@ -69,7 +69,7 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
-from workers.trainer.correction import Correction, CorrectionSettings
+from workers.trainer.correction import Correction
 from workers.trainer.temperature import scoring_temperatures
 from workers.trainer.update import update_batch
 from workers.trainer.weights import push_weights
@@ -223,7 +223,7 @@ class Trainer:
             tokenizer.eos_token_id)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.correction = CorrectionSettings.from_config(run_config.correction)
+        self.correction = run_config.correction
         if config.temperature is not None:
             log.warning("run %s: every sample is scored at TrainerConfig.temperature=%s, not "
                         "at the temperature it was sampled with (the run's rollout "

@@ -21,6 +21,7 @@ import torch
 from workers.trainer.aggregation import GlobalBatchInfo
 from workers.trainer.batch import TrainingBatch
 from workers.trainer.config import TrainerConfig
+from workers.trainer.correction import Bypass, bypass_policy_loss
 from workers.trainer.losses import (
     actor_loss,
     entropy_loss,
@@ -167,6 +168,7 @@ def ppo_update(
     response_mask: torch.Tensor | None = None,
     sharding: Sharding | None = None,
     first_pass: FirstPass | None = None,
+    bypass: Bypass | None = None,
 ) -> PPOStats:
     """Run the PPO epochs over ``batch`` and return the statistics.
 
@@ -175,7 +177,9 @@ def ppo_update(
     optimizer step (the training step renews its lease there). ``is_weights`` (off-policy
 correction weights) multiply the token losses and ``response_mask`` replaces the batch's mask
 (tokens rejected by the correction), both ``(bs, response_length)``. ``sharding`` (default: one
-process) makes this one rank of a data-parallel update (:class:`Sharding`).
+process) makes this one rank of a data-parallel update (:class:`Sharding`). ``bypass`` (the
+run's bypass-mode correction) makes the rollout log-probs the loss's old policy, where a row has
+them, and each micro-batch's loss :func:`workers.trainer.correction.bypass_policy_loss`.
 
     Single pass: with ``old_log_probs=None`` and ``advantages=None``, ``first_pass`` gives each
     micro-batch's advantages and IS weights from the detached log-probs and entropies of the
@@ -242,11 +246,19 @@ process) makes this one rank of a data-parallel update (:class:`Sharding`).
                     assert old_log_probs is not None and advantages is not None
                     old = old_log_probs[part_rows, :width]
                     adv = advantages[part_rows, :width]
-                pg_loss, pg_metrics = ppo_policy_loss(
-                    old, log_prob, adv, part.response_mask,
-                    clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
-                    clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
-                    global_batch=info, is_weights=weights)
+                clip = {"clip_ratio_low": config.clip_ratio_low,
+                        "clip_ratio_high": config.clip_ratio_high,
+                        "clip_ratio_c": config.clip_ratio_c,
+                        "loss_agg_mode": config.loss_agg_mode, "global_batch": info}
+                if bypass is not None:
+                    pg_loss, pg_metrics = bypass_policy_loss(
+                        bypass.old_log_probs(part_rows, old), log_prob, adv, part.response_mask,
+                        bypass.settings, loss_weights=weights, **clip,
+                        corrected_rows=bypass.corrected_rows.to(old.device)[
+                            torch.tensor(part_rows, device=old.device)])
+                else:
+                    pg_loss, pg_metrics = ppo_policy_loss(
+                        old, log_prob, adv, part.response_mask, is_weights=weights, **clip)
                 ent_term = None
                 if config.entropy_coeff > 0:
                     ent_term = entropy_loss(entropy, part.response_mask,
