@@ -38,12 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from store.events import CorrectionConfig
 from workers.engines.tinymodel import tiny_model_path
 from workers.trainer.advantages import AdvantageSettings
 from workers.trainer.batch import TrainingBatch, pad_samples
 from workers.trainer.checkpoint import load_model
 from workers.trainer.config import TrainerConfig
-from workers.trainer.correction import CorrectionSettings
 from workers.trainer.packing import PackedScoring
 from workers.trainer.ppo import ppo_update, score_batch
 from workers.trainer.update import update_batch
@@ -136,7 +136,7 @@ def _step(model: torch.nn.Module, batch: TrainingBatch, optimizer: torch.optim.O
     """The trainer's step between lease and checkpoint; whether it skipped the scoring."""
     return update_batch(model, batch, optimizer=optimizer, config=config, estimator="grpo",
                         advantage_settings=AdvantageSettings(),
-                        correction=CorrectionSettings()).single_pass
+                        correction=CorrectionConfig()).single_pass
 
 
 def main() -> None:

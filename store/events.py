@@ -24,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import ValidationError as _PydanticValidationError
 
 __all__ = [
     "ABANDONED_ERROR_TYPE",
@@ -35,6 +37,8 @@ __all__ = [
     "EGPO_LAM",
     "CorrectionConfig",
     "EgpoConfig",
+    "REJECTION_MODES",
+    "RejectionRule",
     "failure_order_key",
     "MergeConfig",
     "RollbackConfig",
@@ -222,23 +226,46 @@ EGPO_LAM = 0.4
 EGPO_ALPHA = 2.0
 
 
+def _reading_stored(info: ValidationInfo) -> bool:
+    """Whether the event is being read back from the log (``parse_event(..., stored=True)``):
+    checks added after a run could be created apply to new runs only, so a run stored before
+    them still reads."""
+    return bool(info.context and info.context.get("stored"))
+
+
+def _refuse(loc: tuple[str | int, ...], message: str, value: Any) -> _PydanticValidationError:
+    """A validation error located at the field ``loc`` (relative to the model being checked),
+    for a check that spans several fields: pydantic prefixes the enclosing models' location,
+    so a run config refused this way names e.g. ``config.egpo.alpha``, not just ``egpo``."""
+    return _PydanticValidationError.from_exception_data("RunConfig", [InitErrorDetails(
+        type=PydanticCustomError("value_error", "Value error, {reason}", {"reason": message}),
+        loc=loc, input=value)])
+
+
 class EgpoConfig(_Frozen):
     """EGPO's entropy bonus (seed ``004``): ``lam`` its weight (0 turns EGPO into GRPO),
-    ``alpha`` the bound on it relative to the advantage, ``variant`` the bonus's form. The
-    ``clip`` form keeps an advantage's sign only when ``lam < alpha``; a run that asks for
-    more is refused when it is created, not at its first training step."""
+    ``alpha`` the bound on it relative to the advantage, ``variant`` the bonus's form. Each
+    form keeps an advantage's sign only under a condition, checked when the run is created
+    (not at its first training step), as the trainer's bonus functions check it: ``clip``
+    needs ``lam < alpha`` (refused naming ``lam``), ``paper`` needs ``alpha > 1`` (refused
+    naming ``alpha``). Both numbers must be finite."""
 
-    lam: float = Field(default=EGPO_LAM, ge=0)
-    alpha: float = Field(default=EGPO_ALPHA, gt=0)
+    lam: float = Field(default=EGPO_LAM, ge=0, allow_inf_nan=False)
+    alpha: float = Field(default=EGPO_ALPHA, gt=0, allow_inf_nan=False)
     variant: Literal["clip", "paper"] = "clip"
 
     @model_validator(mode="after")
-    def _clip_keeps_the_sign(self) -> EgpoConfig:
-        if self.variant == "clip" and self.lam > 0 and not self.lam < self.alpha:
-            raise ValueError(
-                f"egpo.lam ({self.lam}) must be below egpo.alpha ({self.alpha}) for the 'clip' "
-                "variant, or the bonus can flip a negative advantage"
-            )
+    def _keeps_the_sign(self, info: ValidationInfo) -> EgpoConfig:
+        if _reading_stored(info):
+            return self
+        if self.variant == "clip" and not self.lam < self.alpha:
+            raise _refuse(("lam",), f"egpo.lam ({self.lam}) must be below egpo.alpha "
+                          f"({self.alpha}) for the 'clip' variant, or the bonus can flip a "
+                          "negative advantage", self.lam)
+        if self.variant == "paper" and not self.alpha > 1.0:
+            raise _refuse(("alpha",), f"egpo.alpha ({self.alpha}) must be above 1 for the "
+                          "'paper' variant (bonus min(lam*H, |A|/alpha)), or the bonus can "
+                          "flip a negative advantage", self.alpha)
         return self
 
 
@@ -255,36 +282,176 @@ class RollbackConfig(_Frozen):
 
 
 class NegativeConfig(_Frozen):
-    negative_reward: float = -1.0
+    negative_reward: float = Field(default=-1.0, allow_inf_nan=False)
     max_negative_samples_per_group: int = Field(default=1, ge=0)
 
 
 class RolloutConfig(_Frozen):
     """How a run's rollout workers sample: per-call sampling and per-episode limits."""
 
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
     max_turns: int = Field(default=8, ge=1)
     max_total_tokens: int = Field(default=4096, ge=1)
 
 
-class CorrectionConfig(_Frozen):
-    """Off-policy correction from the rollout log-probs (``workers.trainer.correction``).
+RejectionMode = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",
+                        "seq_sum_k3", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+                        "seq_max_k2", "seq_max_k3"]
+#: verl 0.9.1's rejection options (``rollout_rs``): a divergence statistic of each token's
+#: ``log_ratio`` (k1 ``-log_ratio``, k2 ``log_ratio**2 / 2``, k3 ``exp(log_ratio) - 1 -
+#: log_ratio``), kept per token or taken over the sample (sum, mean, max).
+REJECTION_MODES: tuple[str, ...] = get_args(RejectionMode)
+#: The largest threshold a run may set (a cap beyond it is no cap).
+_MAX_THRESHOLD = 1e6
 
-    ``is_level``: "none", "token" (truncated IS per token, ``min(ratio, is_threshold)``) or
-    "sequence" (one truncated weight per sample); ``rejection``: "none", "token" or "sequence"
-    (drop tokens, or whole samples, whose ``pi_rollout / pi_train`` leaves
-    ``[rejection_lower, rejection_upper]``; lower defaults to ``1 / rejection_upper``).
-    Defaults: token-level TIS with cap 2, no rejection. Out-of-range values are refused at
-    run creation, naming the field.
+
+class RejectionRule(_Frozen):
+    """One rejection criterion (``workers.trainer.correction``). ``mode`` names the statistic
+    (:data:`REJECTION_MODES`). For the ``k1`` modes ``[lower, upper]`` is a band on the ratio
+    ``pi_rollout / pi_train`` (the statistic must lie in ``[log lower, log upper]``):
+    ``upper >= 1``, ``lower`` in ``(0, 1]``, default ``1 / upper``. For ``k2``/``k3`` (never
+    negative) ``upper > 0`` is the largest divergence kept and ``lower`` must be left out.
+    A zero-staleness sample (every statistic 0) always passes."""
+
+    mode: RejectionMode
+    upper: float = Field(gt=0, le=_MAX_THRESHOLD, allow_inf_nan=False)
+    lower: float | None = Field(default=None, gt=0, le=1.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _bounds_fit_the_mode(self) -> RejectionRule:
+        if self.mode.endswith("k1"):
+            if self.upper < 1.0:
+                raise _refuse(("upper",), f"upper must be >= 1 for {self.mode} (a band on "
+                              f"pi_rollout/pi_train that holds 1), got {self.upper}", self.upper)
+        elif self.lower is not None:
+            raise _refuse(("lower",), f"{self.mode} takes only an upper bound (its statistic "
+                          "is never negative); leave lower out", self.lower)
+        return self
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """``(lower, upper)`` of a ``k1`` mode's ratio band (lower defaults to 1/upper)."""
+        return (self.lower if self.lower is not None else 1.0 / self.upper), self.upper
+
+
+def _legacy_rejection(data: dict[str, Any]) -> dict[str, Any]:
+    """The correction settings of runs created before rejection rules: ``rejection`` "none",
+    "token" (verl ``token_k1``) or "sequence" (``seq_sum_k1``) with one band
+    ``rejection_upper`` (>= 1, default 2) / ``rejection_lower`` (in (0, 1]), as a rule list.
+    Errors name the field the caller gave."""
+    data = dict(data)
+    upper = data.pop("rejection_upper", 2.0)
+    lower = data.pop("rejection_lower", None)
+    kind = data.get("rejection", "none")
+    if not isinstance(kind, str):
+        raise _refuse(("rejection_upper",), "rejection_upper and rejection_lower go with "
+                      "rejection 'token' or 'sequence'; with a list of rules give each rule's "
+                      "upper and lower", upper)
+    modes = {"none": None, "token": "token_k1", "sequence": "seq_sum_k1"}
+    if kind not in modes:
+        raise _refuse(("rejection",), "rejection must be a list of rules ({mode, upper, "
+                      f"lower}}) or one of 'none', 'token', 'sequence', got {kind!r}", kind)
+    for name, value, low in (("rejection_upper", upper, 1.0), ("rejection_lower", lower, 0.0)):
+        if value is None and name == "rejection_lower":
+            continue
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or value != value or not low <= value <= _MAX_THRESHOLD
+                or (name == "rejection_lower" and not 0.0 < value <= 1.0)):
+            bound = "in (0, 1]" if name == "rejection_lower" else f"in [1, {_MAX_THRESHOLD:g}]"
+            raise _refuse((name,), f"{name} must be a number {bound}, got {value!r}", value)
+    mode = modes[kind]
+    data["rejection"] = [] if mode is None else [
+        {"mode": mode, "upper": upper, **({} if lower is None else {"lower": lower})}]
+    return data
+
+
+class CorrectionConfig(_Frozen):
+    """Off-policy correction from the rollout log-probs (``workers.trainer.correction``, equal
+    to verl 0.9.1's ``rollout_corr_helper``; ``docs/training.md`` has the table).
+
+    - ``mode``: "decoupled" (the trainer's recomputed log-probs are the PPO ratio's old
+      policy; IS weights and rejection compare them with the rollout's) or "bypass" (the
+      rollout log-probs are the old policy; IS and rejection are computed in the loss from the
+      current policy, verl's ``bypass_mode``) with ``loss_type`` "ppo_clip" (no IS weights:
+      the ratio is the IS ratio) or "reinforce" (``-w * A * log pi``).
+    - ``is_level``: "none", "token" or "sequence"; ``is_threshold`` the cap C (>= 1);
+      ``is_threshold_lower`` (in (0, 1]) turns truncation into IcePop: weights outside
+      ``[is_threshold_lower, is_threshold]`` become 0; ``is_batch_normalize`` divides the
+      weights by their batch mean.
+    - ``rejection``: rules (:class:`RejectionRule`), all of which a token or sample must
+      pass (verl's chained ``rollout_rs``). The older form (``rejection`` "none", "token" or
+      "sequence" with ``rejection_upper``/``rejection_lower``) is read as one k1 rule.
+
+    Defaults: decoupled, token-level TIS with cap 2, no rejection. Out-of-range values and
+    settings that contradict each other (a loss type in decoupled mode, IS weights that bypass
+    PPO-clip would ignore, IcePop or normalisation with no IS level, a mode twice) are refused
+    at run creation, naming the field.
     """
 
+    mode: Literal["decoupled", "bypass"] = "decoupled"
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
     is_level: Literal["none", "token", "sequence"] = "token"
-    is_threshold: float = Field(default=2.0, ge=1.0, le=1e6, allow_inf_nan=False)
-    rejection: Literal["none", "token", "sequence"] = "none"
-    rejection_upper: float = Field(default=2.0, ge=1.0, le=1e6, allow_inf_nan=False)
-    rejection_lower: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    is_threshold: float = Field(default=2.0, ge=1.0, le=_MAX_THRESHOLD, allow_inf_nan=False)
+    is_threshold_lower: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    is_batch_normalize: bool = False
+    rejection: tuple[RejectionRule, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (isinstance(data.get("rejection"), str)
+                                       or "rejection_upper" in data
+                                       or "rejection_lower" in data):
+            return _legacy_rejection(data)
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CorrectionConfig:
+        if self.mode == "decoupled" and self.loss_type != "ppo_clip":
+            raise _refuse(("loss_type",), f"loss_type {self.loss_type!r} applies to mode "
+                          "'bypass' only; decoupled mode trains with PPO-clip", self.loss_type)
+        if self.mode == "bypass" and self.loss_type == "ppo_clip" and self.is_level != "none":
+            raise _refuse(("is_level",), "bypass mode with loss_type 'ppo_clip' applies no IS "
+                          "weights (the PPO ratio pi/pi_rollout is the IS ratio); set is_level "
+                          "'none', or loss_type 'reinforce'", self.is_level)
+        if self.is_level == "none":
+            for name in ("is_threshold_lower", "is_batch_normalize"):
+                if getattr(self, name) not in (None, False):
+                    raise _refuse((name,), f"{name} needs IS weights; is_level is 'none'",
+                                  getattr(self, name))
+        seen: dict[str, int] = {}
+        for index, rule in enumerate(self.rejection):
+            if rule.mode in seen:
+                raise _refuse(("rejection", index, "mode"), f"rejection mode {rule.mode!r} "
+                              f"is already rule {seen[rule.mode]}", rule.mode)
+            seen[rule.mode] = index
+        return self
+
+
+def template_syntax_problem(template: str) -> str | None:
+    """Why ``template`` is not a Jinja chat template transformers can compile (its syntax,
+    with the ``loopcontrols`` extension and the ``{% generation %}`` block transformers
+    adds), or None. Only the syntax is checked: nothing is rendered."""
+    from jinja2 import TemplateSyntaxError, nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"])
+    try:
+        environment.parse(template)
+    except TemplateSyntaxError as exc:
+        return f"chat_template is not a valid Jinja template: {exc.message} (line {exc.lineno})"
+    return None
 
 
 class RunConfig(_Frozen):
@@ -302,6 +469,18 @@ class RunConfig(_Frozen):
     model: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, template: str | None, info: ValidationInfo) -> str | None:
+        # Checked here, not at the first rollout: a template that does not parse fails every
+        # episode of the run.
+        if not template or _reading_stored(info):
+            return template
+        problem = template_syntax_problem(template)
+        if problem is not None:
+            raise ValueError(problem)
+        return template
 
     @property
     def tokenizer_name(self) -> str | None:
@@ -490,12 +669,16 @@ def parse_event(
     tokens: dict[str, Any] | None = None,
     event_id: uuid.UUID | str | None = None,
     occurred_at: dt.datetime | None = None,
+    stored: bool = False,
 ) -> Event:
     """Build the event model of ``type_name`` from its JSON ``data`` (and token payloads).
 
     Raises ``KeyError`` naming the type when it is unknown and pydantic's
     ``ValidationError`` when the data does not fit the schema. Data stored under an older
-    ``schema_version`` is upcast step by step to the current one first.
+    ``schema_version`` is upcast step by step to the current one first. ``stored`` (an event
+    read back from the log) skips the run configuration's checks that span several fields
+    (EGPO's sign conditions, the chat template's syntax), so a run created before a check
+    existed still reads; the field types and ranges are checked either way.
     """
     cls = EVENT_TYPES.get(type_name)
     if cls is None:
@@ -516,4 +699,4 @@ def parse_event(
         fields["event_id"] = event_id
     if occurred_at is not None:
         fields["occurred_at"] = occurred_at
-    return cls.model_validate(fields)
+    return cls.model_validate(fields, context={"stored": True} if stored else None)

@@ -38,6 +38,7 @@ __all__ = [
     "episode_calls",
     "episode_row",
     "episode_run",
+    "episode_sampling_params",
     "iter_episode_starts",
     "iter_samples",
     "span_call_stored",
@@ -161,6 +162,23 @@ def episode_row(store: EventStore, episode_id: str) -> dict[str, Any] | None:
             " AND s.type = 'episode_started'",
             (episode_id,),
         ).fetchone()
+
+
+def episode_sampling_params(store: EventStore, episode_ids: Sequence[str]
+                            ) -> dict[str, dict[str, Any]]:
+    """The ``sampling_params`` each episode's ``episode_started`` recorded (temperature,
+    top_p, … as the client or the agent loop wrote them; ``{}`` when it recorded none), by
+    episode id, in one query. Ids that are not episodes are left out; a recorded value that
+    is not an object reads as ``{}``."""
+    ids = sorted({str(e) for e in episode_ids})
+    if not ids:
+        return {}
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            f"SELECT s.stream_id, {_S_DATA}->'sampling_params' FROM events s"
+            " WHERE s.stream_id = ANY(%s) AND s.stream_version = 1"
+            " AND s.type = 'episode_started'", (ids,)).fetchall()
+    return {stream: value if isinstance(value, dict) else {} for stream, value in rows}
 
 
 def episode_run(store: EventStore, episode_id: str) -> str | None:

@@ -365,6 +365,7 @@ class Decoder:
             tokens=tokens,
             event_id=row["event_id"],
             occurred_at=row["occurred_at"],
+            stored=True,
         )
         return self._recorded(row, event)
 

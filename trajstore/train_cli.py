@@ -32,8 +32,9 @@ def train(
         min=0, help="Skip groups more than this many policy versions old.")] = None,
     estimator: Annotated[str | None, typer.Option(
         help="grpo or egpo (default: egpo when the run's EGPO lambda is above 0).")] = None,
-    temperature: Annotated[float, typer.Option(help="The rollouts' sampling temperature.")]
-    = 1.0,
+    temperature: Annotated[float | None, typer.Option(
+        help="Score every sample at this temperature (default: each at the one it was sampled "
+             "at: its episode's recorded sampling temperature, else the run's).")] = None,
     kl_coef: Annotated[float, typer.Option(min=0.0, help="KL to the initial model.")] = 0.0,
     model: Annotated[str | None, typer.Option(
         help="Initial model folder (default: the run's).")] = None,

@@ -58,7 +58,11 @@ def run_out(ctx: ApiContext, record: dict[str, Any]) -> RunOut:
                         409: ERROR_RESPONSES[422] | {"description": "The run exists."}})
 def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) -> RunCreated:
     """Create a run with its configuration (appends ``run_created`` to the run's stream).
-    A tokenizer replay could not load (``config.tokenizer``, else ``config.model``) is refused
+    The configuration is checked whole before anything is stored (``store.events.RunConfig``):
+    an out-of-range value, a non-finite number, a chat template that does not parse, or
+    settings that contradict each other (EGPO's sign conditions, the off-policy
+    correction's) are refused with 422 naming the field, e.g. ``body.config.egpo.alpha``. A
+    tokenizer replay could not load (``config.tokenizer``, else ``config.model``) is refused
     with 422 naming the accepted names (``workers.engines.tokenizers``), before anything is
     stored. A run that names neither is accepted: its episodes are stored and analysed, and replay
     records them as untrainable until a tokenizer is known."""

@@ -58,9 +58,11 @@ def torchrun(settings: Settings, run_id: str, *, nproc: int, config: dict[str, A
         start_new_session=True)
 
 
-def two_runs(store: Any, model: Path) -> tuple[str, str]:
+def two_runs(store: Any, model: Path, correction: dict[str, Any] | None = None
+             ) -> tuple[str, str]:
     """Two runs holding the same samples (same episodes, same seeds)."""
-    runs = new_run(store, model, group_size=4), new_run(store, model, group_size=4)
+    runs = (new_run(store, model, group_size=4, correction=correction),
+            new_run(store, model, group_size=4, correction=correction))
     engine = TransformersBackend(model)
     for run_id in runs:
         for seed in (1, 2):
@@ -115,12 +117,19 @@ def test_balanced_split_balances_tokens() -> None:
         balanced_split([1], 0)
 
 
-@pytest.mark.parametrize(("pack", "checkpointing"), [(False, False), (True, False),
-                                                    (False, True)],
-                         ids=["padded", "packed", "checkpointed"])
+#: Bypass mode: the rollout log-probs are the old policy, IS weights and rejection are
+#: computed in each micro-batch's loss (workers.trainer.correction.bypass_policy_loss).
+BYPASS = {"mode": "bypass", "loss_type": "reinforce", "is_level": "token", "is_threshold": 1.5,
+          "rejection": [{"mode": "seq_mean_k1", "upper": 1.5}]}
+
+
+@pytest.mark.parametrize(("pack", "checkpointing", "correction"), [
+    (False, False, None), (True, False, None), (False, True, None), (False, False, BYPASS)],
+    ids=["padded", "packed", "checkpointed", "bypass"])
 def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_model: Path,
-                                      pack: bool, checkpointing: bool) -> None:
-    single_run, dist_run = two_runs(trainer_store, tiny_model)
+                                      pack: bool, checkpointing: bool,
+                                      correction: dict[str, Any] | None) -> None:
+    single_run, dist_run = two_runs(trainer_store, tiny_model, correction)
     single = Trainer.open(trainer_store, single_run, config=TrainerConfig(**CONFIG))
     expected = single.step()  # one process, right-padded micro-batches
     assert expected.trained and expected.samples == 8

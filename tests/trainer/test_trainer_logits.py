@@ -53,6 +53,48 @@ def test_hidden_equals_naive(chunk_size: int, temperature: float, bias: bool) ->
     assert bool((entropy > 0).all()) and bool((log_probs < 0).all())
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 1000])
+def test_one_temperature_per_row_equals_each_row_alone(chunk_size: int) -> None:
+    """Rows sampled at different temperatures are each scored at their own, values and
+    gradients; a tensor of equal temperatures is the scalar case exactly."""
+    x = make(5)
+    temps = torch.tensor([0.7, 1.0, 1.6], dtype=torch.float64)
+    hidden = x["hidden"].clone().requires_grad_(True)
+    log_probs, entropy = logprobs_and_entropy_from_hidden(
+        hidden, x["weight"], x["targets"], temperature=temps, chunk_size=chunk_size)
+    (log_probs.sum() + entropy.sum()).backward()
+    for row, temperature in enumerate(temps.tolist()):
+        alone = hidden.detach()[row:row + 1].clone().requires_grad_(True)
+        lp, h = logprobs_and_entropy_from_hidden(alone, x["weight"], x["targets"][row:row + 1],
+                                                 temperature=temperature, chunk_size=chunk_size)
+        (lp.sum() + h.sum()).backward()
+        torch.testing.assert_close(log_probs[row:row + 1], lp, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(entropy[row:row + 1], h, atol=1e-6, rtol=1e-6)
+        assert hidden.grad is not None and alone.grad is not None
+        torch.testing.assert_close(hidden.grad[row:row + 1], alone.grad, atol=1e-6, rtol=1e-6)
+    logits = torch.nn.functional.linear(x["hidden"], x["weight"])
+    by_row = logprobs_and_entropy_from_logits(logits, x["targets"], temperature=temps,
+                                              chunk_size=chunk_size)
+    torch.testing.assert_close(by_row[0], log_probs.detach(), atol=1e-5, rtol=1e-5)
+    same = logprobs_and_entropy_from_hidden(x["hidden"], x["weight"], x["targets"],
+                                            temperature=torch.full((BS,), 0.7))
+    plain = logprobs_and_entropy_from_hidden(x["hidden"], x["weight"], x["targets"],
+                                             temperature=float(torch.tensor(0.7)))
+    assert torch.equal(same[0], plain[0]) and torch.equal(same[1], plain[1])
+
+
+@pytest.mark.parametrize(("temperature", "match"), [
+    (torch.tensor([0.7, 1.0]), r"one per row, shape \(3,\)"),
+    (torch.tensor([0.7, 0.0, 1.0]), "finite and > 0 in every row"),
+    (torch.tensor([0.7, float("nan"), 1.0]), "finite and > 0 in every row"),
+])
+def test_bad_per_row_temperatures(temperature: torch.Tensor, match: str) -> None:
+    x = make(0)
+    with pytest.raises(ValueError, match=match):
+        logprobs_and_entropy_from_hidden(x["hidden"], x["weight"], x["targets"],
+                                         temperature=temperature)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 1000])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logits_equals_naive_and_leaves_input_alone(chunk_size: int, temperature: float) -> None:

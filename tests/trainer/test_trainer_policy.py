@@ -75,18 +75,20 @@ def model(tiny_model: Path) -> Any:
     return load_model(tiny_model)
 
 
-@pytest.mark.parametrize(("seed", "temperature", "chunk"), [(0, 1.0, 1024), (1, 0.7, 5),
-                                                            (2, 1.3, 1)])
+@pytest.mark.parametrize(("seed", "temperatures", "chunk"), [
+    (0, [1.0] * 5, 1024), (1, [0.7] * 5, 5), (2, [1.3] * 5, 1),
+    (3, [0.7, 1.0, 0.3, 0.7, 1.6], 4),  # each row at its own sampling temperature
+])
 def test_response_log_probs_match_per_sample_reference(model: Any, seed: int,
-                                                       temperature: float, chunk: int) -> None:
+                                                       temperatures: list[float],
+                                                       chunk: int) -> None:
     samples = random_samples(seed, 5, model.config.vocab_size)
-    batch = pad_samples(samples, pad_token_id=0)
+    batch = pad_samples(samples, pad_token_id=0, temperatures=temperatures)
     with torch.no_grad():
-        log_probs, entropies = response_log_probs(model, batch, temperature=temperature,
-                                                  chunk_size=chunk)
+        log_probs, entropies = response_log_probs(model, batch, chunk_size=chunk)
     assert log_probs.shape == batch.responses.shape == entropies.shape
     for row, sample in enumerate(samples):
-        expected_lp, expected_h = loop_response_log_probs(model, sample, temperature)
+        expected_lp, expected_h = loop_response_log_probs(model, sample, temperatures[row])
         n = len(expected_lp)
         assert log_probs[row, :n].tolist() == pytest.approx(expected_lp, abs=1e-5)
         assert entropies[row, :n].tolist() == pytest.approx(expected_h, abs=1e-5)
@@ -106,8 +108,8 @@ def test_recomputed_log_probs_equal_the_engines(tiny_model: Path, model: Any) ->
             prompt_length=prompt, token_ids=ids,
             loss_mask=(np.arange(len(ids)) >= prompt).astype(np.uint8),
             logprobs=np.concatenate([np.zeros(prompt, np.float32), result.logprobs])))
-    batch = pad_samples(samples, pad_token_id=0)
-    old, _ = score_batch(model, batch, config=TrainerConfig(temperature=0.8, micro_batch_size=2))
+    batch = pad_samples(samples, pad_token_id=0, temperatures=0.8)
+    old, _ = score_batch(model, batch, config=TrainerConfig(micro_batch_size=2))
     diff = ((old - batch.rollout_log_probs).abs() * batch.response_mask).max()
     assert float(diff) < 1e-4
 

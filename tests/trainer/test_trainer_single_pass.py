@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from store.events import CorrectionConfig
 from store.stored_sample import StoredSample
 from workers.engines.tinymodel import tiny_model_path
 from workers.trainer.advantages import AdvantageSettings
 from workers.trainer.batch import TrainingBatch, pad_samples
 from workers.trainer.checkpoint import load_model
 from workers.trainer.config import TrainerConfig
-from workers.trainer.correction import CorrectionSettings
 from workers.trainer.loop import unit_loss_weights
 from workers.trainer.ppo import ppo_update, score_batch
 from workers.trainer.update import single_pass, update_batch
@@ -56,7 +56,7 @@ def batch_of(model_path: Path, lengths: list[int], seed: int = 0) -> TrainingBat
 
 
 def run(model_path: Path, batch: TrainingBatch, config: TrainerConfig, *, estimator: str,
-        correction: CorrectionSettings, units: list[str] | None = None):
+        correction: CorrectionConfig, units: list[str] | None = None):
     torch.manual_seed(0)
     model = load_model(model_path)
     reference = load_model(model_path).requires_grad_(False) if config.kl_coef > 0 else None
@@ -69,20 +69,30 @@ def run(model_path: Path, batch: TrainingBatch, config: TrainerConfig, *, estima
     return update, model.state_dict()
 
 
-@pytest.mark.parametrize("estimator,kl_coef,is_level,units", [
-    ("grpo", 0.0, "token", None),
-    ("egpo", 0.1, "sequence", ["e0", "e0", "e1", "e2", "e2", "e3", "e4"]),
+BYPASS = {"mode": "bypass", "loss_type": "reinforce", "is_threshold": 1.2,
+          "rejection": [{"mode": "seq_mean_k1", "upper": 1.3}, {"mode": "token_k3", "upper": 0.5}]}
+
+
+@pytest.mark.parametrize("estimator,kl_coef,correction,units", [
+    ("grpo", 0.0, {"is_level": "token", "is_threshold": 1.2}, None),
+    ("egpo", 0.1, {"is_level": "sequence", "is_threshold": 1.2},
+     ["e0", "e0", "e1", "e2", "e2", "e3", "e4"]),
+    ("grpo", 0.0, {"is_level": "token", "is_threshold": 1.2, "is_threshold_lower": 0.8}, None),
+    ("egpo", 0.0, {**BYPASS, "is_level": "token"}, ["e0", "e0", "e1", "e2", "e2", "e3", "e4"]),
+    ("grpo", 0.0, {**BYPASS, "is_level": "sequence", "is_batch_normalize": True}, None),
 ])
 def test_skipped_scoring_trains_as_the_scoring_step(model_path: Path, estimator: str,
-                                                    kl_coef: float, is_level: str,
+                                                    kl_coef: float, correction: dict,
                                                     units: list[str] | None) -> None:
+    """Also in bypass mode (its weights and rejection are computed in each micro-batch's
+    loss) and with IcePop (row-local weights)."""
     batch = batch_of(model_path, [30, 12, 41, 9, 26, 18, 33], seed=1)
-    correction = CorrectionSettings(is_level=is_level, is_threshold=1.2)
+    settings = CorrectionConfig.model_validate(correction)
     config = TrainerConfig(micro_batch_size=3, kl_coef=kl_coef, entropy_coeff=0.01)
     one, one_weights = run(model_path, batch, config, estimator=estimator,
-                           correction=correction, units=units)
+                           correction=settings, units=units)
     two, two_weights = run(model_path, batch, config.replace(separate_scoring=True),
-                           estimator=estimator, correction=correction, units=units)
+                           estimator=estimator, correction=settings, units=units)
     assert one.single_pass and not two.single_pass
     mask = batch.response_mask
     assert float(((one.old_log_probs - two.old_log_probs).abs() * mask).max()) < 1e-6
@@ -108,7 +118,7 @@ def test_skipped_scoring_trains_as_the_scoring_step(model_path: Path, estimator:
 
 
 def test_scoring_kept_where_the_forward_is_not_the_old_policy(model_path: Path) -> None:
-    plain = CorrectionSettings()
+    plain = CorrectionConfig()
     config = TrainerConfig()
     assert single_pass(config, samples=8, estimator="grpo", correction=plain)
     assert single_pass(config.replace(mini_batch_size=8), samples=8, estimator="egpo",
@@ -118,9 +128,14 @@ def test_scoring_kept_where_the_forward_is_not_the_old_policy(model_path: Path) 
                            correction=plain)
     assert not single_pass(config.replace(mini_batch_size=4), samples=8, estimator="grpo",
                            correction=plain)
-    # Rejection changes the counts every micro-batch's loss is divided by.
+    # Decoupled rejection changes the counts every micro-batch's loss is divided by, and
+    # batch normalisation needs the whole batch's mean; bypass mode does both in the loss.
     assert not single_pass(config, samples=8, estimator="grpo",
-                           correction=CorrectionSettings(rejection="token"))
+                           correction=CorrectionConfig(rejection="token"))
+    assert not single_pass(config, samples=8, estimator="grpo",
+                           correction=CorrectionConfig(is_batch_normalize=True))
+    assert single_pass(config, samples=8, estimator="grpo",
+                       correction=CorrectionConfig.model_validate(BYPASS))
     assert not single_pass(config.replace(separate_scoring=True), samples=8, estimator="grpo",
                            correction=plain)
     assert not single_pass(config, samples=8, estimator="other", correction=plain)

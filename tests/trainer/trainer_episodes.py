@@ -85,12 +85,16 @@ def trainer_store(trainer_settings: Settings) -> Iterator[EventStore]:
 
 
 def new_run(store: EventStore, model: Path, *, group_size: int = 4, lam: float = 0.0,
-            max_negatives: int = 1) -> str:
-    """Create a run on the tiny model (GRPO when ``lam`` is 0, EGPO otherwise)."""
+            max_negatives: int = 1, temperature: float = 1.0,
+            correction: dict[str, Any] | None = None) -> str:
+    """Create a run on the tiny model (GRPO when ``lam`` is 0, EGPO otherwise) whose rollouts
+    sample at ``temperature``, with the off-policy ``correction`` settings (default: the
+    run config's)."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     config = RunConfig(group_size=group_size, model=str(model), tokenizer=str(model),
-                       egpo=EgpoConfig(lam=lam),
-                       negatives={"max_negative_samples_per_group": max_negatives})
+                       egpo=EgpoConfig(lam=lam), rollout={"temperature": temperature},
+                       negatives={"max_negative_samples_per_group": max_negatives},
+                       **({} if correction is None else {"correction": correction}))
     store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, config=config)], NO_STREAM)
     return run_id
 

@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "loop_agg_loss",
+    "loop_correction",
     "loop_cot_mask",
     "loop_egpo_advantages",
     "loop_grpo_scalars",
@@ -210,3 +211,82 @@ def naive_logprobs_entropy(
     log_probs = torch.log_softmax(scaled, dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
     return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def loop_correction(
+    old: Sequence[Sequence[float]], rollout: Sequence[Sequence[float]],
+    mask: Sequence[Sequence[float]], settings: dict, corrected: Sequence[bool]
+) -> tuple[list[list[float]], list[list[float]], dict[str, float]]:
+    """verl 0.9.1's rollout correction row by row and token by token: ``(weights, mask after
+    rejection, {"kl", "k3_kl"})``. ``settings`` is a ``RunConfig.correction`` as a dict (its
+    defaults filled in); rows outside ``corrected`` keep weight 1 and their mask."""
+    bound = 20.0
+
+    def clamp(x: float) -> float:
+        return max(-bound, min(bound, x))
+
+    rows = []  # per row: the valid positions and their log-ratios
+    for i, row_mask in enumerate(mask):
+        valid = [j for j, m in enumerate(row_mask) if m > 0 and corrected[i]]
+        rows.append((valid, {j: old[i][j] - rollout[i][j] for j in valid}))
+    level, cap = settings["is_level"], settings["is_threshold"]
+    lower_is = settings["is_threshold_lower"]
+    weights = [[1.0] * len(r) for r in mask]
+    raw: dict[tuple[int, int], float] = {}
+    for i, (valid, ratio) in enumerate(rows):
+        seq = math.exp(clamp(sum(ratio.values()))) if valid else 1.0
+        for j in valid:
+            raw[i, j] = math.exp(clamp(ratio[j])) if level == "token" else seq
+    if level != "none":
+        applied = {}
+        for key, w in raw.items():
+            if lower_is is None:
+                applied[key] = min(w, cap)
+            else:
+                applied[key] = w if lower_is <= w <= cap else 0.0
+        if settings["is_batch_normalize"] and applied:
+            if level == "token":
+                mean = sum(applied.values()) / len(applied)
+            else:
+                firsts = {i: w for (i, _), w in sorted(applied.items())}
+                mean = sum(firsts.values()) / len(firsts)
+            if mean > 1e-8:
+                applied = {key: w / mean for key, w in applied.items()}
+        for (i, j), w in applied.items():
+            weights[i][j] = w
+    statistic = {"k1": lambda r: -clamp(r), "k2": lambda r: 0.5 * clamp(r) ** 2,
+                 "k3": lambda r: math.exp(clamp(r)) - 1.0 - clamp(r)}
+    out_mask = [list(map(float, r)) for r in mask]
+    for rule in settings["rejection"]:
+        level_name, kind = rule["mode"].rsplit("_", 1)
+        upper = rule["upper"]
+        lower = rule.get("lower") or (1.0 / upper)
+
+        def passes(value: float, kind: str = kind, lower: float = lower,
+                   upper: float = upper) -> bool:
+            if kind == "k1":
+                return math.log(lower) <= value <= math.log(upper)
+            return value <= upper
+
+        for i, (valid, ratio) in enumerate(rows):
+            stats = [statistic[kind](ratio[j]) for j in valid]
+            if level_name == "token":
+                for j, value in zip(valid, stats, strict=True):
+                    if not passes(value):
+                        out_mask[i][j] = 0.0
+                continue
+            if level_name == "seq_sum":
+                value = sum(stats)
+            elif level_name == "seq_mean":
+                value = sum(stats) / len(stats) if stats else 0.0
+            else:
+                value = max(stats) if stats else 0.0
+            if not passes(value):
+                for j in valid:
+                    out_mask[i][j] = 0.0
+    ratios = [ratio[j] for valid, ratio in rows for j in valid]
+    metrics = {}
+    if ratios:
+        metrics = {"kl": -sum(ratios) / len(ratios),
+                   "k3_kl": sum(math.exp(r) - r - 1.0 for r in ratios) / len(ratios)}
+    return weights, out_mask, metrics

@@ -57,6 +57,8 @@ class TrainingBatch:
     ``response_positions`` ``(bs, response_length)`` int64; ``response_mask`` and
     ``rollout_log_probs`` ``(bs, response_length)`` float32 (mask 1 on trainable tokens, log-probs
     0 elsewhere); ``response_lengths`` ``(bs,)`` int64 (real response tokens of each row);
+    ``temperatures`` ``(bs,)`` float64, the temperature each row's logits are divided by when
+    it is scored (the one it was sampled at, :mod:`workers.trainer.temperature`);
     ``rewards`` ``(bs,)`` float32; ``is_negative`` ``(bs,)`` bool; ``group_ids``,
     ``sample_ids``, ``policy_versions`` and ``episode_ids`` one entry per row (a sample that
     names no episode gets ``"sample:<id>"``).
@@ -69,6 +71,7 @@ class TrainingBatch:
     response_mask: torch.Tensor
     response_lengths: torch.Tensor
     rollout_log_probs: torch.Tensor
+    temperatures: torch.Tensor
     rewards: torch.Tensor
     is_negative: torch.Tensor
     group_ids: tuple[str, ...]
@@ -159,13 +162,16 @@ def pad_samples(
     *,
     pad_token_id: int,
     vocab_size: int | None = None,
+    temperatures: float | Sequence[float] = 1.0,
 ) -> TrainingBatch:
     """Pad ``samples`` into a :class:`TrainingBatch` on the CPU, rows in the given order.
 
     ``pad_token_id`` fills the padding (never attended to nor trained). With ``vocab_size`` the
-    token ids are checked against it.
+    token ids are checked against it. ``temperatures`` are the scoring temperatures, one for
+    every row or one per sample.
 
-    Raises ValueError for an empty ``samples`` or a negative ``pad_token_id``, and
+    Raises ValueError for an empty ``samples``, a negative ``pad_token_id``, temperatures
+    that are not finite and positive or not one per sample, and
     TypeError/ValueError naming the sample and field for arrays that are not 1-D or differ in
     length, non-integer or out-of-vocabulary token ids, a loss mask other than 0/1 or set
     inside the prompt, a ``prompt_length`` outside ``[1, num_tokens]``, and a non-finite or
@@ -177,6 +183,7 @@ def pad_samples(
         raise ValueError("samples must not be empty")
     checked = [_check_sample(sample, i, vocab_size) for i, sample in enumerate(samples)]
     bs = len(checked)
+    temps = _temperatures(temperatures, bs)
     seq = max(len(ids) for ids, *_ in checked)
     response_length = max(max(len(ids) - prompt for ids, _, _, prompt, _ in checked), 1)
 
@@ -210,6 +217,7 @@ def pad_samples(
         response_mask=response_mask,
         response_lengths=response_lengths,
         rollout_log_probs=rollout_log_probs,
+        temperatures=temps,
         rewards=torch.tensor([reward for *_, reward in checked], dtype=torch.float32),
         is_negative=torch.tensor([s.kind == "negative" for s in samples], dtype=torch.bool),
         group_ids=tuple(str(s.group_id) for s in samples),
@@ -218,6 +226,21 @@ def pad_samples(
         episode_ids=tuple(str(getattr(s, "episode_id", None) or f"sample:{int(s.sample_id)}")
                           for s in samples),
     )
+
+
+def _temperatures(temperatures: float | Sequence[float], bs: int) -> torch.Tensor:
+    values = ([temperatures] * bs if isinstance(temperatures, int | float)
+              else list(temperatures))
+    if len(values) != bs:
+        raise ValueError(f"temperatures must be one number or one per sample ({bs}), got "
+                         f"{len(values)}")
+    for index, value in enumerate(values):
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"temperatures[{index}] must be a finite number > 0, got "
+                             f"{value!r}")
+    # float64: the number a run or an episode recorded, exactly (0.7, not float32's 0.69999999).
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def token_level_rewards(

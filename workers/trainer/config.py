@@ -36,7 +36,10 @@ class TrainerConfig:
     ``<think>``/``</think>`` ids read from the tokenizer.
 
     Old log-probs: with one epoch over one mini-batch they are taken from the update's own
-    forward unless ``separate_scoring`` (see :mod:`workers.trainer.update`).
+    forward unless ``separate_scoring`` (see :mod:`workers.trainer.update`). Each sample is
+    scored at the temperature it was sampled with (:mod:`workers.trainer.temperature`);
+    ``temperature`` (None by default) overrides that for every sample, and the trainer logs
+    the override.
 
     Loss: ``ppo_policy_loss`` with the clip ratios and ``loss_agg_mode``; ``entropy_coeff``
     subtracts the aggregated entropy; ``kl_coef > 0`` adds ``kl_kind`` KL to a frozen
@@ -80,8 +83,10 @@ class TrainerConfig:
     cot_start_id: int | None = None
     cot_end_id: int | None = None
 
-    # Log-probs: the sampling temperature the rollouts used, and tokens per logit chunk.
-    temperature: float = 1.0
+    # Log-probs: None scores each sample at the temperature it was sampled with (recorded by
+    # its episode, else the run's rollout temperature); a number overrides it. Tokens per
+    # logit chunk.
+    temperature: float | None = None
     logit_chunk_size: int = 1024
     # True: always recompute the old log-probs in a no-grad pass before the update; False:
     # take them from the update's own forward where that is exact (workers.trainer.update).
@@ -107,8 +112,10 @@ class TrainerConfig:
         if self.max_staleness is not None:
             _positive_int("max_staleness", self.max_staleness, minimum=0)
         _positive_int("seed", self.seed, minimum=0)
-        for name in ("lease_seconds", "lr", "temperature", "adam_eps"):
+        for name in ("lease_seconds", "lr", "adam_eps"):
             _number(name, getattr(self, name), positive=True)
+        if self.temperature is not None:
+            _number("temperature", self.temperature, positive=True)
         for name in ("weight_decay", "clip_ratio_low", "clip_ratio_high", "entropy_coeff",
                      "kl_coef"):
             _number(name, getattr(self, name), positive=False)

@@ -54,7 +54,7 @@ from store.leasing import Lease, LeaseExpired
 from store.serving import append_policy_updated
 from workers import checkpoint_urls
 from workers.trainer.advantages import ADVANTAGE_ESTIMATORS
-from workers.trainer.batch import TrainingBatch, pad_samples, token_level_rewards
+from workers.trainer.batch import TrainingBatch, token_level_rewards
 from workers.trainer.checkpoint import (
     checkpoint_dir,
     load_model,
@@ -76,6 +76,7 @@ from workers.trainer.loop import (
 from workers.trainer.packing import packed_response_log_probs
 from workers.trainer.policy import response_log_probs
 from workers.trainer.ppo import PPOStats, micro_batches, ppo_update
+from workers.trainer.update import applied, bypass_of
 
 __all__ = [
     "OPTIMIZER_DIR",
@@ -120,13 +121,17 @@ class _Scorer(torch.nn.Module):
         self.lm, self.pack = lm, pack
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                responses: torch.Tensor, response_positions: torch.Tensor, temperature: float,
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        part = types.SimpleNamespace(input_ids=input_ids, attention_mask=attention_mask,
-                                     responses=responses, response_positions=response_positions)
+                responses: torch.Tensor, response_positions: torch.Tensor,
+                temperatures: Sequence[float], chunk_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The temperatures come as plain numbers: FSDP's mixed precision casts floating
+        # tensor inputs to bfloat16, which would turn 0.7 into 0.6992.
+        part = types.SimpleNamespace(
+            input_ids=input_ids, attention_mask=attention_mask, responses=responses,
+            response_positions=response_positions,
+            temperatures=torch.tensor(temperatures, dtype=torch.float64, device=input_ids.device))
         score = packed_response_log_probs if self.pack else response_log_probs
-        log_probs, entropies = score(
-            self.lm, cast(TrainingBatch, part), temperature=temperature, chunk_size=chunk_size)
+        log_probs, entropies = score(self.lm, cast(TrainingBatch, part), chunk_size=chunk_size)
         # FSDP hooks its backward onto the outputs; views of a larger tensor would lose it.
         return log_probs.clone(), entropies.clone()
 
@@ -213,11 +218,12 @@ class RankSharding:
             yield rows[:1], dataclasses.replace(
                 idle, response_mask=torch.zeros_like(idle.response_mask))
 
-    def log_probs(self, model: Any, batch: TrainingBatch, *, temperature: float,
-                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_probs(self, model: Any, batch: TrainingBatch, *, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Score ``batch`` through the sharded root (``model`` is its causal LM)."""
         result = self.root(batch.input_ids, batch.attention_mask, batch.responses,
-                           batch.response_positions, temperature, chunk_size)
+                           batch.response_positions, tuple(batch.temperatures.tolist()),
+                           chunk_size)
         return cast(tuple[torch.Tensor, torch.Tensor], result)
 
 
@@ -230,8 +236,7 @@ def _score(sharding: RankSharding, batch: TrainingBatch, config: TrainerConfig
     entropies = torch.zeros_like(log_probs)
     for rows, part in sharding.micro_batches(batch, list(range(len(batch))),
                                              size=config.micro_batch_size):
-        lp, ent = sharding.log_probs(None, part, temperature=config.temperature,
-                                     chunk_size=config.logit_chunk_size)
+        lp, ent = sharding.log_probs(None, part, chunk_size=config.logit_chunk_size)
         width = lp.shape[1]
         index = torch.tensor(rows, device=log_probs.device)
         log_probs[index, :width] += lp.float() * part.response_mask
@@ -457,9 +462,8 @@ class DistributedTrainer(Trainer):
                 try:
                     if hooks.after_lease is not None:
                         hooks.after_lease(lease)
-                    batch = pad_samples(lease.samples, pad_token_id=self.pad_token_id,
-                                        vocab_size=self.vocab_size)
-                    payload = ("batch", batch, lease.lease_id.hex[:8])
+                    batch, scoring = self._pad(lease)
+                    payload = ("batch", batch, lease.lease_id.hex[:8], scoring)
                 except BaseException as exc:
                     payload = ("error", exc)
             payload = _broadcast(payload)
@@ -476,6 +480,8 @@ class DistributedTrainer(Trainer):
                              if self.reference_sharding is not None else None)
             correction = compute_correction(old_log_probs, batch.rollout_log_probs,
                                             batch.response_mask, self.correction)
+            is_weights, response_mask = applied(correction, self.correction,
+                                                batch.response_mask)
             rewards = token_level_rewards(batch.rewards, batch.response_mask,
                                           response_lengths=batch.response_lengths)
             units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
@@ -484,7 +490,7 @@ class DistributedTrainer(Trainer):
             advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
                 rewards, batch.response_mask, batch.group_ids, entropies=entropies,
                 responses=batch.responses, settings=self.advantage_settings, units=units)
-            loss_weights = correction.weights
+            loss_weights = is_weights
             if units is not None:
                 loss_weights = loss_weights * unit_loss_weights(units).to(
                     loss_weights.device).unsqueeze(1)
@@ -500,7 +506,8 @@ class DistributedTrainer(Trainer):
                                old_log_probs=old_log_probs, advantages=advantages,
                                config=config, ref_log_probs=ref_log_probs,
                                between_steps=keep_lease, is_weights=loss_weights,
-                               response_mask=correction.response_mask, sharding=self.sharding)
+                               response_mask=response_mask, sharding=self.sharding,
+                               bypass=bypass_of(batch, self.correction))
             _reduce_stats(stats, self.sharding.world_size, self.device)
             self.steps_done += stats.optimizer_steps
             full = self._full_state_dict()
@@ -513,6 +520,7 @@ class DistributedTrainer(Trainer):
                     metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
                                             stats.metrics(), started, correction, current)
                     metrics["world_size"] = float(self.sharding.world_size)
+                    metrics.update(payload[3])
                     version, path = self._record_consolidated(full, metrics, lease,
                                                               optimizer_dir)
                     changed = False

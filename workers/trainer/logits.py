@@ -6,7 +6,8 @@ tensors of that size). These functions walk over the tokens ``chunk_size`` rows 
 chunk's logits are computed (from hidden states and the head weight, or sliced from precomputed
 logits), upcast to float32, divided by the sampling temperature, and reduced to the target
 token's log-prob and the distribution's entropy before the next chunk starts. Only
-``(chunk_size, vocab)`` float32 tensors ever exist.
+``(chunk_size, vocab)`` float32 tensors ever exist. The temperature is one number, or one per
+row (``(bs,)``: a batch of samples drawn at different temperatures).
 
 Autograd: when gradients are needed each chunk runs under activation checkpointing
 (``torch.utils.checkpoint``, non-reentrant). The forward pass keeps only the chunk's inputs (views
@@ -59,15 +60,21 @@ def _token_stats(
     return target_log_probs, entropies
 
 
+Temperature = float | torch.Tensor
+"""One temperature, or one per flattened token ``(n,)`` (see :func:`_check_temperature`)."""
+
+
 def _hidden_chunk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
-    temperature: float,
+    temperature: Temperature,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = _upcast(F.linear(hidden, weight, bias))
-    if temperature != 1.0:
+    if isinstance(temperature, torch.Tensor):
+        logits = logits.div_(temperature.unsqueeze(-1).to(logits.dtype))
+    elif temperature != 1.0:
         # The matmul/upcast output is a fresh tensor that no backward formula needs, so it may be
         # scaled in place even under autograd.
         logits = logits.div_(temperature)
@@ -77,10 +84,13 @@ def _hidden_chunk(
 
 
 def _logits_chunk(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+    logits: torch.Tensor, targets: torch.Tensor, temperature: Temperature
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The upcast returns the caller's own tensor when it is float32 already: never in place.
-    scaled = _upcast(logits) if temperature == 1.0 else _upcast(logits) / temperature
+    if isinstance(temperature, torch.Tensor):
+        scaled = _upcast(logits) / temperature.unsqueeze(-1).to(_upcast(logits).dtype)
+    else:
+        scaled = _upcast(logits) if temperature == 1.0 else _upcast(logits) / temperature
     log_probs = torch.log_softmax(scaled, dim=-1)
     del scaled
     return _token_stats(log_probs, targets)
@@ -116,9 +126,34 @@ def _wants_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _check_temperature(temperature: object, leading_shape: torch.Size,
+                       device: torch.device) -> Temperature:
+    """A number (> 0, finite), or a ``(bs,)`` tensor of them: returned as a float when every
+    row has the same one (the usual case: the plain scalar path), else as one temperature per
+    flattened token ``(bs * seq,)``."""
+    if not isinstance(temperature, torch.Tensor):
+        return require_finite_number("temperature", temperature, minimum=0.0,
+                                     minimum_inclusive=False)
+    if tuple(temperature.shape) != tuple(leading_shape[:1]):
+        raise ValueError(f"temperature must be a number or one per row, shape "
+                         f"({leading_shape[0]},), got shape {tuple(temperature.shape)}")
+    values = temperature.detach().to(torch.float64)
+    if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+        raise ValueError(f"temperature must be finite and > 0 in every row, got "
+                         f"{values.tolist()}")
+    if values.numel() == 0 or bool((values == values[0]).all()):
+        return float(values[0]) if values.numel() else 1.0
+    per_row = temperature.detach().to(device=device, dtype=torch.float32)
+    return per_row.repeat_interleave(int(leading_shape[1]))
+
+
+def _temperature_slice(temperature: Temperature, start: int, stop: int) -> Temperature:
+    return temperature[start:stop] if isinstance(temperature, torch.Tensor) else temperature
+
+
 def _check_common(
     targets: object, leading_shape: torch.Size, vocab: int, temperature: object, chunk_size: object
-) -> tuple[torch.Tensor, float, int]:
+) -> tuple[torch.Tensor, Temperature, int]:
     target_ids = require_tensor("targets", targets)
     if target_ids.is_floating_point() or target_ids.is_complex() or target_ids.dtype == torch.bool:
         raise TypeError(f"targets must hold integer token ids, got dtype {target_ids.dtype}")
@@ -127,7 +162,7 @@ def _check_common(
             f"targets has shape {tuple(target_ids.shape)} but must match the leading dimensions "
             f"{tuple(leading_shape)} of the hidden states / logits"
         )
-    temp = require_finite_number("temperature", temperature, minimum=0.0, minimum_inclusive=False)
+    temp = _check_temperature(temperature, leading_shape, target_ids.device)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(
             f"chunk_size must be an int, got {type(chunk_size).__name__} {chunk_size!r}"
@@ -158,7 +193,7 @@ def logprobs_and_entropy_from_hidden(
     lm_head_weight: torch.Tensor,
     targets: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     lm_head_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,9 +203,10 @@ def logprobs_and_entropy_from_hidden(
     ``lm_head_weight`` ``(vocab, hidden)`` and ``lm_head_bias`` ``(vocab,)`` or None,
     ``targets`` ``(bs, seq)`` token ids: position ``t`` holds the token that the distribution
     at ``t`` is scored on (the caller shifts by one). Logits are
-    ``(hidden @ weight.T + bias) / temperature`` in float32, computed ``chunk_size`` tokens at a
-    time; outputs are float32 (float64 for float64 inputs). Equal to the naive full-tensor
-    computation up to float rounding.
+    ``(hidden @ weight.T + bias) / temperature`` in float32 (``temperature`` a number or one
+    per row, ``(bs,)``), computed ``chunk_size`` tokens at a time; outputs are float32
+    (float64 for float64 inputs). Equal to the naive full-tensor computation up to float
+    rounding.
 
     Raises TypeError/ValueError (naming the argument) for non-tensors, wrong ranks or shapes,
     non-float hidden states or weight, non-integer targets or targets outside the vocabulary,
@@ -207,7 +243,7 @@ def logprobs_and_entropy_from_hidden(
             weight,
             lm_head_bias,
             target_ids[start:stop],
-            temp,
+            _temperature_slice(temp, start, stop),
         ),
         rows=bs * seq,
         chunk_size=chunk,
@@ -222,10 +258,11 @@ def logprobs_and_entropy_from_logits(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target and entropy per position from ``(bs, seq, vocab)`` logits.
+    """Log-prob of each target and entropy per position from ``(bs, seq, vocab)`` logits
+    (``temperature`` a number or one per row, ``(bs,)``).
 
     ``targets`` is ``(bs, seq)``. Each chunk of ``chunk_size`` positions is upcast to float32,
     divided by ``temperature`` and log-softmaxed on its own, so no float32 copy of the whole
@@ -247,7 +284,8 @@ def logprobs_and_entropy_from_logits(
     flat_scores = scores.reshape(bs * seq, vocab)
     log_probs, entropies = _run_chunked(
         _logits_chunk,
-        lambda start, stop: (flat_scores[start:stop], target_ids[start:stop], temp),
+        lambda start, stop: (flat_scores[start:stop], target_ids[start:stop],
+                             _temperature_slice(temp, start, stop)),
         rows=bs * seq,
         chunk_size=chunk,
         needs_grad=_wants_grad(scores),

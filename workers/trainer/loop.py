@@ -3,7 +3,8 @@
 One :meth:`Trainer.step`:
 
 1. lease complete groups of the run (``store.leasing``), stale ones skipped;
-2. pad the samples into ``(bs, seq)`` / ``(bs, response_length)`` tensors;
+2. pad the samples into ``(bs, seq)`` / ``(bs, response_length)`` tensors, each with the
+   temperature it is scored at: the one it was sampled at (``workers.trainer.temperature``);
 3. the old log-probs and entropies (a no-grad forward, or the update's own first forward
    where that is exact: ``workers.trainer.update``), and the reference model's log-probs when
    a KL term is configured; from them and the rollout log-probs, the run's off-policy
@@ -29,6 +30,7 @@ of its last checkpoint): open a new one, which resumes from the newest checkpoin
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -45,6 +47,7 @@ import torch
 from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease, LeaseExpired, Leasing
+from store.queries import episode_sampling_params
 from store.serving import append_policy_updated, policy_takeup, record_policy_served
 from workers import checkpoint_urls
 from workers.engines.backend import WeightUpdatable
@@ -66,12 +69,16 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
-from workers.trainer.correction import Correction, CorrectionSettings
+from workers.trainer.correction import Correction
+from workers.trainer.temperature import scoring_temperatures
 from workers.trainer.update import update_batch
 from workers.trainer.weights import push_weights
 
 __all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device",
            "staleness_metrics", "takeup_metrics", "unit_ids", "unit_loss_weights"]
+
+
+log = logging.getLogger(__name__)
 
 
 class TrainerBroken(RuntimeError):
@@ -216,7 +223,12 @@ class Trainer:
             tokenizer.eos_token_id)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.correction = CorrectionSettings.from_config(run_config.correction)
+        self.correction = run_config.correction
+        if config.temperature is not None:
+            log.warning("run %s: every sample is scored at TrainerConfig.temperature=%s, not "
+                        "at the temperature it was sampled with (the run's rollout "
+                        "temperature is %s)", run_id, config.temperature,
+                        run_config.rollout.temperature)
         self.broken = False
 
     @classmethod
@@ -294,8 +306,8 @@ class Trainer:
         try:
             if hooks.after_lease is not None:
                 hooks.after_lease(lease)
-            batch = pad_samples(lease.samples, pad_token_id=self.pad_token_id,
-                                vocab_size=self.vocab_size).to(self.device)
+            batch, scoring = self._pad(lease)
+            batch = batch.to(self.device)
 
             units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
                               is_negative=batch.is_negative.tolist())
@@ -326,6 +338,7 @@ class Trainer:
                                     update.advantages, stats.metrics(), started,
                                     update.correction, current)
             metrics["scoring_skipped"] = float(update.single_pass)
+            metrics.update(scoring)
             if self.estimator == "egpo":
                 metrics.update(self._egpo_bonus(batch, update.advantages, update.entropies,
                                                  units))
@@ -372,6 +385,19 @@ class Trainer:
             if on_step is not None:
                 on_step(result)
         return done
+
+    def _pad(self, lease: Lease) -> tuple[TrainingBatch, dict[str, float]]:
+        """The leased samples padded into a batch (on the CPU), each row with the temperature
+        it is scored at (``workers.trainer.temperature``: the override, else what its episode
+        recorded, else the run's rollout temperature), and the scoring-temperature metrics."""
+        episode_ids = [s.episode_id for s in lease.samples]
+        recorded = ({} if self.config.temperature is not None
+                    else episode_sampling_params(self.store, episode_ids))
+        temperatures, metrics = scoring_temperatures(
+            episode_ids, recorded, self.run_config, override=self.config.temperature)
+        batch = pad_samples(lease.samples, pad_token_id=self.pad_token_id,
+                            vocab_size=self.vocab_size, temperatures=temperatures)
+        return batch, metrics
 
     def _checkpoint_target(self, version: int, tag: str) -> tuple[Path, str | None]:
         """Where the checkpoint of ``version`` is saved: the local folder and, when the

@@ -29,7 +29,6 @@ def packed_response_log_probs(
     model: Any,
     batch: TrainingBatch,
     *,
-    temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~workers.trainer.policy.response_log_probs` computed on the packed batch (module
@@ -53,7 +52,7 @@ def packed_response_log_probs(
     # every loss, so any valid index will do.
     index = (starts.unsqueeze(1) + batch.response_positions).clamp(max=total - 1)
     return logprobs_and_entropy_from_hidden(
-        hidden[index], weight, batch.responses, temperature=temperature,
+        hidden[index], weight, batch.responses, temperature=batch.temperatures,
         chunk_size=chunk_size, lm_head_bias=bias)
 
 
@@ -68,7 +67,6 @@ class PackedScoring:
                       ) -> Iterable[tuple[list[int], TrainingBatch]]:
         return micro_batches(batch, rows, size=size)
 
-    def log_probs(self, model: Any, batch: TrainingBatch, *, temperature: float,
-                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return packed_response_log_probs(model, batch, temperature=temperature,
-                                         chunk_size=chunk_size)
+    def log_probs(self, model: Any, batch: TrainingBatch, *, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        return packed_response_log_probs(model, batch, chunk_size=chunk_size)

@@ -51,11 +51,11 @@ def response_log_probs(
     model: Any,
     batch: TrainingBatch,
     *,
-    temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each response token and the entropy of its distribution, both
-    ``(bs, response_length)`` float32, under ``model`` with logits divided by ``temperature``.
+    ``(bs, response_length)`` float32, under ``model`` with each row's logits divided by its
+    ``batch.temperatures`` entry (the temperature it was sampled at).
 
     Gradients flow to the model when autograd is on (wrap in ``torch.no_grad()`` to recompute
     old log-probs). Values at padded or untrained positions are computed but meaningless; use
@@ -72,5 +72,5 @@ def response_log_probs(
     index = batch.response_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     scoring = hidden.gather(1, index)  # (bs, response_length, hidden)
     return logprobs_and_entropy_from_hidden(
-        scoring, weight, batch.responses, temperature=temperature, chunk_size=chunk_size,
-        lm_head_bias=bias)
+        scoring, weight, batch.responses, temperature=batch.temperatures,
+        chunk_size=chunk_size, lm_head_bias=bias)

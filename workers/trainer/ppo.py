@@ -21,6 +21,7 @@ import torch
 from workers.trainer.aggregation import GlobalBatchInfo
 from workers.trainer.batch import TrainingBatch
 from workers.trainer.config import TrainerConfig
+from workers.trainer.correction import Bypass, bypass_policy_loss
 from workers.trainer.losses import (
     actor_loss,
     entropy_loss,
@@ -52,8 +53,8 @@ class Sharding(Protocol):
     def micro_batches(self, batch: TrainingBatch, rows: list[int], *, size: int
                       ) -> Iterable[tuple[list[int], TrainingBatch]]: ...
 
-    def log_probs(self, model: Any, batch: TrainingBatch, *, temperature: float,
-                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def log_probs(self, model: Any, batch: TrainingBatch, *, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def micro_batches(batch: TrainingBatch, rows: list[int], *, size: int
@@ -81,6 +82,7 @@ def trim(batch: TrainingBatch) -> TrainingBatch:
         response_mask=batch.response_mask[:, :response_length],
         response_lengths=batch.response_lengths,
         rollout_log_probs=batch.rollout_log_probs[:, :response_length],
+        temperatures=batch.temperatures,
         rewards=batch.rewards,
         is_negative=batch.is_negative,
         group_ids=batch.group_ids,
@@ -102,8 +104,7 @@ def score_batch(model: torch.nn.Module, batch: TrainingBatch, *, config: Trainer
     entropies = torch.zeros(shape, dtype=torch.float32, device=device)
     for rows, part in micro_batches(batch, list(range(len(batch))),
                                      size=config.micro_batch_size):
-        lp, ent = response_log_probs(model, part, temperature=config.temperature,
-                                     chunk_size=config.logit_chunk_size)
+        lp, ent = response_log_probs(model, part, chunk_size=config.logit_chunk_size)
         width = lp.shape[1]
         index = torch.tensor(rows, device=device)
         log_probs[index, :width] = lp * part.response_mask
@@ -167,6 +168,7 @@ def ppo_update(
     response_mask: torch.Tensor | None = None,
     sharding: Sharding | None = None,
     first_pass: FirstPass | None = None,
+    bypass: Bypass | None = None,
 ) -> PPOStats:
     """Run the PPO epochs over ``batch`` and return the statistics.
 
@@ -175,7 +177,9 @@ def ppo_update(
     optimizer step (the training step renews its lease there). ``is_weights`` (off-policy
 correction weights) multiply the token losses and ``response_mask`` replaces the batch's mask
 (tokens rejected by the correction), both ``(bs, response_length)``. ``sharding`` (default: one
-process) makes this one rank of a data-parallel update (:class:`Sharding`).
+process) makes this one rank of a data-parallel update (:class:`Sharding`). ``bypass`` (the
+run's bypass-mode correction) makes the rollout log-probs the loss's old policy, where a row has
+them, and each micro-batch's loss :func:`workers.trainer.correction.bypass_policy_loss`.
 
     Single pass: with ``old_log_probs=None`` and ``advantages=None``, ``first_pass`` gives each
     micro-batch's advantages and IS weights from the detached log-probs and entropies of the
@@ -225,8 +229,7 @@ process) makes this one rank of a data-parallel update (:class:`Sharding`).
                 width = part.responses.shape[1]
                 log_prob, entropy = (response_log_probs if sharding is None
                                      else sharding.log_probs)(
-                    model, part, temperature=config.temperature,
-                    chunk_size=config.logit_chunk_size)
+                    model, part, chunk_size=config.logit_chunk_size)
                 weights = is_weights[part_rows, :width] if is_weights is not None else None
                 if first_pass is not None:
                     assert stats.old_log_probs is not None and stats.entropies is not None
@@ -243,11 +246,19 @@ process) makes this one rank of a data-parallel update (:class:`Sharding`).
                     assert old_log_probs is not None and advantages is not None
                     old = old_log_probs[part_rows, :width]
                     adv = advantages[part_rows, :width]
-                pg_loss, pg_metrics = ppo_policy_loss(
-                    old, log_prob, adv, part.response_mask,
-                    clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
-                    clip_ratio_c=config.clip_ratio_c, loss_agg_mode=config.loss_agg_mode,
-                    global_batch=info, is_weights=weights)
+                clip = {"clip_ratio_low": config.clip_ratio_low,
+                        "clip_ratio_high": config.clip_ratio_high,
+                        "clip_ratio_c": config.clip_ratio_c,
+                        "loss_agg_mode": config.loss_agg_mode, "global_batch": info}
+                if bypass is not None:
+                    pg_loss, pg_metrics = bypass_policy_loss(
+                        bypass.old_log_probs(part_rows, old), log_prob, adv, part.response_mask,
+                        bypass.settings, loss_weights=weights, **clip,
+                        corrected_rows=bypass.corrected_rows.to(old.device)[
+                            torch.tensor(part_rows, device=old.device)])
+                else:
+                    pg_loss, pg_metrics = ppo_policy_loss(
+                        old, log_prob, adv, part.response_mask, is_weights=weights, **clip)
                 ent_term = None
                 if config.entropy_coeff > 0:
                     ent_term = entropy_loss(entropy, part.response_mask,

@@ -16,11 +16,13 @@ alone and the loss normalisation does not depend on them:
 - GRPO advantages need no entropies; EGPO's bonus is each response's own mean CoT entropy,
   bounded by its own GRPO advantage (the group statistics come from rewards only), so both
   estimators are row-local;
-- token- and sequence-level truncated IS weights are row-local;
-- rejection (token or sequence) changes the response mask, and with it the token (or row)
-  counts every micro-batch's loss is divided by, before the first micro-batch's loss: a run
-  with rejection keeps the scoring pass, as do several epochs or mini-batches, and
-  ``TrainerConfig.separate_scoring``.
+- token- and sequence-level IS weights, truncated or IcePop, are row-local;
+- decoupled rejection changes the response mask, and with it the token (or row) counts every
+  micro-batch's loss is divided by, before the first micro-batch's loss, and batch-normalised
+  IS weights need the whole batch's mean: such a run keeps the scoring pass
+  (:func:`workers.trainer.correction.needs_whole_batch`), as do several epochs or
+  mini-batches, and ``TrainerConfig.separate_scoring``. Bypass mode computes its weights and
+  rejection inside each micro-batch's loss (as verl does), so it takes the single pass too.
 
 The reference model's log-probs (KL term) are computed before the update either way.
 """
@@ -37,14 +39,17 @@ from workers.trainer.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings
 from workers.trainer.batch import TrainingBatch, token_level_rewards
 from workers.trainer.config import TrainerConfig
 from workers.trainer.correction import (
+    Bypass,
     Correction,
-    CorrectionSettings,
+    CorrectionConfig,
     compute_correction,
     has_rollout_log_probs,
+    needs_whole_batch,
 )
 from workers.trainer.ppo import PPOStats, ppo_update, score_batch
 
-__all__ = ["ROW_LOCAL_ESTIMATORS", "BatchUpdate", "single_pass", "update_batch"]
+__all__ = ["ROW_LOCAL_ESTIMATORS", "BatchUpdate", "applied", "bypass_of", "single_pass",
+           "update_batch"]
 
 #: Estimators whose advantage for a row depends on no other row's entropies.
 ROW_LOCAL_ESTIMATORS = frozenset({"grpo", "egpo"})
@@ -54,7 +59,8 @@ ROW_LOCAL_ESTIMATORS = frozenset({"grpo", "egpo"})
 class BatchUpdate:
     """What :func:`update_batch` computed: the update's statistics, the old log-probs and
     entropies ``(bs, response_length)`` (zeros on padding), the advantages, the correction
-    (weights, mask after rejection, ``correction_*`` metrics) and whether the scoring forward
+    (weights, mask after rejection, ``correction_*`` metrics; in bypass mode the statistics of
+    the batch before the update, its weights and mask unused) and whether the scoring forward
     was skipped."""
 
     stats: PPOStats
@@ -66,16 +72,37 @@ class BatchUpdate:
 
 
 def single_pass(config: TrainerConfig, *, samples: int, estimator: str,
-                correction: CorrectionSettings) -> bool:
+                correction: CorrectionConfig) -> bool:
     """Whether the update's forward can give the old log-probs (module docstring)."""
     mini = config.mini_batch_size or samples
     return (not config.separate_scoring and config.ppo_epochs == 1 and mini >= samples
-            and estimator in ROW_LOCAL_ESTIMATORS and correction.rejection == "none")
+            and estimator in ROW_LOCAL_ESTIMATORS and not needs_whole_batch(correction))
+
+
+def bypass_of(batch: TrainingBatch, correction: CorrectionConfig,
+              corrected_rows: torch.Tensor | None = None) -> Bypass | None:
+    """The :class:`~workers.trainer.correction.Bypass` of ``batch`` in bypass mode, else
+    None."""
+    if correction.mode != "bypass":
+        return None
+    if corrected_rows is None:
+        corrected_rows = has_rollout_log_probs(batch.rollout_log_probs, batch.response_mask)
+    return Bypass(correction, batch.rollout_log_probs, corrected_rows)
+
+
+def applied(corrected: Correction, correction: CorrectionConfig,
+            response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The IS weights and response mask the update applies before its loss: the
+    correction's in decoupled mode; ones and ``response_mask`` in bypass mode (its loss
+    corrects)."""
+    if correction.mode == "bypass":
+        return torch.ones_like(corrected.weights), response_mask
+    return corrected.weights, corrected.response_mask
 
 
 def update_batch(model: Any, batch: TrainingBatch, *, optimizer: torch.optim.Optimizer,
                  config: TrainerConfig, estimator: str, advantage_settings: AdvantageSettings,
-                 correction: CorrectionSettings, reference: Any | None = None,
+                 correction: CorrectionConfig, reference: Any | None = None,
                  units: Sequence[str] | None = None,
                  unit_weights: torch.Tensor | None = None,
                  between_steps: Callable[[], None] | None = None) -> BatchUpdate:
@@ -107,12 +134,12 @@ def update_batch(model: Any, batch: TrainingBatch, *, optimizer: torch.optim.Opt
         old_log_probs, entropies = score_batch(model, batch, config=config)
         corrected = compute_correction(old_log_probs, batch.rollout_log_probs,
                                        batch.response_mask, correction)
+        weights, response_mask = applied(corrected, correction, batch.response_mask)
         advantages = advantages_of(entropies)
         stats = ppo_update(model, batch, optimizer=optimizer, old_log_probs=old_log_probs,
                            advantages=advantages, config=config, ref_log_probs=ref_log_probs,
-                           between_steps=between_steps,
-                           is_weights=weighted(corrected.weights),
-                           response_mask=corrected.response_mask)
+                           between_steps=between_steps, is_weights=weighted(weights),
+                           response_mask=response_mask, bypass=bypass_of(batch, correction))
         return BatchUpdate(stats, old_log_probs, entropies, advantages, corrected, False)
 
     mask = batch.response_mask.to(torch.float32)
@@ -133,11 +160,13 @@ def update_batch(model: Any, batch: TrainingBatch, *, optimizer: torch.optim.Opt
         advantages[index] = full[index]
         part = compute_correction(old, batch.rollout_log_probs[rows, :width], mask[rows, :width],
                                   correction, corrected_rows=corrected_rows[rows])
-        return full[rows, :width], weighted(part.weights, rows)
+        weights, _ = applied(part, correction, mask[rows, :width])
+        return full[rows, :width], weighted(weights, rows)
 
     stats = ppo_update(model, batch, optimizer=optimizer, old_log_probs=None, advantages=None,
                        config=config, ref_log_probs=ref_log_probs, between_steps=between_steps,
-                       first_pass=first_pass)
+                       first_pass=first_pass,
+                       bypass=bypass_of(batch, correction, corrected_rows))
     assert stats.old_log_probs is not None and stats.entropies is not None
     # The whole batch's correction once more, for its statistics (its weights are those the
     # micro-batches used: every quantity is row-local).
