@@ -32,7 +32,7 @@ from store.arguments import whole_number
 from store.events import Event
 
 if TYPE_CHECKING:
-    from store.eventlog import AppendResult, EventStore
+    from store.recorder import AppendResult, Recorder
 
 __all__ = ["AppendBatcher"]
 
@@ -53,7 +53,7 @@ class AppendBatcher:
     of range. ``transactions`` counts the transactions written and ``cpu_seconds`` the CPU
     time the writing threads spent in them (validation, encoding, the driver)."""
 
-    def __init__(self, store: EventStore, *, max_batches: int = 256,
+    def __init__(self, store: Recorder, *, max_batches: int = 256,
                  interval_s: float = 0.0) -> None:
         whole_number("max_batches", max_batches)
         if (isinstance(interval_s, bool) or not isinstance(interval_s, (int, float))
