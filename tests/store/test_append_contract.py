@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -78,6 +78,7 @@ SUBJECTS = [Subject("append", _append), Subject("append_many", _append_many),
             Subject("aappend", _aappend)]
 
 Append = Callable[..., AppendResult]
+T = TypeVar("T")
 
 
 @pytest.fixture(params=SUBJECTS, ids=[s.name for s in SUBJECTS])
@@ -242,19 +243,16 @@ def test_a_batch_mixing_stored_and_new_ids_is_refused(store: EventStore,
     assert _count(store, stream) == 1
 
 
-def test_an_id_another_writer_commits_meanwhile_is_refused(store: EventStore, append: Append,
-                                                           pg_url: str) -> None:
-    """The append waits on another writer's uncommitted row with one of its ids; once that
-    commits, the batch is refused as a reuse of the id and nothing of it stays."""
-    stream, other = new_stream(), new_stream()
-    batch = [episode_started(), *trajectory(1)]
+def while_a_rival_commits(pg_url: str, event_id: uuid.UUID, write: Callable[[], T]) -> T:
+    """What ``write`` returns (or raises) when another writer holds an uncommitted row with
+    ``event_id`` in a stream of its own, and commits it once ``write``'s INSERT waits on it."""
     with psycopg.connect(pg_url) as rival:
         rival.execute(
             "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version,"
             " data) VALUES (%s, %s, 1, 'tool_returned', 1, %s)",
-            (batch[1].event_id, other, '{"name": "calculator", "output": "1"}'))
+            (event_id, new_stream(), '{"name": "calculator", "output": "1"}'))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(append, stream, batch, NO_STREAM)
+            answer = pool.submit(write)
             with psycopg.connect(pg_url, autocommit=True) as watcher:
                 while not answer.done() and not watcher.execute(
                         "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
@@ -262,8 +260,18 @@ def test_an_id_another_writer_commits_meanwhile_is_refused(store: EventStore, ap
                 ).fetchone():
                     time.sleep(0.01)
             rival.commit()
-            with pytest.raises(errors.IdempotencyError):
-                answer.result(timeout=60)
+            return answer.result(timeout=60)
+
+
+def test_an_id_another_writer_commits_meanwhile_is_refused(store: EventStore, append: Append,
+                                                           pg_url: str) -> None:
+    """The append waits on another writer's uncommitted row with one of its ids; once that
+    commits, the batch is refused as a reuse of the id and nothing of it stays."""
+    stream = new_stream()
+    batch = [episode_started(), *trajectory(1)]
+    with pytest.raises(errors.IdempotencyError):
+        while_a_rival_commits(pg_url, batch[1].event_id,
+                              partial(append, stream, batch, NO_STREAM))
     assert store.stream_version(stream) == 0
 
 
