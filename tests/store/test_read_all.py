@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from store import errors
 from store.db import Database
 from store.eventlog import EventStore, LogPosition
 from store.events import RewardAssigned, ToolReturned
@@ -211,3 +212,5 @@ def test_store_subscribe_follows_from_its_checkpoint(store: EventStore) -> None:
         if sum(map(len, batches)) == 3:
             stop.set()
     assert batches == [["episode_started", "reward_assigned"], ["tool_returned"]]
+    with pytest.raises(errors.ValidationError, match="limit"):
+        next(store.subscribe(start, batch_size=0))
