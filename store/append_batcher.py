@@ -32,14 +32,14 @@ from store.arguments import whole_number
 from store.events import Event
 
 if TYPE_CHECKING:
-    from store.eventlog import AppendResult, EventStore
+    from store.recorder import AppendResult, Recorder
 
 __all__ = ["AppendBatcher"]
 
 
 class _LoopState:
     def __init__(self) -> None:
-        self.pending: list[tuple[str, list[Event], Any, asyncio.Future[Any]]] = []
+        self.pending: list[tuple[str, Sequence[Event], Any, asyncio.Future[Any]]] = []
         self.wake = asyncio.Event()
         self.writer: asyncio.Task[None] | None = None
         self.last_write = -math.inf  # when the last transaction ended (monotonic)
@@ -53,7 +53,7 @@ class AppendBatcher:
     of range. ``transactions`` counts the transactions written and ``cpu_seconds`` the CPU
     time the writing threads spent in them (validation, encoding, the driver)."""
 
-    def __init__(self, store: EventStore, *, max_batches: int = 256,
+    def __init__(self, store: Recorder, *, max_batches: int = 256,
                  interval_s: float = 0.0) -> None:
         whole_number("max_batches", max_batches)
         if (isinstance(interval_s, bool) or not isinstance(interval_s, (int, float))
@@ -80,7 +80,11 @@ class AppendBatcher:
         if state.writer is None or state.writer.done():
             state.writer = loop.create_task(self._write(state))
         future: asyncio.Future[Any] = loop.create_future()
-        state.pending.append((stream_id, list(events), expected_version, future))
+        # A copy of a list, which its caller may reuse while the append waits; anything else
+        # goes as it came, for the store to refuse as ``append`` does (``list()`` would make
+        # a dict's keys a batch).
+        batch = list(events) if isinstance(events, (list, tuple)) else events
+        state.pending.append((stream_id, batch, expected_version, future))
         state.wake.set()
         return await future
 
@@ -109,7 +113,7 @@ class AppendBatcher:
                     else:
                         future.set_result(answer)
 
-    def _append_many(self, batches: list[tuple[str, list[Event], Any]]) -> list[Any]:
+    def _append_many(self, batches: list[tuple[str, Sequence[Event], Any]]) -> list[Any]:
         started = time.thread_time()
         try:
             return self.store.append_many(batches)

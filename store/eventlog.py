@@ -1,65 +1,38 @@
-"""The event log: append, read a stream, read everything in commit order, subscribe.
+"""The event log as a process opens it: :class:`EventStore`.
 
-This is the store's core. The hard parts, each commented where it happens:
-- gap-free reading in commit order (``read_all``),
-- idempotent append keyed by ``event_id`` (``append``),
-- optimistic concurrency on stream versions (``append``),
-- prompt delta encoding (``store.rows.encode_llm_call``).
+An ``EventStore`` is the recorder (``store.recorder``: every append and read of the events
+table, the one code that writes events) opened as the settings say, with what a process
+wants around it:
+
+- ``aappend``: coroutines' appends gathered into shared transactions
+  (``store.append_batcher``), the third way in beside ``append`` and ``append_many``;
+- ``subscribe``: following the log as it grows (``store.subscription``);
+- lookups of runs and episodes, kept as methods for their callers; they are the functions of
+  ``store.queries``, where new code finds them and every other read.
+
+The append's vocabulary (``ANY``, ``NO_STREAM``, ``AppendResult``, ``LogPosition``…) is
+importable from here as from the modules that define it.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import logging
 import threading
-import time
-import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterator, Sequence
 
-from psycopg.rows import dict_row
-
-from store import errors
-from store.db import (
-    BinaryArray,
-    Database,
-    NotBinary,
-    bytea_array,
-    int2_array,
-    int4_array,
-    scalar,
-    text_array,
-    timestamptz_array,
-    translate_errors,
-    uuid_array,
-)
-from store.events import MAX_INT, EpisodeFinished, EpisodeStarted, Event, LLMCalled, RunCreated
-from store.metrics import observe_append
-from store.rows import (
-    ROW_COLUMNS,
-    START,
-    Decoder,
-    EventRow,
-    LLMCallMemory,
-    LogPosition,
-    RecordedEvent,
-    data_json,
-    encode_llm_call,
-    safe_data,
-    same_content,
-    stored_size,
-)
+from store import errors, queries, subscription
+from store.append_batcher import AppendBatcher
+from store.db import Database
+from store.events import Event, RunCreated
+from store.queries import EpisodeSummary
+from store.recorder import AppendResult, Recorder
+from store.rows import START, LogPosition, RecordedEvent
 from store.settings import Settings
-from store.validation import check_text, validate_batch
-
-if TYPE_CHECKING:
-    from store.append_batcher import AppendBatcher
+from store.stream_rules import ANY, NO_STREAM, ExpectedVersion, run_stream_id
 
 __all__ = [
     "EventStore",
     "AppendResult",
+    "EpisodeSummary",
     "ExpectedVersion",
     "ANY",
     "NO_STREAM",
@@ -69,97 +42,19 @@ __all__ = [
     "run_stream_id",
 ]
 
-ANY: Literal["any"] = "any"
-NO_STREAM: Literal["no_stream"] = "no_stream"
-ExpectedVersion = int | Literal["any", "no_stream"]
 
-NOTIFY_CHANNEL = "trajstore_events"
-
-# Field extraction that a row stored with a NUL escape cannot break (see safe_data).
-_F_DATA, _R_DATA = safe_data("f.data"), safe_data("r.data")
-
-log = logging.getLogger(__name__)
-
-
-def run_stream_id(run_id: str) -> str:
-    """The stream that holds a run's own events (``run_created``, ``policy_updated``)."""
-    return f"run-{run_id}"
-
-
-@dataclass(frozen=True, slots=True)
-class AppendResult:
-    """Where an append's events sit. ``duplicate`` is True when every event id was already
-    stored (an idempotent retry): nothing new was written and the original positions are
-    returned."""
-
-    stream_id: str
-    positions: tuple[int, ...]
-    version: int
-    duplicate: bool = False
-
-
-_INSERT = """
-INSERT INTO events (event_id, stream_id, stream_version, type, schema_version, run_id,
-                    group_id, agent, data, prompt_ids, prompt_base_version,
-                    prompt_prefix_len, prompt_len, response_ids, logprobs, occurred_at)
-SELECT u.event_id, u.stream_id, u.stream_version, u.type, u.schema_version, u.run_id,
-       u.group_id, u.agent, u.data::json, u.prompt_ids, u.prompt_base_version,
-       u.prompt_prefix_len, u.prompt_len, u.response_ids, u.logprobs, u.occurred_at
-FROM unnest(%b::uuid[], %b::text[], %b::int4[], %b::text[], %b::int2[], %b::text[],
-            %b::text[], %b::text[], %b::text[], %b::bytea[], %b::int4[], %b::int4[],
-            %b::int4[], %b::bytea[], %b::bytea[], %b::timestamptz[])
-     WITH ORDINALITY AS u(event_id, stream_id, stream_version, type, schema_version, run_id,
-                          group_id, agent, data, prompt_ids, prompt_base_version,
-                          prompt_prefix_len, prompt_len, response_ids, logprobs, occurred_at, n)
-ORDER BY u.n
--- Idempotency: a concurrent append of the same event ids makes these rows conflict on
--- event_id. Naming the column (not a bare ON CONFLICT DO NOTHING) keeps a clash on
--- (stream_id, stream_version), a genuine version conflict, an error.
-ON CONFLICT (event_id) DO NOTHING
-RETURNING event_id, position
-"""
-
-# append_many's INSERT of many batches: without ON CONFLICT, all rows or an error. Each row
-# comes back by its (stream, version), which it alone holds: cheaper to read than its id,
-# which the driver makes into a uuid.UUID in Python.
-_INSERT_TOGETHER = (_INSERT[: _INSERT.index("-- Idempotency")]
-                    + "RETURNING stream_id, stream_version, position\n")
-
-# append_many's locks: one per stream, taken in the order of the (sorted) array, as a
-# function scan returns it; a second lock on a colliding hash is granted at once.
-_LOCK_STREAMS = (
-    "SELECT pg_advisory_xact_lock(hashtextextended(u.s, 0)) FROM unnest(%s::text[]) AS u(s)"
-)
-
-# Every stream's version and whether it is finished, as _append_in reads them one by one,
-# and then the ids of the batches that are stored already (NULL stream): one statement, so
-# one command of the round trip fewer than two; both reads start after the locks.
-_STREAM_STATES = """
-SELECT u.s,
-       coalesce((SELECT max(e.stream_version) FROM events e WHERE e.stream_id = u.s), 0),
-       EXISTS (SELECT 1 FROM events e WHERE e.stream_id = u.s AND e.type = 'episode_finished'),
-       NULL::uuid
-FROM unnest(%s::text[]) AS u(s)
-UNION ALL
-SELECT NULL, NULL, NULL, e.event_id FROM events e WHERE e.event_id = ANY(%s)
-"""
-
-
-class EventStore:
-    """Append-only event log on one PostgreSQL database.
+class EventStore(Recorder):
+    """Append-only event log on one PostgreSQL database (``Recorder``'s appends and reads,
+    and the module docstring's additions).
 
     Thread-safe: connections come from a pool. Open with ``EventStore.open()`` (settings and
     the embedded default) or ``EventStore(Database(url))``.
     """
 
     def __init__(self, database: Database, settings: Settings | None = None) -> None:
-        self.db = database
-        self.settings = settings or Settings()
-        self._calls: OrderedDict[str, list[LLMCallMemory]] = OrderedDict()
-        self._stream_meta: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
-        self._cache_lock = threading.Lock()
-        self._listeners: list[Callable[[str, list[Event], AppendResult], None]] = []
-        self._batcher: Any = None
+        super().__init__(database, settings)
+        self._batcher: AppendBatcher | None = None
+        self._batcher_lock = threading.Lock()
 
     @classmethod
     def open(cls, settings: Settings | None = None, *, migrate: bool | None = None) -> EventStore:
@@ -199,56 +94,13 @@ class EventStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- append ----------------------------------------------------------------------------
-
-    def add_listener(self, listener: Callable[[str, list[Event], AppendResult], None]) -> None:
-        """Call ``listener(stream_id, events, result)`` after every append that commits (not
-        after a duplicate retry). Listeners run in the appending thread; an exception in one
-        is logged and swallowed: the events are stored whatever a listener does."""
-        self._listeners.append(listener)
-
-    def append(
-        self,
-        stream_id: str,
-        events: Sequence[Event],
-        expected_version: ExpectedVersion = ANY,
-    ) -> AppendResult:
-        """Append ``events`` to ``stream_id`` atomically, all or nothing.
-
-        ``expected_version`` is the version the stream must be at (0 or ``NO_STREAM``: the
-        stream must not exist; ``ANY``: no check). A stale one raises ``ConflictError`` with
-        the current version. Events without an ``event_id`` get a new one. Appending event
-        ids that are all stored already with the same content is an idempotent retry: nothing
-        is written and the original positions come back (``duplicate=True``), whatever
-        ``expected_version`` says. The same id with other content raises
-        ``IdempotencyError``; a batch mixing stored and new ids raises ``ValidationError``.
-        Invalid events raise ``ValidationError`` naming the event index and field.
-        """
-        expected, events = self._prepare(stream_id, events, expected_version)
-        started = time.perf_counter()
-        for attempt in range(5):
-            try:
-                result = self._append_once(stream_id, events, expected)
-                observe_append(time.perf_counter() - started)
-                if not result.duplicate:
-                    self._notify(stream_id, events, result)
-                return result
-            except (_Retry, errors.DuplicateKeyError):
-                if attempt == 4:
-                    raise errors.TransientError(
-                        f"append to {stream_id!r} kept racing with concurrent appends"
-                    ) from None
-        raise AssertionError("unreachable")
-
     async def aappend(self, stream_id: str, events: Sequence[Event],
                       expected_version: ExpectedVersion = ANY) -> AppendResult:
         """:meth:`append` for coroutines: appends awaited together from one event loop share
         one transaction (:class:`~store.append_batcher.AppendBatcher`), spaced at least
         ``settings.append_interval_ms`` apart while appends keep coming. Same answers and
         errors as :meth:`append`."""
-        from store.append_batcher import AppendBatcher
-
-        with self._cache_lock:
+        with self._batcher_lock:
             if self._batcher is None:
                 self._batcher = AppendBatcher(
                     self, interval_s=self.settings.append_interval_ms / 1000)
@@ -260,519 +112,6 @@ class EventStore:
         None before the first ``aappend``."""
         return self._batcher
 
-    def append_many(
-        self, batches: Sequence[tuple[str, Sequence[Event], ExpectedVersion]]
-    ) -> list[AppendResult | Exception]:
-        """Append several ``(stream_id, events, expected_version)`` batches in one
-        transaction: one commit for all of them (what concurrent episodes' appends share).
-
-        Each batch keeps :meth:`append`'s meaning and answers on its own: the list holds, in
-        order, its ``AppendResult`` or the exception :meth:`append` would have raised for it
-        (``ConflictError``, ``ClosedError``, ``ValidationError``…); a failing batch leaves
-        the others stored. Streams are locked in sorted order, so concurrent callers never
-        deadlock. The batches are checked and written set-wise: one round trip locks every
-        stream and reads their versions and the ids already stored, one ``INSERT`` writes
-        every batch that passed; a batch that is a retry (ids already stored) or a stream's
-        second batch runs after it on its own, under a savepoint. When the set-wise insert
-        cannot go through (a row raced in, the database refused a value) the transaction is
-        undone and every batch runs again on its own under its savepoint. A batch that races
-        with a concurrent append of the same ids is run again on its own after the commit.
-        Raises only for what stops the whole transaction (``TransientError`` when the
-        database is unreachable).
-        """
-        answers: list[AppendResult | Exception | None] = [None] * len(batches)
-        prepared: list[_Prepared] = []
-        for index, (stream_id, events, expected_version) in enumerate(batches):
-            try:
-                expected, checked = self._prepare(stream_id, events, expected_version)
-            except errors.StoreError as exc:
-                answers[index] = exc
-                continue
-            prepared.append((index, stream_id, checked, expected))
-        prepared.sort(key=lambda item: (item[1], item[0]))
-        started = time.perf_counter()
-        outcome = _Outcome()
-        if prepared:
-            try:
-                outcome = self._append_set_wise(prepared)
-            except errors.TransientError:
-                raise
-            except errors.StoreError:
-                # Undone as a whole: each batch again under its own savepoint, which names
-                # the one that failed and keeps the others.
-                outcome = self._append_each(prepared)
-        observe_append(time.perf_counter() - started)
-        for index, exc in outcome.failed:
-            answers[index] = exc
-        for index, stream_id, events, result, memo in outcome.done:
-            if memo is not None:
-                self._remember(stream_id, memo)
-            if not result.duplicate:
-                self._notify(stream_id, events, result)
-            answers[index] = result
-        for index in outcome.again:
-            stream_id, events, expected_version = batches[index]
-            try:
-                answers[index] = self.append(stream_id, events, expected_version)
-            except errors.StoreError as exc:
-                answers[index] = exc
-        return [answer for answer in answers if answer is not None]
-
-    def _append_set_wise(self, prepared: list[_Prepared]) -> _Outcome:
-        """``append_many``'s transaction with two round trips for every batch that can go
-        together (see there): one locks the streams and reads their state, one inserts and
-        commits. Raises the ``StoreError`` of the ``INSERT`` (the transaction rolled back)
-        when it cannot be written as planned."""
-        streams = sorted({stream_id for _, stream_id, _, _ in prepared})
-        ids = [e.event_id for _, _, events, _ in prepared for e in events]
-        outcome = _Outcome()
-        together: list[tuple[int, str, list[Event], list[EventRow], _Memo, int]]
-        together = []
-        alone: list[_Prepared] = []
-        positions: dict[tuple[str, int], int] = {}
-        inserted: Any = None
-        # Pipeline mode: BEGIN and the two statements below go in one round trip, the
-        # INSERT and COMMIT in a second. The locks are taken in the order of the (sorted)
-        # array, and in READ COMMITTED the reads, which start once they are granted, see
-        # every append committed before (as in _append_in).
-        with self.db.connection() as conn, conn.pipeline(), conn.transaction():
-            streams_param = _array_param(text_array, streams, conn)
-            conn.execute(_LOCK_STREAMS, (streams_param,))
-            state_rows = conn.execute(
-                _STREAM_STATES, (streams_param, _array_param(uuid_array, ids, conn))
-            ).fetchall()
-            stored = {row[3] for row in state_rows if row[0] is None}
-            states = {row[0]: (row[1], row[2]) for row in state_rows if row[0] is not None}
-            seen_streams: set[str] = set()
-            seen_ids: set[Any] = set()
-            for item in prepared:
-                index, stream_id, events, expected = item
-                batch_ids = [e.event_id for e in events]
-                # A retry (some ids stored), ids a batch before it also carries, or a stream
-                # met before: decided against what the batches before it wrote, so written
-                # after them, on its own.
-                apart = stream_id in seen_streams or any(
-                    i in stored or i in seen_ids for i in batch_ids)
-                seen_streams.add(stream_id)
-                seen_ids.update(batch_ids)
-                if apart:
-                    alone.append(item)
-                    continue
-                current, finished = states[stream_id]
-                try:
-                    self._check_append(stream_id, events, current, finished, expected)
-                    rows, memo = self._rows(conn, stream_id, current, events)
-                except errors.StoreError as exc:
-                    outcome.failed.append((index, exc))
-                    continue
-                together.append((index, stream_id, events, rows, memo, current))
-            if together:
-                # No ON CONFLICT: an id committed meanwhile (by a writer of another stream)
-                # fails the INSERT, and append_many runs every batch again on its own.
-                inserted = conn.execute(_INSERT_TOGETHER, _columns(
-                    [row for *_, batch_rows, _, _ in together for row in batch_rows], conn))
-                if alone:  # its error, if any, is not the next batch's
-                    positions = _positions(inserted.fetchall())
-            self._append_apart(conn, alone, outcome)
-        if together:
-            positions = positions or _positions(inserted.fetchall())
-            for index, stream_id, events, batch_rows, memo, current in together:
-                result = AppendResult(
-                    stream_id,
-                    tuple(positions[stream_id, r.stream_version] for r in batch_rows),
-                    current + len(events))
-                outcome.done.append((index, stream_id, events, result, memo))
-        return outcome
-
-    def _append_each(self, prepared: list[_Prepared]) -> _Outcome:
-        """``append_many``'s transaction one batch after the other, each under a savepoint."""
-        outcome = _Outcome()
-        with self.db.transaction() as conn:
-            self._append_apart(conn, prepared, outcome)
-        return outcome
-
-    def _append_apart(self, conn: Any, prepared: list[_Prepared], outcome: _Outcome) -> None:
-        for index, stream_id, events, expected in prepared:
-            try:
-                # A savepoint: one batch fails alone, its driver error translated.
-                with translate_errors(), conn.transaction():
-                    result, memo = self._append_in(conn, stream_id, events, expected)
-            except (_Retry, errors.DuplicateKeyError):
-                outcome.again.append(index)
-            except errors.StoreError as exc:
-                outcome.failed.append((index, exc))
-            else:
-                outcome.done.append((index, stream_id, events, result, memo))
-
-    def _prepare(self, stream_id: str, events: Sequence[Event],
-                 expected_version: ExpectedVersion) -> tuple[int | None, list[Event]]:
-        """Check a batch before it touches the database; give its events ids."""
-        if (not isinstance(stream_id, str) or not stream_id or len(stream_id) > 200
-                or check_text(stream_id) is not None):
-            raise errors.ValidationError(
-                f"stream id must be a non-empty string of at most 200 characters without NUL "
-                f"or lone surrogates, "
-                f"got {stream_id!r}",
-                field="stream_id",
-            )
-        expected = _check_expected(expected_version)
-        events = validate_batch(events, self.settings)
-        return expected, [
-            e if e.event_id is not None else e.model_copy(update={"event_id": uuid.uuid4()})
-            for e in events
-        ]
-
-    def _notify(self, stream_id: str, events: list[Event], result: AppendResult) -> None:
-        for listener in self._listeners:
-            try:
-                listener(stream_id, events, result)
-            except Exception:
-                log.exception("append listener %r failed for stream %s", listener, stream_id)
-
-    def _append_once(
-        self,
-        stream_id: str,
-        events: list[Event],
-        expected: int | None,
-    ) -> AppendResult:
-        with self.db.transaction() as conn:
-            result, memo = self._append_in(conn, stream_id, events, expected)
-        if memo is not None:
-            self._remember(stream_id, memo)
-        return result
-
-    def _append_in(
-        self,
-        conn: Any,
-        stream_id: str,
-        events: list[Event],
-        expected: int | None,
-    ) -> tuple[AppendResult, _Memo | None]:
-        """The append on ``conn``, inside the caller's transaction: its result and the
-        stream's memo to remember once committed (None for a duplicate)."""
-        ids = [e.event_id for e in events]
-        # One round trip (pipeline) for three statements, run in order:
-        # 1. Appends to one stream take turns: under this lock the version read below
-        #    stays current until commit, so concurrent appends with ANY never collide and
-        #    a stale expected version is reported, not raced. (The unique (stream_id,
-        #    stream_version) constraint still guards clients that bypass this code.)
-        # 2./3. In READ COMMITTED each statement takes its snapshot when it starts, so
-        #    these reads, which start after the lock is granted, see every append that
-        #    committed before it.
-        with conn.pipeline():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                         (stream_id,))
-            stored_cur = conn.execute(
-                "SELECT event_id, position, stream_id, stream_version"
-                " FROM events WHERE event_id = ANY(%s)",
-                (ids,),
-            )
-            version_cur = conn.execute(
-                "SELECT coalesce(max(stream_version), 0),"
-                " bool_or(type = 'episode_finished') FROM events WHERE stream_id = %s",
-                (stream_id,),
-            )
-        stored = stored_cur.fetchall()
-        if stored:
-            return self._idempotent_result(conn, stream_id, events, stored), None
-        version_row = version_cur.fetchone()
-        assert version_row is not None  # max() always returns a row
-        current, finished = version_row[0], bool(version_row[1])
-        self._check_append(stream_id, events, current, finished, expected)
-
-        rows, memo = self._rows(conn, stream_id, current, events)
-        # A unique violation here (the same event id committed meanwhile to another
-        # stream, or a version taken by a client that skipped the lock) aborts this
-        # transaction; ``append`` runs it again and the checks above then give the
-        # precise answer (IdempotencyError, ConflictError, or success under ANY).
-        returned = conn.execute(_INSERT, _columns(rows, conn)).fetchall()
-        if len(returned) != len(rows):
-            # A concurrent append of some of these event ids committed first and our rows
-            # were skipped: undo ours and answer as for a retry.
-            raise _Retry()
-        by_id = dict(returned)
-        positions = tuple(by_id[r.event_id] for r in rows)
-        return AppendResult(stream_id, positions, current + len(events)), memo
-
-    @staticmethod
-    def _check_append(stream_id: str, events: list[Event], current: int, finished: bool,
-                      expected: int | None) -> None:
-        """Whether ``events`` may follow a stream at ``current`` (``finished``: it holds an
-        ``episode_finished``); raises ``ClosedError``, ``ConflictError`` or
-        ``ValidationError``."""
-        if finished:
-            # A finished episode is closed for good: an event after its finish would
-            # change what replay made of it, samples already trained included.
-            raise errors.ClosedError(stream_id, actual=current)
-        if expected is not None and current != expected:
-            raise errors.ConflictError(stream_id, expected=expected, actual=current)
-        _check_order(stream_id, events, current)
-
-    def _rows(
-        self,
-        conn: Any,
-        stream_id: str,
-        current: int,
-        events: list[Event],
-    ) -> tuple[list[EventRow], _Memo]:
-        """The rows to insert, and what to remember of the stream once they are committed:
-        its recent LLM calls including the new ones, and its identity when they open it."""
-        run_id, group_id = self._stream_identity(conn, stream_id, current, events)
-        calls = self._recent_calls(conn, stream_id, current) if current else []
-        rows: list[EventRow] = []
-        for i, event in enumerate(events):
-            data = event.to_data()
-            # The denormalised columns, from the fields of the events that have them. Read
-            # from the field values: getattr on a pydantic model that lacks the field goes
-            # through its __getattr__ and an AttributeError, the dearest step of a small
-            # event's row.
-            fields = event.__dict__
-            row = EventRow(
-                event_id=event.event_id,  # type: ignore[arg-type]
-                stream_id=stream_id,
-                stream_version=current + i + 1,
-                type=event.type,
-                schema_version=event.schema_version,
-                run_id=fields.get("run_id") or run_id,
-                group_id=fields.get("group_id") or group_id,
-                agent=fields.get("agent"),
-                data=data,
-                occurred_at=event.occurred_at or dt.datetime.now(dt.UTC),
-            )
-            if isinstance(event, LLMCalled):
-                memory = encode_llm_call(
-                    row,
-                    event,
-                    calls[-self.settings.delta_candidates :],
-                    min_prefix=self.settings.delta_min_prefix,
-                )
-                calls = [*calls, memory]
-            try:
-                row.data_json = data_json(row.data)
-            except ValueError as exc:
-                raise errors.ValidationError(str(exc), event_index=i) from None
-            size = stored_size(row)
-            if size > self.settings.max_event_bytes:
-                raise errors.ValidationError(
-                    f"event takes {size} bytes once stored, over the limit of "
-                    f"{self.settings.max_event_bytes}",
-                    event_index=i,
-                )
-            rows.append(row)
-        opened = (rows[0].run_id, rows[0].group_id) if current == 0 else None
-        return rows, _Memo(calls, opened)
-
-    def _idempotent_result(
-        self, conn: Any, stream_id: str, events: list[Event], stored: list[Any]
-    ) -> AppendResult:
-        """The answer to a batch some of whose event ids are stored already: the original
-        positions for a faithful retry, an error otherwise. Compares the stored events with
-        the submitted ones (rare, so no hash is kept on the hot path)."""
-        by_id = {row[0]: row for row in stored}
-        for event in events:
-            row = by_id.get(event.event_id)
-            if row is not None and row[2] != stream_id:
-                raise errors.IdempotencyError(event.event_id, position=row[1])
-        if len(by_id) != len(events):
-            new = [i for i, e in enumerate(events) if e.event_id not in by_id]
-            raise errors.ValidationError(
-                f"the batch mixes {len(by_id)} events already stored with {len(new)} new "
-                f"ones (first new: event {new[0]}); retry the original batch unchanged, or "
-                "send the new events in a batch of their own",
-                event_index=new[0],
-                field="event_id",
-            )
-        versions = {row[3] for row in stored}
-        decoded = {
-            r.stream_version: r
-            for r in self._read_stream_rows(conn, stream_id, min(versions), max(versions))
-        }
-        for event in events:
-            row = by_id[event.event_id]
-            if not same_content(decoded[row[3]].event, event):
-                raise errors.IdempotencyError(event.event_id, position=row[1])
-        return AppendResult(
-            stream_id,
-            tuple(by_id[e.event_id][1] for e in events),
-            max(versions),
-            duplicate=True,
-        )
-
-    def _remember(self, stream_id: str, memo: _Memo) -> None:
-        keep = memo.calls[-self.settings.delta_candidates :]
-        with self._cache_lock:
-            self._calls[stream_id] = keep
-            self._calls.move_to_end(stream_id)
-            while len(self._calls) > 256:
-                self._calls.popitem(last=False)
-            if memo.opened is not None:  # what _stream_identity would read from version 1
-                self._remember_identity(stream_id, memo.opened)
-
-    def _remember_identity(self, stream_id: str, identity: tuple[str | None, str | None]
-                           ) -> None:
-        """Keep a stream's run and group id (``_cache_lock`` held)."""
-        self._stream_meta[stream_id] = identity
-        self._stream_meta.move_to_end(stream_id)
-        while len(self._stream_meta) > 4096:
-            self._stream_meta.popitem(last=False)
-
-    def _stream_identity(
-        self, conn: Any, stream_id: str, current: int, events: list[Event]
-    ) -> tuple[str | None, str | None]:
-        """run_id and group_id denormalised onto every row of a stream, taken from the
-        stream's opening event (``run_created`` or ``episode_started``)."""
-        for e in events:
-            if isinstance(e, EpisodeStarted):
-                return e.run_id, e.group_id
-            if isinstance(e, RunCreated):
-                return e.run_id, None
-        if current == 0:
-            return None, None
-        with self._cache_lock:
-            known = self._stream_meta.get(stream_id)
-        if known is None:
-            row = conn.execute(
-                "SELECT run_id, group_id FROM events WHERE stream_id = %s AND stream_version = 1",
-                (stream_id,),
-            ).fetchone()
-            known = (row[0], row[1]) if row else (None, None)
-            with self._cache_lock:
-                self._remember_identity(stream_id, known)
-        return known
-
-    def _recent_calls(self, conn: Any, stream_id: str, current: int) -> list[LLMCallMemory]:
-        """Recent ``llm_called`` of the stream as delta candidates, from the cache when it is
-        there and from the log otherwise (events never change, so a cached call stays valid;
-        a stale cache only misses a better base)."""
-        with self._cache_lock:
-            cached = self._calls.get(stream_id)
-        if cached is not None:
-            return list(cached)
-        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = %s AND type = 'llm_called'"
-            " ORDER BY stream_version",
-            (stream_id,),
-        ).fetchall()
-        decoder = Decoder()
-        for row in rows:
-            decoder.remember(row)
-        memories = [decoder.memory(stream_id, r["stream_version"]) for r in rows]
-        return memories[-self.settings.delta_candidates :]
-
-    # --- read ------------------------------------------------------------------------------
-
-    def stream_version(self, stream_id: str) -> int:
-        """The stream's current version (0 when it does not exist)."""
-        with self.db.connection() as conn:
-            return int(scalar(
-                conn,
-                "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = %s",
-                (stream_id,),
-            ))
-
-    def read_stream(
-        self, stream_id: str, *, from_version: int = 1, to_version: int | None = None
-    ) -> list[RecordedEvent]:
-        """The stream's events from ``from_version`` to ``to_version`` (inclusive), in
-        version order, with token payloads decoded into numpy arrays. An unknown stream
-        gives an empty list."""
-        if from_version < 1:
-            raise errors.ValidationError(f"from_version must be >= 1, got {from_version}")
-        upper = to_version if to_version is not None else 2**31 - 1
-        with self.db.connection() as conn:
-            return self._read_stream_rows(conn, stream_id, from_version, upper)
-
-    def _read_stream_rows(
-        self, conn: Any, stream_id: str, from_version: int, to_version: int
-    ) -> list[RecordedEvent]:
-        # Delta bases may lie before from_version: read the stream's llm_called rows from its
-        # start, decode them all, and hand back only the asked range.
-        rows = conn.cursor(row_factory=dict_row, binary=True).execute(
-            f"SELECT {ROW_COLUMNS} FROM events WHERE stream_id = %s"
-            " AND stream_version <= %s AND (stream_version >= %s OR type = 'llm_called')"
-            " ORDER BY stream_version",
-            (stream_id, to_version, from_version),
-        ).fetchall()
-        decoder = Decoder()
-        out = []
-        for row in rows:
-            decoded = decoder.decode(row)
-            if row["stream_version"] >= from_version:
-                out.append(decoded)
-        return out
-
-    def read_all(
-        self,
-        after: LogPosition | None = None,
-        *,
-        limit: int = 1000,
-        types: Sequence[str] | None = None,
-    ) -> list[RecordedEvent]:
-        """Up to ``limit`` events after the checkpoint ``after`` in commit order.
-
-        Gap-free: every event is returned exactly once across successive calls that pass the
-        last returned event's ``log_position``, even with many concurrent writers. Filtering
-        by ``types`` keeps that guarantee for the types asked.
-        """
-        if limit < 1:
-            raise errors.ValidationError(f"limit must be >= 1, got {limit}")
-        after = after or START
-        # Why not "position > last seen": positions are handed out when a row is inserted,
-        # but rows become visible when their transaction commits. A transaction that took
-        # position 10 and commits after one that took 11 would be skipped by a reader that
-        # already saw 11. Instead: read only rows written by transactions older than the
-        # oldest transaction still running (xmin of the current snapshot: all of those have
-        # ended, so no row can ever appear below that line again), and order by the writing
-        # transaction first. The checkpoint is the (tx_id, position) pair.
-        type_filter = "AND type = ANY(%(types)s)" if types else ""
-        sql = f"""
-            SELECT {ROW_COLUMNS} FROM events
-            WHERE (tx_id, position) > (%(tx)s::text::xid8, %(pos)s)
-              AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
-              {type_filter}
-            ORDER BY tx_id, position
-            LIMIT %(limit)s
-        """
-        params = {"tx": after.tx_id, "pos": after.position, "limit": limit,
-                  "types": list(types) if types else None}
-        with self.db.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row, binary=True)
-            rows = cur.execute(sql, params).fetchall()
-            return self._decode_with_bases(cur, rows)
-
-    def _decode_with_bases(self, cur: Any, rows: list[dict[str, Any]]) -> list[RecordedEvent]:
-        decoder = Decoder()
-        missing = decoder.missing_bases(rows)
-        if missing:
-            streams = [s for s, _ in missing]
-            versions = [v for _, v in missing]
-            # Fetch each missing base and, recursively, the bases it needs.
-            bases = cur.execute(
-                f"""
-                WITH RECURSIVE chain(stream_id, stream_version) AS (
-                    SELECT * FROM unnest(%s::text[], %s::int4[])
-                    UNION
-                    SELECT e.stream_id, e.prompt_base_version FROM events e
-                    JOIN chain c ON e.stream_id = c.stream_id
-                                AND e.stream_version = c.stream_version
-                    WHERE e.prompt_base_version IS NOT NULL
-                )
-                SELECT {ROW_COLUMNS} FROM events
-                WHERE (stream_id, stream_version) IN (SELECT * FROM chain)
-                ORDER BY stream_id, stream_version
-                """,
-                (streams, versions),
-            ).fetchall()
-            for row in bases:
-                decoder.remember(row)
-        # Within one stream, bases precede dependents in version order.
-        order = sorted(range(len(rows)), key=lambda i: (rows[i]["stream_id"],
-                                                        rows[i]["stream_version"]))
-        decoded: list[RecordedEvent | None] = [None] * len(rows)
-        for i in order:
-            decoded[i] = decoder.decode(rows[i])
-        return decoded  # type: ignore[return-value]
-
     def subscribe(
         self,
         after: LogPosition | None = None,
@@ -782,268 +121,34 @@ class EventStore:
         poll_interval: float = 1.0,
         stop: threading.Event | None = None,
     ) -> Iterator[list[RecordedEvent]]:
-        """Yield batches of new events forever (until ``stop`` is set), in commit order.
+        """Yield batches of new events forever (until ``stop`` is set), in commit order:
+        :func:`store.subscription.subscribe` on this store."""
+        return subscription.subscribe(self, after, types=types, batch_size=batch_size,
+                                      poll_interval=poll_interval, stop=stop)
 
-        LISTEN/NOTIFY wakes the reader as soon as an append commits; polling every
-        ``poll_interval`` seconds is the fallback (a missed notification, or a row held back
-        behind a transaction still running, delays reading but never loses an event).
-        """
-        position = after or START
-        listener = self._listener()
-        try:
-            while stop is None or not stop.is_set():
-                batch = self.read_all(position, limit=batch_size, types=types)
-                if batch:
-                    position = batch[-1].log_position
-                    yield batch
-                    if len(batch) == batch_size:
-                        continue
-                # Wait in short slices so that setting ``stop`` ends the loop promptly.
-                waited = 0.0
-                while waited < poll_interval and not (stop is not None and stop.is_set()):
-                    if listener.wait(min(1.0, poll_interval - waited)):
-                        break
-                    waited += min(1.0, poll_interval - waited)
-        finally:
-            listener.close()
-
-    def _listener(self) -> _Listener:
-        return _Listener(self.db.url)
-
-    # --- lookups ---------------------------------------------------------------------------
+    # --- lookups (store.queries) ---------------------------------------------------------
 
     def counts_by_type(self) -> dict[str, int]:
-        """Number of stored events of each type."""
-        with self.db.connection() as conn:
-            rows = conn.execute("SELECT type, count(*) FROM events GROUP BY type").fetchall()
-        return {t: n for t, n in rows}
+        """Number of stored events of each type (:func:`store.queries.counts_by_type`)."""
+        return queries.counts_by_type(self)
 
     def get_run(self, run_id: str) -> RunCreated:
-        """The ``run_created`` event of a run; ``NotFoundError`` when there is none."""
-        events = self.read_stream(run_stream_id(run_id), to_version=1)
-        if not events or not isinstance(events[0].event, RunCreated):
-            raise errors.NotFoundError(f"no run {run_id!r}")
-        return events[0].event
+        """The ``run_created`` event of a run; ``NotFoundError`` when there is none
+        (:func:`store.queries.get_run`)."""
+        return queries.get_run(self, run_id)
 
     def list_runs(self) -> list[RecordedEvent]:
-        """Every run's ``run_created`` event, oldest first."""
-        with self.db.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row, binary=True)
-            rows = cur.execute(
-                f"SELECT {ROW_COLUMNS} FROM events WHERE type = 'run_created' ORDER BY position"
-            ).fetchall()
-        decoder = Decoder()
-        return [decoder.decode(r) for r in rows]
+        """Every run's ``run_created`` event, oldest first
+        (:func:`store.queries.created_runs`)."""
+        return queries.created_runs(self)
 
-    def list_episodes(self, run_id: str, *, group_id: str | None = None) -> list[EpisodeSummary]:
-        """The episodes of a run (optionally one group) with their status and reward as the
-        log says so far (``running`` until ``episode_finished``)."""
-        with self.db.connection() as conn:
-            rows = conn.execute(
-                f"""
-                SELECT s.stream_id, s.group_id, s.recorded_at,
-                       (SELECT {_F_DATA}->>'status' FROM events f
-                         WHERE f.stream_id = s.stream_id AND f.type = 'episode_finished'
-                         ORDER BY f.stream_version DESC LIMIT 1),
-                       (SELECT ({_R_DATA}->>'value')::float8 FROM events r
-                         WHERE r.stream_id = s.stream_id AND r.type = 'reward_assigned'
-                         ORDER BY r.stream_version DESC LIMIT 1),
-                       (SELECT max(v.stream_version) FROM events v
-                         WHERE v.stream_id = s.stream_id)
-                FROM events s
-                WHERE s.run_id = %s AND s.type = 'episode_started'
-                  AND (%s::text IS NULL OR s.group_id = %s)
-                ORDER BY s.position
-                """,
-                (run_id, group_id, group_id),
-            ).fetchall()
-        return [
-            EpisodeSummary(
-                episode_id=r[0], run_id=run_id, group_id=r[1], started_at=r[2],
-                status=r[3] or "running", reward=r[4], events=r[5],
-            )
-            for r in rows
-        ]
+    def list_episodes(self, run_id: str, *, group_id: str | None = None
+                      ) -> list[EpisodeSummary]:
+        """The episodes of a run (optionally one group) with their status and reward
+        (:func:`store.queries.episode_summaries`)."""
+        return queries.episode_summaries(self, run_id, group_id=group_id)
 
     def get_episode(self, episode_id: str) -> list[RecordedEvent]:
         """Every event of an episode; ``NotFoundError`` when the stream is empty or is not
-        an episode."""
-        events = self.read_stream(episode_id)
-        if not events or not isinstance(events[0].event, EpisodeStarted):
-            raise errors.NotFoundError(f"no episode {episode_id!r}")
-        return events
-
-
-@dataclass(frozen=True, slots=True)
-class EpisodeSummary:
-    episode_id: str
-    run_id: str
-    group_id: str | None
-    started_at: dt.datetime
-    status: str
-    reward: float | None
-    events: int
-
-
-class _Retry(Exception):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _Memo:
-    """What an append leaves to remember of its stream once committed: the recent LLM calls
-    (delta candidates) and, when it opens the stream, the stream's run and group id."""
-
-    calls: list[LLMCallMemory]
-    opened: tuple[str | None, str | None] | None
-
-
-#: A batch of ``append_many`` once checked: its index, stream, events, expected version.
-_Prepared = tuple[int, str, list[Event], int | None]
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """What ``append_many``'s transaction did with each batch: stored (with what to remember
-    and tell listeners once committed), refused, or to run again after the commit."""
-
-    done: list[tuple[int, str, list[Event], AppendResult, _Memo | None]] = (
-        field(default_factory=list))
-    failed: list[tuple[int, Exception]] = field(default_factory=list)
-    again: list[int] = field(default_factory=list)
-
-
-class _Listener:
-    """A dedicated autocommit connection LISTENing for append notifications."""
-
-    def __init__(self, url: str) -> None:
-        from store.db import connect
-
-        self._conn = None
-        try:
-            self._conn = connect(url, autocommit=True)
-            self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        except errors.StoreError:
-            self._conn = None  # polling only
-
-    def wait(self, timeout: float) -> bool:
-        """Block until a notification or ``timeout`` seconds; True when notified."""
-        if self._conn is None:
-            time.sleep(timeout)
-            return False
-        try:
-            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
-                return True
-        except Exception:  # the connection died: keep polling on a timer
-            self._conn = None
-            time.sleep(timeout)
-        return False
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-
-
-def _check_expected(expected: object) -> int | None:
-    if expected == ANY:
-        return None
-    if expected == NO_STREAM:
-        return 0
-    if (isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
-            or expected > MAX_INT):
-        raise errors.ValidationError(
-            f"expected_version must be an integer from 0 to {MAX_INT}, 'any' or 'no_stream', "
-            f"got {expected!r:.60}",
-            field="expected_version",
-        )
-    return expected
-
-
-def _columns(rows: list[EventRow], conn: Any) -> tuple[Any, ...]:
-    """The INSERT's 16 array parameters, in the order of its ``unnest``: built whole in the
-    binary array format (``store.db``'s encoders, far cheaper than psycopg adapting every
-    value) when the connection speaks UTF-8 and every value is of the expected type, the
-    plain lists otherwise, which psycopg adapts (and refuses) as it always did."""
-    columns: tuple[list[Any], ...] = (
-        [r.event_id for r in rows],
-        [r.stream_id for r in rows],
-        [r.stream_version for r in rows],
-        [r.type for r in rows],
-        [r.schema_version for r in rows],
-        [r.run_id for r in rows],
-        [r.group_id for r in rows],
-        [r.agent for r in rows],
-        [r.data_json for r in rows],
-        [r.prompt_ids for r in rows],
-        [r.prompt_base_version for r in rows],
-        [r.prompt_prefix_len for r in rows],
-        [r.prompt_len for r in rows],
-        [r.response_ids for r in rows],
-        [r.logprobs for r in rows],
-        [r.occurred_at for r in rows],
-    )
-    return _binary(conn, _ENCODERS, columns)
-
-
-def _positions(returned: list[Any]) -> dict[tuple[str, int], int]:
-    """_INSERT_TOGETHER's rows as {(stream, version): position}."""
-    return {(stream_id, version): position for stream_id, version, position in returned}
-
-
-def _array_param(encode: Callable[[Sequence[Any]], BinaryArray], values: list[Any],
-                 conn: Any) -> Any:
-    """``values`` as a binary array parameter (see _columns), or as the list itself for
-    psycopg to adapt when the encoder does not take them."""
-    return _binary(conn, (encode,), (values,))[0]
-
-
-def _binary(conn: Any, encoders: Sequence[Callable[[Sequence[Any]], BinaryArray]],
-            columns: tuple[list[Any], ...]) -> tuple[Any, ...]:
-    """Each column built by its encoder when the connection speaks UTF-8 and every value is
-    taken; else all of them as the plain lists, for psycopg to adapt (and refuse)."""
-    if conn.info.encoding != "utf-8":
-        return columns
-    try:
-        return tuple(encode(column) for encode, column in zip(encoders, columns, strict=True))
-    except NotBinary:
-        return columns
-
-
-#: The binary encoder of each of _INSERT's columns (the types its unnest casts to).
-_ENCODERS: tuple[Callable[[Sequence[Any]], BinaryArray], ...] = (
-    uuid_array, text_array, int4_array, text_array, int2_array, text_array, text_array,
-    text_array, text_array, bytea_array, int4_array, int4_array, int4_array, bytea_array,
-    bytea_array, timestamptz_array)
-
-
-_RUN_EVENTS = ("run_created", "policy_updated", "policy_served")
-
-
-def _check_order(stream_id: str, events: list[Event], current: int) -> None:
-    """Where events may go: ``episode_started`` only as an episode's first event, nothing
-    after its ``episode_finished``, and runs' streams (``run-<run id>``) apart from episodes'
-    (only run events there, and a run's ``run_created`` only in its own stream), so that an
-    episode cannot take the stream of a run that does not exist yet. ValidationError naming
-    the event otherwise."""
-    run_stream = stream_id.startswith("run-")
-    for i, event in enumerate(events):
-        if run_stream != (event.type in _RUN_EVENTS):
-            raise errors.ValidationError(
-                f"{event.type} cannot go to stream {stream_id!r}: streams named 'run-…' hold "
-                "a run's own events (run_created, policy_updated, policy_served) and nothing "
-                "else",
-                event_index=i, field="type")
-        if isinstance(event, RunCreated) and stream_id != run_stream_id(event.run_id):
-            raise errors.ValidationError(
-                f"run {event.run_id!r} is created in its own stream "
-                f"{run_stream_id(event.run_id)!r}, not {stream_id!r}", event_index=i,
-                field="run_id")
-        if isinstance(event, EpisodeStarted) and current + i != 0:
-            raise errors.ValidationError(
-                "episode_started may only be an episode's first event (stream version 1), "
-                f"not version {current + i + 1}", event_index=i, field="type")
-        if isinstance(event, EpisodeFinished) and i != len(events) - 1:
-            raise errors.ValidationError(
-                "episode_finished must be the last event of its episode; "
-                f"{len(events) - 1 - i} event(s) follow it in this batch",
-                event_index=i + 1, field="type")
+        an episode (:func:`store.queries.get_episode`)."""
+        return queries.get_episode(self, episode_id)

@@ -5,8 +5,8 @@ so that every process (API, workers, trainer) reports the same truth whichever o
 scraped: events by type, episodes by status, replay lag (finished episodes not yet projected,
 in episodes and seconds), how far each follower of the log is behind, samples by status, live
 leases and the age of the oldest, lease expiries, the trainer's last step time and tokens/s.
-The append latency is measured in the process that appends (``observe_append``): a histogram
-per process.
+The append latency is measured in the process that appends (``store.recorder.APPEND_LATENCY``):
+a histogram per process, added to the registry here.
 """
 
 from __future__ import annotations
@@ -14,33 +14,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:  # the event log imports this module to time its appends
+from store.recorder import APPEND_LATENCY
+
+if TYPE_CHECKING:
     from store.eventlog import EventStore
 
-__all__ = ["APPEND_LATENCY", "CONTENT_TYPE", "StoreCollector", "observe_append", "registry",
-           "render"]
+__all__ = ["APPEND_LATENCY", "CONTENT_TYPE", "StoreCollector", "registry", "render"]
 
 #: The media type of :func:`render`'s text (the exposition format version 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-#: Append durations of this process (seconds); in no registry until :func:`registry` adds it.
-APPEND_LATENCY = Histogram("trajstore_append_seconds", "Append latency in this process.",
-                           buckets=_BUCKETS, registry=None)
-
 SAMPLE_STATUSES = ("ready", "leased", "consumed", "stale", "skipped")
 EPISODE_STATUSES = ("running", "completed", "terminated", "truncated", "error", "aborted",
                     "invalid")
-
-
-def observe_append(seconds: float) -> None:
-    """Record one append's duration in this process's histogram."""
-    APPEND_LATENCY.observe(seconds)
 
 
 def _figures(store: EventStore) -> dict[str, Any]:

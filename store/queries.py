@@ -1,6 +1,8 @@
-"""Read queries beyond the event log's own, as functions taking the store: the listings of
-the API (episodes, runs, groups, samples), the sweep's stale episodes, the demo's per-version
-table and the readiness probe. The code outside ``store/`` calls these and writes no SQL.
+"""Read queries beyond the recorder's own reads, as functions taking the store (an
+``EventStore``, or any ``store.recorder.Recorder``): the lookups of runs and episodes, the
+listings of the API (episodes, runs, groups, samples), the sweep's stale episodes, the demo's
+per-version table and the readiness probe. The code outside ``store/`` calls these and writes
+no SQL.
 
 Episodes are listed from the log (``episode_started`` rows, in start order) joined with the
 replay projection where it exists, so an episode shows up as soon as it starts; status and
@@ -19,14 +21,23 @@ from typing import Any
 
 from psycopg.rows import dict_row
 
-from store.eventlog import EventStore, run_stream_id
-from store.rows import safe_data
+from store import errors
+from store.events import EpisodeStarted, RunCreated
+from store.recorder import Recorder
+from store.rows import ROW_COLUMNS, Decoder, RecordedEvent, safe_data
+from store.stream_rules import run_stream_id
 
 __all__ = [
     "EpisodeCall",
     "EpisodeFilters",
+    "EpisodeSummary",
     "SampleFilters",
     "VersionSummary",
+    "counts_by_type",
+    "created_runs",
+    "episode_summaries",
+    "get_episode",
+    "get_run",
     "episodes_done",
     "failures_by_version",
     "negatives_trained_by_version",
@@ -53,6 +64,42 @@ __all__ = [
     "run_record",
     "stream_event_rows",
 ]
+
+
+def counts_by_type(store: Recorder) -> dict[str, int]:
+    """Number of stored events of each type (a type never stored is absent)."""
+    with store.db.connection() as conn:
+        rows = conn.execute("SELECT type, count(*) FROM events GROUP BY type").fetchall()
+    return {t: n for t, n in rows}
+
+
+def get_run(store: Recorder, run_id: str) -> RunCreated:
+    """The ``run_created`` event of a run; ``NotFoundError`` when there is none."""
+    events = store.read_stream(run_stream_id(run_id), to_version=1)
+    if not events or not isinstance(events[0].event, RunCreated):
+        raise errors.NotFoundError(f"no run {run_id!r}")
+    return events[0].event
+
+
+def created_runs(store: Recorder) -> list[RecordedEvent]:
+    """Every run's ``run_created`` event, decoded, oldest first (``list_runs`` gives one
+    project's runs as rows)."""
+    with store.db.connection() as conn:
+        cur = conn.cursor(row_factory=dict_row, binary=True)
+        rows = cur.execute(
+            f"SELECT {ROW_COLUMNS} FROM events WHERE type = 'run_created' ORDER BY position"
+        ).fetchall()
+    decoder = Decoder()
+    return [decoder.decode(r) for r in rows]
+
+
+def get_episode(store: Recorder, episode_id: str) -> list[RecordedEvent]:
+    """Every event of an episode, decoded, in version order; ``NotFoundError`` when the
+    stream is empty or is not an episode."""
+    events = store.read_stream(episode_id)
+    if not events or not isinstance(events[0].event, EpisodeStarted):
+        raise errors.NotFoundError(f"no episode {episode_id!r}")
+    return events
 
 
 @dataclass(frozen=True)
@@ -114,7 +161,7 @@ EXISTS (SELECT 1 FROM events t WHERE t.stream_id = s.stream_id
 """
 
 
-def list_episodes(store: EventStore, filters: EpisodeFilters, *, after: int = 0,
+def list_episodes(store: Recorder, filters: EpisodeFilters, *, after: int = 0,
                   limit: int = 100) -> list[dict[str, Any]]:
     """One page of episodes matching ``filters`` whose start position is past ``after``, in
     start order (dicts of the columns of ``_EPISODE_SELECT``). Raises ValueError for a
@@ -154,7 +201,39 @@ def list_episodes(store: EventStore, filters: EpisodeFilters, *, after: int = 0,
         return conn.cursor(row_factory=dict_row).execute(sql, params).fetchall()
 
 
-def episode_row(store: EventStore, episode_id: str) -> dict[str, Any] | None:
+@dataclass(frozen=True, slots=True)
+class EpisodeSummary:
+    """One episode as ``episode_summaries`` lists it (the columns of ``list_episodes`` that
+    every episode has)."""
+
+    episode_id: str
+    run_id: str
+    group_id: str | None
+    started_at: dt.datetime
+    status: str
+    reward: float | None
+    events: int
+
+
+def episode_summaries(store: Recorder, run_id: str, *, group_id: str | None = None
+                      ) -> list[EpisodeSummary]:
+    """Every episode of ``run_id`` (of one group when ``group_id`` is given) in start order,
+    with its status and reward as ``list_episodes`` gives them: the replay projection's once
+    the episode is replayed, its events' before (``running`` until ``episode_finished``). An
+    unknown run has none."""
+    filters = EpisodeFilters(run_ids=[run_id], group_id=group_id)
+    out: list[EpisodeSummary] = []
+    after = 0
+    while page := list_episodes(store, filters, after=after, limit=1000):
+        out += [EpisodeSummary(episode_id=r["episode_id"], run_id=r["run_id"],
+                               group_id=r["group_id"], started_at=r["started_at"],
+                               status=r["status"], reward=r["reward"], events=r["events"])
+                for r in page]
+        after = page[-1]["position"]
+    return out
+
+
+def episode_row(store: Recorder, episode_id: str) -> dict[str, Any] | None:
     """The listing row of one episode (None when there is no such episode)."""
     with store.db.connection() as conn:
         return conn.cursor(row_factory=dict_row).execute(
@@ -164,7 +243,7 @@ def episode_row(store: EventStore, episode_id: str) -> dict[str, Any] | None:
         ).fetchone()
 
 
-def episode_sampling_params(store: EventStore, episode_ids: Sequence[str]
+def episode_sampling_params(store: Recorder, episode_ids: Sequence[str]
                             ) -> dict[str, dict[str, Any]]:
     """The ``sampling_params`` each episode's ``episode_started`` recorded (temperature,
     top_p, … as the client or the agent loop wrote them; ``{}`` when it recorded none), by
@@ -181,7 +260,7 @@ def episode_sampling_params(store: EventStore, episode_ids: Sequence[str]
     return {stream: value if isinstance(value, dict) else {} for stream, value in rows}
 
 
-def episode_run(store: EventStore, episode_id: str) -> str | None:
+def episode_run(store: Recorder, episode_id: str) -> str | None:
     """The run an episode belongs to (None: no such episode)."""
     with store.db.connection() as conn:
         row = conn.execute(
@@ -192,7 +271,7 @@ def episode_run(store: EventStore, episode_id: str) -> str | None:
     return None if row is None else row[0]
 
 
-def lease_run(store: EventStore, lease_id: uuid.UUID) -> str | None:
+def lease_run(store: Recorder, lease_id: uuid.UUID) -> str | None:
     """The run of a lease (None: no such lease)."""
     with store.db.connection() as conn:
         row = conn.execute("SELECT run_id FROM leases WHERE lease_id = %s",
@@ -200,7 +279,7 @@ def lease_run(store: EventStore, lease_id: uuid.UUID) -> str | None:
     return None if row is None else row[0]
 
 
-def run_record(store: EventStore, run_id: str) -> dict[str, Any] | None:
+def run_record(store: Recorder, run_id: str) -> dict[str, Any] | None:
     """The run's ``run_created`` data with its time and stream version (None: no run)."""
     with store.db.connection() as conn:
         return conn.cursor(row_factory=dict_row).execute(
@@ -213,7 +292,7 @@ def run_record(store: EventStore, run_id: str) -> dict[str, Any] | None:
         ).fetchone()
 
 
-def list_runs(store: EventStore, project: str) -> list[dict[str, Any]]:
+def list_runs(store: Recorder, project: str) -> list[dict[str, Any]]:
     """Every run of ``project``, oldest first (run_id, data, created_at)."""
     with store.db.connection() as conn:
         return conn.cursor(row_factory=dict_row).execute(
@@ -223,7 +302,7 @@ def list_runs(store: EventStore, project: str) -> list[dict[str, Any]]:
         ).fetchall()
 
 
-def run_ids_of(store: EventStore, project: str) -> list[str]:
+def run_ids_of(store: Recorder, project: str) -> list[str]:
     """The ids of every run of ``project``."""
     with store.db.connection() as conn:
         rows = conn.execute(
@@ -234,7 +313,7 @@ def run_ids_of(store: EventStore, project: str) -> list[str]:
     return [r[0] for r in rows]
 
 
-def run_episode_counts(store: EventStore, run_id: str) -> dict[str, int]:
+def run_episode_counts(store: Recorder, run_id: str) -> dict[str, int]:
     """Episodes of a run: ``started`` (from the log) and, per status, those replayed."""
     with store.db.connection() as conn:
         row = conn.execute(
@@ -251,7 +330,7 @@ def run_episode_counts(store: EventStore, run_id: str) -> dict[str, int]:
     return out
 
 
-def run_groups(store: EventStore, run_id: str, *, limit: int = 1000) -> list[dict[str, Any]]:
+def run_groups(store: Recorder, run_id: str, *, limit: int = 1000) -> list[dict[str, Any]]:
     """The groups of a run in the order their first episode started, at most ``limit``:
     ``group_id``, ``episodes`` started, ``replayed`` (projected), ``completed``,
     ``mean_reward`` over replayed episodes with a reward, the lowest and highest
@@ -305,7 +384,7 @@ def _sample_where(filters: SampleFilters) -> tuple[str, dict[str, Any]]:
     return " AND ".join(where), params
 
 
-def list_samples(store: EventStore, filters: SampleFilters, *, after: int = 0,
+def list_samples(store: Recorder, filters: SampleFilters, *, after: int = 0,
                  limit: int = 100, tokens: bool = True) -> list[dict[str, Any]]:
     """One page of samples (by ``sample_id`` past ``after``), with their token columns
     (raw little-endian bytes) when ``tokens``. Raises ValueError for ``limit`` below 1."""
@@ -322,7 +401,7 @@ def list_samples(store: EventStore, filters: SampleFilters, *, after: int = 0,
         ).fetchall()
 
 
-def iter_samples(store: EventStore, filters: SampleFilters, *, chunk: int = 256
+def iter_samples(store: Recorder, filters: SampleFilters, *, chunk: int = 256
                  ) -> Iterator[list[dict[str, Any]]]:
     """Every matching sample with its tokens, in ``sample_id`` order, ``chunk`` rows at a
     time from a server-side cursor: memory stays at one chunk however large the run. The
@@ -341,7 +420,7 @@ def iter_samples(store: EventStore, filters: SampleFilters, *, chunk: int = 256
         cur.close()
 
 
-def iter_episode_starts(store: EventStore, run_id: str, *, finished_only: bool = False,
+def iter_episode_starts(store: Recorder, run_id: str, *, finished_only: bool = False,
                         min_reward: float | None = None, chunk: int = 256
                         ) -> Iterator[list[dict[str, Any]]]:
     """The episodes of a run in start order, ``chunk`` at a time: ``episode_id``,
@@ -373,7 +452,7 @@ def iter_episode_starts(store: EventStore, run_id: str, *, finished_only: bool =
         after = rows[-1]["position"]
 
 
-def episode_finished(store: EventStore, episode_id: str) -> bool:
+def episode_finished(store: Recorder, episode_id: str) -> bool:
     """Whether the episode's ``episode_finished`` is stored."""
     with store.db.connection() as conn:
         row = conn.execute(
@@ -396,7 +475,7 @@ class EpisodeCall:
     discarded: bool
 
 
-def episode_calls(store: EventStore, episode_id: str) -> list[EpisodeCall]:
+def episode_calls(store: Recorder, episode_id: str) -> list[EpisodeCall]:
     """The episode's LLM calls in recording order (see ``EpisodeCall``)."""
     with store.db.connection() as conn:
         rows = conn.execute(
@@ -416,7 +495,7 @@ def episode_calls(store: EventStore, episode_id: str) -> list[EpisodeCall]:
             for r in rows if r[0] == "llm_called"]
 
 
-def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]:
+def stream_event_rows(store: Recorder, stream_id: str) -> list[dict[str, Any]]:
     """A stream's events without their token payloads, in version order: position,
     stream_version, type, schema_version, event_id, data (as stored), occurred_at,
     recorded_at. Cheaper than ``EventStore.read_stream`` when no tokens are wanted (no
@@ -430,7 +509,7 @@ def stream_event_rows(store: EventStore, stream_id: str) -> list[dict[str, Any]]
         ).fetchall()
 
 
-def stored_event_ids(store: EventStore, event_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+def stored_event_ids(store: Recorder, event_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
     """Which of ``event_ids`` the log holds already (in any stream)."""
     if not event_ids:
         return set()
@@ -440,7 +519,7 @@ def stored_event_ids(store: EventStore, event_ids: Sequence[uuid.UUID]) -> set[u
     return {row[0] for row in rows}
 
 
-def span_call_stored(store: EventStore, event_id: uuid.UUID) -> bool | None:
+def span_call_stored(store: Recorder, event_id: uuid.UUID) -> bool | None:
     """What the log holds under ``event_id``: None when nothing; True when an
     ``llm_called`` recorded from an OTLP span (its response carries ``otlp``); False when
     any other event."""
@@ -451,7 +530,7 @@ def span_call_stored(store: EventStore, event_id: uuid.UUID) -> bool | None:
     return None if row is None else bool(row[0])
 
 
-def ping(store: EventStore) -> None:
+def ping(store: Recorder) -> None:
     """One round trip to the database. Raises ``store.errors.StoreError`` (a
     ``TransientError`` when it is unreachable)."""
     with store.db.connection() as conn:
@@ -469,7 +548,7 @@ def _check_idle(timeout_s: float, limit: int, now: dt.datetime | None) -> None:
         raise ValueError(f"limit must be >= 1, got {limit}")
 
 
-def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
+def stale_episodes(store: Recorder, *, timeout_s: float, limit: int = 200,
                    now: dt.datetime | None = None) -> list[tuple[str, int]]:
     """Episodes with no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest
     start first, at most ``limit``: ``(episode_id, last stream_version)``. Time is the
@@ -495,7 +574,7 @@ def stale_episodes(store: EventStore, *, timeout_s: float, limit: int = 200,
     return [(stream_id, int(version)) for stream_id, version in rows]
 
 
-def idle_remote_rollouts(store: EventStore, *, timeout_s: float, limit: int = 200,
+def idle_remote_rollouts(store: Recorder, *, timeout_s: float, limit: int = 200,
                          now: dt.datetime | None = None) -> list[tuple[str, int, bool]]:
     """Remote rollouts (episodes with an ``llm_called`` that carries a ``mask_check``) with
     no ``episode_finished`` and no event for ``timeout_s`` seconds, oldest first, at most
@@ -546,7 +625,7 @@ class VersionSummary:
     negatives: int
 
 
-def version_summaries(store: EventStore, run_id: str) -> list[VersionSummary]:
+def version_summaries(store: Recorder, run_id: str) -> list[VersionSummary]:
     """One summary per policy version of ``run_id`` that has replayed episodes, in version
     order (an unknown run has none)."""
     with store.db.connection() as conn:
@@ -559,7 +638,7 @@ def version_summaries(store: EventStore, run_id: str) -> list[VersionSummary]:
                            int(rb or 0), int(ng or 0)) for v, n, r, tc, te, rb, ng in rows]
 
 
-def negatives_trained_by_version(store: EventStore, run_id: str) -> dict[int, int]:
+def negatives_trained_by_version(store: Recorder, run_id: str) -> dict[int, int]:
     """Negative samples of ``run_id`` a trainer consumed (leased and acknowledged), by the
     policy version that played them (an unknown run has none)."""
     with store.db.connection() as conn:
@@ -570,7 +649,7 @@ def negatives_trained_by_version(store: EventStore, run_id: str) -> dict[int, in
     return {int(version): int(n) for version, n in rows}
 
 
-def failures_by_version(store: EventStore, run_id: str) -> dict[int, dict[str, int]]:
+def failures_by_version(store: Recorder, run_id: str) -> dict[int, dict[str, int]]:
     """Failures of ``run_id`` counted by policy version and error type (``unknown`` when the
     failure has none)."""
     with store.db.connection() as conn:
@@ -584,7 +663,7 @@ def failures_by_version(store: EventStore, run_id: str) -> dict[int, dict[str, i
     return out
 
 
-def episodes_done(store: EventStore, run_id: str, version: int | None = None) -> int:
+def episodes_done(store: Recorder, run_id: str, version: int | None = None) -> int:
     """Replayed episodes of ``run_id`` at policy ``version`` (every version when None;
     aborted and invalid ones left out)."""
     with store.db.connection() as conn:

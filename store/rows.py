@@ -1,6 +1,6 @@
 """Mapping between event models and ``events`` rows: hashing, delta encoding, decoding.
 
-No database access here: ``store.eventlog`` fetches and writes the rows.
+No database access here: ``store.recorder`` fetches and writes the rows.
 """
 
 from __future__ import annotations

@@ -5,11 +5,9 @@ stored, and concurrent coroutines share transactions."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import time
 import uuid
+from functools import partial
 
-import psycopg
 import pytest
 
 from store import errors
@@ -17,6 +15,7 @@ from store.append_batcher import AppendBatcher
 from store.eventlog import NO_STREAM, EventStore
 from store.events import ToolReturned
 from tests.factories import closing, episode_started, trajectory
+from tests.store.test_append_contract import while_a_rival_commits
 
 
 def new_stream() -> str:
@@ -162,28 +161,13 @@ def test_an_id_committed_meanwhile_undoes_the_shared_insert(store: EventStore,
                                                            pg_url: str) -> None:
     """An event id that another stream's writer commits while the batches are written
     fails their shared INSERT: nothing of it stays, and each batch runs again on its own."""
-    racing, bystander, other = (new_stream() for _ in range(3))
+    racing, bystander = new_stream(), new_stream()
     batch = [episode_started(), *trajectory(1)]
-    clash = batch[1].event_id
-    with psycopg.connect(pg_url) as rival:
-        rival.execute(
-            "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version,"
-            " data) VALUES (%s, %s, 1, 'tool_returned', 1, %s)",
-            (clash, other, '{"name": "calculator", "output": "1"}'))
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(store.append_many, [
-                (racing, batch, NO_STREAM),
-                (bystander, [episode_started(), *trajectory(2)], NO_STREAM),
-            ])
-            # The shared INSERT waits on the rival's uncommitted row with the same id.
-            with psycopg.connect(pg_url, autocommit=True) as watcher:
-                while not answer.done() and not watcher.execute(
-                        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                        " AND datname = current_database() AND query LIKE '%%INSERT INTO events%%'"
-                ).fetchone():
-                    time.sleep(0.01)
-            rival.commit()
-            answers = answer.result(timeout=60)
+    # The shared INSERT waits on the rival's uncommitted row with the same id.
+    answers = while_a_rival_commits(pg_url, batch[1].event_id, partial(store.append_many, [
+        (racing, batch, NO_STREAM),
+        (bystander, [episode_started(), *trajectory(2)], NO_STREAM),
+    ]))
     assert isinstance(answers[0], errors.IdempotencyError)
     assert store.stream_version(racing) == 0
     assert answers[1].version == 3 and store.stream_version(bystander) == 3

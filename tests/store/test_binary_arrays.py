@@ -1,7 +1,7 @@
 """The append's array parameters built in PostgreSQL's binary format (``store.db``): the
 server reads from them exactly the arrays psycopg's own adaptation of the lists gives, and a
 value the encoders do not take is refused with ``NotBinary`` (the caller then passes the
-list)."""
+list, which ``test_append_contract.py`` checks through every append path)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from store.db import (
     timestamptz_array,
     uuid_array,
 )
-from store.eventlog import EventStore
-from tests.factories import episode_started
 
 _CEST = dt.timezone(dt.timedelta(hours=2))
 
@@ -77,17 +75,3 @@ def test_a_value_the_encoders_do_not_take_is_refused(encode: Callable[[Any], Any
                                                       value: Any) -> None:
     with pytest.raises(NotBinary):
         encode([value])
-
-
-def test_an_append_the_encoders_do_not_take_is_sent_as_lists(store: EventStore) -> None:
-    """A naive ``occurred_at`` goes as psycopg sends it (a ``timestamp`` the server reads in
-    its time zone), in one batch of ``append_many`` as in ``append``."""
-    naive = dt.datetime(2026, 3, 1, 12, 0, 0, 250)
-    with store.db.connection() as conn:
-        expected = conn.execute("SELECT %s::timestamptz", (naive,)).fetchone()[0]
-    alone, together = f"ep-{uuid.uuid4().hex}", f"ep-{uuid.uuid4().hex}"
-    store.append(alone, [episode_started(occurred_at=naive)])
-    answers = store.append_many([(together, [episode_started(occurred_at=naive)], "any")])
-    assert not isinstance(answers[0], Exception)
-    for stream in (alone, together):
-        assert store.read_stream(stream)[0].event.occurred_at == expected

@@ -1,10 +1,16 @@
-"""Migrations: upgrade, downgrade, upgrade again on an empty database."""
+"""Migrations: upgrade, downgrade, upgrade again on an empty database; the events table they
+make refuses every change to a stored event."""
 
 from __future__ import annotations
 
-import psycopg
+import uuid
 
-from store import migrate
+import psycopg
+import pytest
+
+from store import errors, migrate
+from store.eventlog import EventStore
+from tests.factories import episode_started
 
 
 def _tables(url: str) -> set[str]:
@@ -35,7 +41,25 @@ def test_upgrade_downgrade_upgrade(fresh_db: str) -> None:
 
 
 def test_bad_url_is_named() -> None:
-    import pytest
-
     with pytest.raises(ValueError, match="not a PostgreSQL URL"):
         migrate.sqlalchemy_url("mysql://x/y")
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE events SET type = 'x' WHERE position = (SELECT min(position) FROM events)",
+        "DELETE FROM events WHERE position = (SELECT min(position) FROM events)",
+        "TRUNCATE events",
+    ],
+)
+def test_events_are_immutable_whatever_the_client(store: EventStore, pg_url: str,
+                                                   statement: str) -> None:
+    store.append(f"ep-{uuid.uuid4().hex}", [episode_started()])
+    before = store.counts_by_type()
+    with psycopg.connect(pg_url) as conn:  # a plain client, superuser, not the store API
+        with pytest.raises(psycopg.Error, match="immutable"):
+            conn.execute(statement)
+    with pytest.raises(errors.RefusedError), store.db.transaction() as conn:
+        conn.execute(statement)
+    assert store.counts_by_type() == before

@@ -7,14 +7,15 @@ import random
 import threading
 import time
 import uuid
-from typing import Any
 
 import pytest
 
+from store import errors
 from store.db import Database
 from store.eventlog import EventStore, LogPosition
 from store.events import RewardAssigned, ToolReturned
 from store.settings import Settings
+from store.subscription import Listener, subscribe
 from tests.factories import episode_started, trajectory
 
 WRITERS = 4
@@ -160,20 +161,13 @@ def test_subscribe_wakes_on_append(store: EventStore) -> None:
     stop = threading.Event()
     got: list[str] = []
 
-    def consume() -> None:
-        for batch in store.subscribe(start, poll_interval=30, stop=stop):
-            got.extend(r.type for r in batch)
-            if "reward_assigned" in got:
-                stop.set()
-
     # Append only once the reader has read the (empty) tail and waits on its listener:
     # appended earlier, the events would be read without any notification at all.
     waiting = threading.Event()
     woken: list[bool] = []
-    make_listener = store._listener
 
-    def watched_listener() -> Any:
-        listener = make_listener()
+    def watched_listener(url: str) -> Listener:
+        listener = Listener(url)
         wait = listener.wait
 
         def watched_wait(timeout: float) -> bool:
@@ -185,7 +179,13 @@ def test_subscribe_wakes_on_append(store: EventStore) -> None:
         listener.wait = watched_wait  # type: ignore[method-assign]
         return listener
 
-    store._listener = watched_listener  # type: ignore[method-assign]
+    def consume() -> None:
+        for batch in subscribe(store, start, poll_interval=30, stop=stop,
+                               listen=watched_listener):
+            got.extend(r.type for r in batch)
+            if "reward_assigned" in got:
+                stop.set()
+
     t = threading.Thread(target=consume)
     t.start()
     assert waiting.wait(timeout=20), "the subscription never waited"
@@ -195,3 +195,22 @@ def test_subscribe_wakes_on_append(store: EventStore) -> None:
     assert not t.is_alive(), "the subscription did not wake"
     assert got == ["episode_started", "reward_assigned"]
     assert True in woken, "the events were read without a notification"
+
+
+@pytest.mark.timeout(60)
+def test_store_subscribe_follows_from_its_checkpoint(store: EventStore) -> None:
+    """``EventStore.subscribe`` is the subscription on the store: batches of at most
+    ``batch_size`` from the checkpoint on, in commit order, until ``stop`` is set."""
+    start = _tail(store)
+    stream = f"ep-{uuid.uuid4().hex}"
+    store.append(stream, [episode_started(), RewardAssigned(value=0.5)])
+    store.append(stream, [ToolReturned(name="calc", output="1")])
+    stop = threading.Event()
+    batches = []
+    for batch in store.subscribe(start, batch_size=2, poll_interval=0.1, stop=stop):
+        batches.append([r.type for r in batch])
+        if sum(map(len, batches)) == 3:
+            stop.set()
+    assert batches == [["episode_started", "reward_assigned"], ["tool_returned"]]
+    with pytest.raises(errors.ValidationError, match="limit"):
+        next(store.subscribe(start, batch_size=0))

@@ -1,5 +1,5 @@
-"""The read queries that moved behind the store (sweep, demo table, readiness): what they
-return for a replayed episode, and what they do with bad input."""
+"""The read queries behind the store (lookups of runs and episodes, sweep, demo table,
+readiness): what they return, for a replayed episode too, and what they do with bad input."""
 
 from __future__ import annotations
 
@@ -8,12 +8,47 @@ import uuid
 
 import pytest
 
-from store import queries
-from store.eventlog import NO_STREAM, EventStore
-from tests.factories import episode_started
+from store import errors, queries
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import RunCreated
+from tests.factories import closing, episode_started
 from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.workers.test_replay_pipeline import new_run, rollback_episode
 from workers.replay.jobs.project import project_episode
+
+
+def test_run_and_episode_lookups(store: EventStore) -> None:
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(run), [RunCreated(run_id=run)], NO_STREAM)
+    assert queries.get_run(store, run).run_id == run
+    assert run in [r.run_id for r in queries.created_runs(store)]
+    ep, other, running = (f"ep-{uuid.uuid4().hex}" for _ in range(3))
+    store.append(ep, [episode_started(run_id=run, group_id="g1"), *closing(0.5)])
+    store.append(other, [episode_started(run_id=run, group_id="g2"), *closing(0.0)])
+    store.append(running, [episode_started(run_id=run, group_id="g1")])
+    summaries = queries.episode_summaries(store, run)
+    assert [(e.episode_id, e.group_id, e.status, e.reward, e.events) for e in summaries] == [
+        (ep, "g1", "completed", 0.5, 4), (other, "g2", "completed", 0.0, 4),
+        (running, "g1", "running", None, 1)]
+    assert [e.episode_id for e in queries.episode_summaries(store, run, group_id="g1")] == [
+        ep, running]
+    assert queries.episode_summaries(store, "no-such-run") == []
+    assert queries.get_episode(store, ep)[0].type == "episode_started"
+    counts = queries.counts_by_type(store)
+    assert counts["episode_started"] >= 3 and counts["run_created"] >= 1
+    with pytest.raises(errors.NotFoundError, match="no-such-run"):
+        queries.get_run(store, "no-such-run")
+    with pytest.raises(errors.NotFoundError, match="no-such-episode"):
+        queries.get_episode(store, "no-such-episode")
+    with pytest.raises(errors.NotFoundError):  # a run's stream is no episode
+        queries.get_episode(store, run_stream_id(run))
+    # The store's own methods for these are the same lookups.
+    assert store.get_run(run) == queries.get_run(store, run)
+    assert store.list_episodes(run, group_id="g2") == summaries[1:2]
+    assert store.get_episode(ep) == queries.get_episode(store, ep)
+    assert store.counts_by_type() == queries.counts_by_type(store)
+    assert [r.run_id for r in store.list_runs()] == [
+        r.run_id for r in queries.created_runs(store)]
 
 
 def test_version_summaries_and_failures_of_a_replayed_episode(store: EventStore) -> None:
