@@ -35,7 +35,15 @@ from store.db import (
     translate_errors,
     uuid_array,
 )
-from store.events import MAX_INT, EpisodeFinished, EpisodeStarted, Event, LLMCalled, RunCreated
+from store.events import (
+    MAX_INT,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    LLMCalled,
+    RewardAssigned,
+    RunCreated,
+)
 from store.metrics import observe_append
 from store.rows import (
     ROW_COLUMNS,
@@ -222,7 +230,11 @@ class EventStore:
         is written and the original positions come back (``duplicate=True``), whatever
         ``expected_version`` says. The same id with other content raises
         ``IdempotencyError``; a batch mixing stored and new ids raises ``ValidationError``.
-        Invalid events raise ``ValidationError`` naming the event index and field.
+        Invalid events raise ``ValidationError`` naming the event index and field. A finished
+        episode takes only a late ``reward_assigned`` (anything else raises ``ClosedError``),
+        and only while none of its samples is consumed or under a live lease
+        (``SamplesTakenError`` naming them otherwise); the reward's projection replaces its
+        samples, held back from leasing until then.
         """
         expected, events = self._prepare(stream_id, events, expected_version)
         started = time.perf_counter()
@@ -359,6 +371,9 @@ class EventStore:
                     alone.append(item)
                     continue
                 current, finished = states[stream_id]
+                if finished and _rewards_only(events):
+                    alone.append(item)  # a late reward: checked with the samples' locks
+                    continue
                 try:
                     self._check_append(stream_id, events, current, finished, expected)
                     rows, memo = self._rows(conn, stream_id, current, events)
@@ -479,6 +494,8 @@ class EventStore:
         assert version_row is not None  # max() always returns a row
         current, finished = version_row[0], bool(version_row[1])
         self._check_append(stream_id, events, current, finished, expected)
+        if finished:  # a late reward (anything else was refused above)
+            _hold_samples_for_reward(conn, stream_id, current)
 
         rows, memo = self._rows(conn, stream_id, current, events)
         # A unique violation here (the same event id committed meanwhile to another
@@ -499,10 +516,12 @@ class EventStore:
                       expected: int | None) -> None:
         """Whether ``events`` may follow a stream at ``current`` (``finished``: it holds an
         ``episode_finished``); raises ``ClosedError``, ``ConflictError`` or
-        ``ValidationError``."""
-        if finished:
-            # A finished episode is closed for good: an event after its finish would
-            # change what replay made of it, samples already trained included.
+        ``ValidationError``. A finished episode takes only rewards (the caller then checks
+        its samples: ``_hold_samples_for_reward``)."""
+        if finished and not _rewards_only(events):
+            # A finished episode is closed: an event after its finish would change what
+            # replay made of it. A late reward is the one exception (graders that score
+            # after the episode, the asynchronous remote-rollout revision).
             raise errors.ClosedError(stream_id, actual=current)
         if expected is not None and current != expected:
             raise errors.ConflictError(stream_id, expected=expected, actual=current)
@@ -1017,6 +1036,41 @@ _ENCODERS: tuple[Callable[[Sequence[Any]], BinaryArray], ...] = (
 
 
 _RUN_EVENTS = ("run_created", "policy_updated", "policy_served")
+
+
+def _rewards_only(events: Sequence[Event]) -> bool:
+    """Whether a batch holds only ``reward_assigned`` events: what a finished episode
+    takes."""
+    return bool(events) and all(isinstance(e, RewardAssigned) for e in events)
+
+
+def _hold_samples_for_reward(conn: Any, stream_id: str, current: int) -> None:
+    """Before a late reward for the finished episode ``stream_id`` is appended (in the same
+    transaction, under the stream's lock): refuse it when a trainer took one of the episode's
+    samples, and otherwise hold its ready samples back until the projection that replays the
+    reward replaces them.
+
+    "Taken" means consumed (acknowledged after an optimizer step: trained with the reward it
+    had) or leased under a lease that has not ended (a trainer holds it and expects it not to
+    change under it). A lease past its expiry is expired first, as leasing would, so it
+    does not block. ``SamplesTakenError`` names the samples. The projection's lock of the
+    episode is taken first, so a projection being written either commits before (its samples
+    are held back here) or reads this reward's version after (and writes them held back)."""
+    from store.leasing import expire_overdue  # leasing reads the log: imported when needed
+
+    conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 1))", (stream_id,))
+    expire_overdue(conn, episode_id=stream_id)
+    rows = conn.execute(
+        "SELECT sample_id, kind, timeline_index, status FROM samples WHERE episode_id = %s"
+        " ORDER BY sample_id FOR UPDATE",
+        (stream_id,),
+    ).fetchall()
+    taken = [{"sample_id": r[0], "kind": r[1], "timeline_index": r[2], "status": r[3]}
+             for r in rows if r[3] in ("consumed", "leased")]
+    if taken:
+        raise errors.SamplesTakenError(stream_id, actual=current, samples=taken)
+    conn.execute("UPDATE samples SET status = 'no_reward' WHERE episode_id = %s"
+                 " AND status = 'ready'", (stream_id,))
 
 
 def _check_order(stream_id: str, events: list[Event], current: int) -> None:

@@ -1,5 +1,5 @@
-"""Where events may go: nothing after an episode's finish, episode_started only first, runs'
-streams apart from episodes'. Each rule is checked inside the append's lock."""
+"""Where events may go: nothing after an episode's finish but a late reward, episode_started
+only first, runs' streams apart from episodes'. Each rule is checked inside the append's lock."""
 
 from __future__ import annotations
 
@@ -9,17 +9,22 @@ import pytest
 
 from store import errors
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
-from store.events import EpisodeFinished, RewardAssigned, RunCreated
+from store.events import EpisodeFinished, RewardAssigned, RunCreated, ToolReturned
 from tests.factories import episode_started
 
 
-def test_nothing_is_appended_after_episode_finished(store: EventStore) -> None:
+def test_nothing_but_a_late_reward_is_appended_after_episode_finished(store: EventStore
+                                                                      ) -> None:
     stream = f"ep-{uuid.uuid4().hex}"
     store.append(stream, [episode_started(), EpisodeFinished(status="completed")])
-    for batch in ([EpisodeFinished(status="error")], [RewardAssigned(value=1.0)]):
+    for batch in ([EpisodeFinished(status="error")],
+                  [RewardAssigned(value=1.0), EpisodeFinished(status="error")],
+                  [RewardAssigned(value=1.0), ToolReturned(name="calc")]):
         with pytest.raises(errors.ClosedError, match="is finished"):
             store.append(stream, batch)
     assert store.stream_version(stream) == 2
+    # A late reward is the one event a finished episode takes (tests/store/test_late_rewards).
+    assert store.append(stream, [RewardAssigned(value=1.0)]).version == 3
     # A retry of the finishing batch itself is still an idempotent answer.
     events = [e.model_copy(update={"event_id": uuid.uuid4()})
               for e in (episode_started(), EpisodeFinished(status="completed"))]
