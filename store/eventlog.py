@@ -526,6 +526,9 @@ class EventStore:
         if expected is not None and current != expected:
             raise errors.ConflictError(stream_id, expected=expected, actual=current)
         _check_order(stream_id, events, current)
+        if current == 0 and isinstance(events[0], RewardAssigned):
+            raise errors.NotFoundError(f"no episode {stream_id!r} to reward: a reward follows "
+                                       "its episode's episode_started")
 
     def _rows(
         self,

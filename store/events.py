@@ -49,6 +49,7 @@ __all__ = [
     "AttemptFailed",
     "RolledBack",
     "RewardAssigned",
+    "RewardNumber",
     "EpisodeFinished",
     "PolicyServed",
     "PolicyUpdated",

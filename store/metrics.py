@@ -33,7 +33,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 APPEND_LATENCY = Histogram("trajstore_append_seconds", "Append latency in this process.",
                            buckets=_BUCKETS, registry=None)
 
-SAMPLE_STATUSES = ("ready", "leased", "consumed", "stale", "skipped")
+SAMPLE_STATUSES = ("ready", "leased", "consumed", "stale", "skipped", "no_reward")
 EPISODE_STATUSES = ("running", "completed", "terminated", "truncated", "error", "aborted",
                     "invalid")
 
