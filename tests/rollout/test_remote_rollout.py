@@ -229,4 +229,5 @@ def test_duplicate_rollout_id_is_refused(trainer: TrainerServer, tiny_model_dir:
     assert run_remote_rollout(request, store=store, settings=settings)["status"] == "COMPLETED"
     with pytest.raises(DuplicateRolloutError, match="rollout_id"):
         run_remote_rollout(request, store=store, settings=settings)
-    assert len(store.get_episode(remote_episode_id(request["rollout_id"]))) == 4
+    # episode_started, the call, episode_finished: the trainer scores it (no reward here)
+    assert len(store.get_episode(remote_episode_id(request["rollout_id"]))) == 3
