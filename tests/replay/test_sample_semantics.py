@@ -19,6 +19,16 @@ RESULT = {"role": "tool", "tool_call_id": "c2", "content": "Frank Herbert"}
 ANSWER = {"role": "assistant", "content": "Frank Herbert."}
 
 
+def failing_search(s: Script) -> tuple[LLMCalled, str]:
+    """The failed call ``bad``, its checkpoint, the tool's error and its failed attempt."""
+    failed = s.call([QUESTION], BAD, call_id="bad")
+    checkpoint = s.checkpoint("turn_1")
+    s.tool("search", "TypeError: unexpected argument 'q'", error_type="TypeError")
+    s.failed(checkpoint, "turn_1", retry_index=0, failed_call_id="bad",
+             errors=["unexpected argument 'q'"], error_types=["TypeError"])
+    return failed, checkpoint
+
+
 def trained(sample: Sample) -> list[int]:
     """The token ids under the loss mask."""
     return [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m]
@@ -45,11 +55,7 @@ def test_clean_calls_merge_and_every_generated_token_is_trained_once(qwen3) -> N
 def test_a_retry_regenerated_from_the_checkpoint(qwen3) -> None:
     """The failed call is its own timeline: no positive sample, only its negative one."""
     s = Script(qwen3, tools=[SEARCH_TOOL])
-    failed = s.call([QUESTION], BAD, call_id="bad")
-    checkpoint = s.checkpoint("turn_1")
-    s.tool("search", "TypeError: unexpected argument 'q'", error_type="TypeError")
-    s.failed(checkpoint, "turn_1", retry_index=0, failed_call_id="bad",
-             errors=["unexpected argument 'q'"], error_types=["TypeError"])
+    failed, checkpoint = failing_search(s)
     s.rolled_back(checkpoint, ["bad"])
     retry = s.call([QUESTION], GOOD, call_id="retry")
     last = s.call([QUESTION, GOOD, RESULT], ANSWER, call_id="answer")
@@ -67,11 +73,7 @@ def test_a_retry_with_the_failed_turn_and_feedback_in_context(qwen3) -> None:
     """As the agent loop records it: the failed call is a prefix of the retry's timeline and
     is context there; the retry is trained in the context it was generated in."""
     s = Script(qwen3, tools=[SEARCH_TOOL])
-    failed = s.call([QUESTION], BAD, call_id="bad")
-    checkpoint = s.checkpoint("turn_1")
-    s.tool("search", "TypeError: unexpected argument 'q'", error_type="TypeError")
-    s.failed(checkpoint, "turn_1", retry_index=0, failed_call_id="bad",
-             errors=["unexpected argument 'q'"], error_types=["TypeError"])
+    failed, checkpoint = failing_search(s)
     feedback = {"role": "user", "content": "The tool call failed. Fix it."}
     retry = s.call([QUESTION, BAD, feedback], GOOD, call_id="retry")
     s.rolled_back(checkpoint, ["bad"])

@@ -57,6 +57,14 @@ def record(store: EventStore, events: list[Event]) -> str:
     return episode
 
 
+def rewarded(store: EventStore, qwen3: Any, run_id: str, reward: float = 1.0) -> str:
+    """An episode of ``unrewarded``'s turns with ``reward`` before its finish, projected."""
+    events = unrewarded(qwen3, run_id, "g")
+    episode = record(store, [*events[:-1], RewardAssigned(value=reward), events[-1]])
+    assert project_episode(store, episode).outcome == "written"
+    return episode
+
+
 def samples(store: EventStore, episode: str) -> list[tuple[str, int, str, float | None]]:
     with store.db.connection() as conn:
         return conn.execute(
@@ -103,9 +111,7 @@ def test_an_unrewarded_episode_waits_until_its_late_reward_arrives(store: EventS
 def test_the_latest_reward_wins_and_every_reward_stays_in_the_log(store: EventStore,
                                                                    qwen3: Any) -> None:
     run_id = new_run(store, group_size=1)
-    events = unrewarded(qwen3, run_id, "g")
-    episode = record(store, [*events[:-1], RewardAssigned(value=1.0), events[-1]])
-    project_episode(store, episode)
+    episode = rewarded(store, qwen3, run_id)
     assert samples(store, episode) == [("positive", 1, "ready", 1.0)]
     store.append(episode, [RewardAssigned(value=0.25, source="grader")])
     # Held back from the moment the reward is stored: no trainer leases the old reward.
@@ -126,9 +132,7 @@ def test_a_reward_for_leased_or_consumed_samples_is_refused_naming_them(
         store: EventStore, qwen3: Any) -> None:
     run_id = new_run(store, group_size=1)
     leasing = Leasing(store)
-    events = unrewarded(qwen3, run_id, "g")
-    episode = record(store, [*events[:-1], RewardAssigned(value=1.0), events[-1]])
-    project_episode(store, episode)
+    episode = rewarded(store, qwen3, run_id)
     lease = leasing.lease_batch(run_id, groups=1, lease_seconds=60)
     assert lease is not None
     (sample,) = lease.samples
@@ -155,9 +159,7 @@ def test_a_lease_past_its_expiry_does_not_hold_a_reward_back(store: EventStore,
                                                               qwen3: Any) -> None:
     run_id = new_run(store, group_size=1)
     leasing = Leasing(store)
-    events = unrewarded(qwen3, run_id, "g")
-    episode = record(store, [*events[:-1], RewardAssigned(value=1.0), events[-1]])
-    project_episode(store, episode)
+    episode = rewarded(store, qwen3, run_id)
     lease = leasing.lease_batch(run_id, groups=1, lease_seconds=60)
     assert lease is not None
     with store.db.connection() as conn:  # the trainer died: its lease ran out
@@ -225,13 +227,11 @@ def test_leasing_hands_out_numbers_only(store: EventStore, qwen3: Any) -> None:
     """Every sample of a lease has a float reward (LeasedSample's contract): a group whose
     rewarded episodes complete it is leased without the unrewarded episode's samples."""
     run_id = new_run(store, group_size=1)
-    rewarded = record(store, [*unrewarded(qwen3, run_id, "g")[:-1], RewardAssigned(value=1.0),
-                              EpisodeFinished(status="completed")])
+    scored = rewarded(store, qwen3, run_id)
     waiting = record(store, unrewarded(qwen3, run_id, "g", seed=1))
-    for episode in (rewarded, waiting):
-        project_episode(store, episode)
+    project_episode(store, waiting)
     lease = Leasing(store).lease_batch(run_id, groups=1, lease_seconds=60)
     assert lease is not None
-    assert [s.episode_id for s in lease.samples] == [rewarded]
+    assert [s.episode_id for s in lease.samples] == [scored]
     assert all(np.isfinite(s.reward) for s in lease.samples)
     assert samples(store, waiting) == [("positive", 1, "no_reward", None)]
