@@ -2,7 +2,8 @@
 
 Samples gain the status ``no_reward``: the samples of an episode that has no
 ``reward_assigned`` yet (and, for the moment between a late reward's append and its
-re-projection, the samples that reward is about to replace). Leasing never takes them.
+re-projection, the samples that reward is about to replace). Leasing never takes them. The
+ready samples of unrewarded episodes projected before are set so.
 
 ``analytics_exclusions`` (and the ``exclusions`` view over it) gains the category
 ``no_reward`` for such an episode, and classifies by what it is: a ``truncated`` episode is
@@ -28,6 +29,10 @@ UPGRADE = r"""
 ALTER TABLE samples DROP CONSTRAINT samples_status_check;
 ALTER TABLE samples ADD CONSTRAINT samples_status_check
     CHECK (status IN ('ready', 'leased', 'consumed', 'stale', 'skipped', 'no_reward'));
+-- Samples projected before this revision for an episode without a reward were ready (and
+-- leasing made their reward 0.0): they wait for their reward now, as a new projection's do.
+UPDATE samples s SET status = 'no_reward' FROM episodes e
+ WHERE e.episode_id = s.episode_id AND e.reward IS NULL AND s.status = 'ready';
 
 -- Why an episode, or one of its samples, did not reach training (docs/training.md lists the
 -- rules). In order, for an episode (sample_id NULL):
