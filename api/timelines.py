@@ -131,7 +131,7 @@ def episode_timelines(store: EventStore, episode_id: str, *, encoding: Encoding,
         "retry_index": n.retry_index,
         "error_types": list(n.error_types),
         "error_messages": list(n.error_messages),
-        "reward": float(n.sample.reward) if n.sample.reward is not None else 0.0,
+        "reward": n.sample.reward,  # the run's negative_reward: always set
         "prompt_length": n.sample.prompt_length,
         "token_ids": encode_array(n.sample.token_ids, dtype=ID_DTYPE, encoding=encoding),
         "loss_mask": encode_array(n.sample.loss_mask, dtype="u1", encoding=encoding),
