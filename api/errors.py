@@ -1,7 +1,9 @@
 """Every error the API answers with is JSON: ``{"error": {"code", "message", ...}}``.
 
 Store errors are translated here, once: validation → 422 (with ``event_index`` and
-``field``), conflict → 409 (with ``current_version``), idempotency clash → 409, not found →
+``field``), conflict → 409 (with ``current_version``; a late reward refused because samples
+were taken: ``samples_consumed`` or ``samples_leased`` with ``samples`` naming them),
+idempotency clash → 409, not found →
 404, transient → 503. No body holds PostgreSQL's own text: a value the database refused is a
 422 in the store's words naming the field (or, when the database cannot say which value, the
 request's parameters it came from), and a 503 says only that the database is unavailable;
@@ -140,6 +142,10 @@ def _store_error(exc: store_errors.StoreError, request: Request | None = None) -
             extra["field"] = exc.field
         return error_response(422, "invalid_event" if exc.event_index is not None
                               else "invalid_request", str(exc), **extra)
+    if isinstance(exc, store_errors.SamplesTakenError):
+        return error_response(409, "samples_consumed" if exc.consumed else "samples_leased",
+                              str(exc), stream_id=exc.stream_id, current_version=exc.actual,
+                              samples=exc.samples)
     if isinstance(exc, store_errors.ClosedError):
         return error_response(409, "episode_finished", str(exc), stream_id=exc.stream_id,
                               current_version=exc.actual)

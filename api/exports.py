@@ -10,8 +10,8 @@ Formats (:data:`FORMATS`):
   ``prompt`` (the chat messages ``{role, content}``), ``data_source``, ``reward_model``
   (``{"style": "rule", "ground_truth"}`` when the task's answer is known, else null) and
   ``extra_info`` (``index``, ``task_id``, ``group_id``, ``episode_id``, ``tools`` as JSON).
-- ``verl-batch``: the run's samples as one padded batch in a safetensors file, under verl's
-  names (see :func:`verl_batch`).
+- ``verl-batch``: the run's rewarded samples as one padded batch in a safetensors file,
+  under verl's names (see :func:`verl_batch`).
 - ``atif``: one ATIF v1.7 trajectory (Harbor's Agent Trajectory Interchange Format) per
   finished episode, one JSON document per line.
 - ``sft``: JSONL for supervised fine-tuning, one line per merged timeline of each finished
@@ -175,11 +175,13 @@ def prepare(
         chunks = stream_parquet(table, PROMPTS_SCHEMA)
         media, name = PARQUET_MEDIA_TYPE, f"{run_id}.prompts.parquet"
     elif fmt == "verl-batch":
-        samples = [verl_columns.from_row(r)
-                   for rows in queries.iter_samples(store, filters, chunk=rows_per_group)
-                   for r in rows]
+        # Samples without a reward (their episode has none yet: status no_reward) are left
+        # out: a score is never made up for them.
+        samples = [sample for rows in queries.iter_samples(store, filters, chunk=rows_per_group)
+                   for sample in map(verl_columns.from_row, rows)
+                   if sample.reward is not None]
         if not samples:
-            raise ApiError(404, "not_found", f"run {run_id!r} has no samples"
+            raise ApiError(404, "not_found", f"run {run_id!r} has no rewarded samples"
                                              + (" matching the filters"
                                                 if group_id or kind or status else ""))
         if pad_token_id is None:
@@ -305,7 +307,8 @@ def verl_batch_tensors(samples: Sequence[StoredSample], *, pad_token_id: int
     attended tokens from 0, 0 on left padding), ``response_mask`` ``(N, R)`` (1 on tokens
     the model sampled, the loss mask), ``rollout_log_probs`` ``(N, R)`` (float32, 0 off
     the mask), ``token_level_scores`` ``(N, R)`` (float32: the sample's reward on its last
-    response token, 0 elsewhere; a sample without a reward scores 0), ``uid`` ``(N,)``
+    response token, 0 elsewhere; ``prepare`` leaves samples without a reward out), ``uid``
+    ``(N,)``
     (index into the returned group ids), ``sample_id`` ``(N,)`` and ``is_negative``
     ``(N,)``. Integer arrays are int64."""
     n = len(samples)

@@ -8,7 +8,7 @@ attempts that become negative samples and where timelines fork.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,16 +82,19 @@ def replay_stored_episode(store: EventStore, episode_id: str, *,
     return replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader).result
 
 
-def timeline_messages(timeline: Timeline) -> list[dict[str, Any]]:
-    """Each message of ``timeline`` with its token span ``[start, end)`` and the number of
-    its tokens under the loss mask."""
+def timeline_messages(timeline: Timeline, *, discarded: Collection[int] = ()
+                      ) -> list[dict[str, Any]]:
+    """Each message of ``timeline`` with its token span ``[start, end)``, the number of its
+    tokens under the loss mask, and whether it is a discarded call's output held as context
+    (its position in ``discarded``)."""
     out = []
     start = 0
-    for m in timeline.messages:
+    for k, m in enumerate(timeline.messages):
         end = start + len(m.token_ids)
         out.append({"role": m.role, "author": m.author, "text": m.text, "start": start,
                     "end": end, "trainable": sum(m.sampled_mask()),
-                    "tool_calls": m.tool_calls, "truncated": m.truncated})
+                    "tool_calls": m.tool_calls, "truncated": m.truncated,
+                    "discarded": k in discarded})
         start = end
     return out
 
@@ -116,7 +119,8 @@ def episode_timelines(store: EventStore, episode_id: str, *, encoding: Encoding,
             "token_ids": encode_array(sample.token_ids, dtype=ID_DTYPE, encoding=encoding),
             "loss_mask": encode_array(sample.loss_mask, dtype="u1", encoding=encoding),
             "logprobs": encode_array(sample.logprobs, dtype=LOGPROB_DTYPE, encoding=encoding),
-            "messages": timeline_messages(merged),
+            "messages": timeline_messages(
+                merged, discarded=set(result.discarded_context.get(index, ()))),
         })
     kept = {id(n) for n in result.negatives}
     negatives = [{
@@ -127,7 +131,7 @@ def episode_timelines(store: EventStore, episode_id: str, *, encoding: Encoding,
         "retry_index": n.retry_index,
         "error_types": list(n.error_types),
         "error_messages": list(n.error_messages),
-        "reward": float(n.sample.reward) if n.sample.reward is not None else 0.0,
+        "reward": n.sample.reward,  # the run's negative_reward: always set
         "prompt_length": n.sample.prompt_length,
         "token_ids": encode_array(n.sample.token_ids, dtype=ID_DTYPE, encoding=encoding),
         "loss_mask": encode_array(n.sample.loss_mask, dtype="u1", encoding=encoding),
@@ -141,4 +145,5 @@ def episode_timelines(store: EventStore, episode_id: str, *, encoding: Encoding,
         "episode_id": episode_id, "run_id": result.run_id, "group_id": result.group_id,
         "status": result.status, "reward": result.reward, "timelines": timelines,
         "negatives": negatives, "forks": forks, "drifted_messages": result.drifted_messages,
+        "discarded_calls": [result.call_ids[i] for i in result.discarded_indices],
     }

@@ -10,6 +10,7 @@ __all__ = [
     "ValidationError",
     "ClosedError",
     "ConflictError",
+    "SamplesTakenError",
     "IdempotencyError",
     "NotFoundError",
     "TransientError",
@@ -54,15 +55,39 @@ class ConflictError(StoreError):
 
 
 class ClosedError(ConflictError):
-    """The episode is finished: no event may follow its ``episode_finished``. Nothing was
-    stored. (A ``ConflictError``: code that retries on a stale version stops here too.)"""
+    """The episode is finished: no event but a late ``reward_assigned`` may follow its
+    ``episode_finished``. Nothing was stored. (A ``ConflictError``: code that retries on a
+    stale version stops here too.)"""
 
     def __init__(self, stream_id: str, *, actual: int):
         StoreError.__init__(
             self, f"episode {stream_id!r} is finished (version {actual}); no event may follow "
-            "its episode_finished")
+            "its episode_finished but a late reward_assigned")
         self.stream_id = stream_id
         self.expected = "an open episode"
+        self.actual = actual
+
+
+class SamplesTakenError(ConflictError):
+    """A late reward for a finished episode some of whose samples a trainer took: consumed
+    (acknowledged after an optimizer step: trained with the reward they had) or leased under
+    a lease that has not ended (a trainer holds them and expects them not to change).
+    ``samples`` names them (``sample_id``, ``kind``, ``timeline_index``, ``status``);
+    ``consumed`` is True when any is consumed (final), False when they are only leased (a
+    reward sent after the lease is released or expires is taken). Nothing was stored."""
+
+    def __init__(self, stream_id: str, *, actual: int, samples: list[dict[str, object]]):
+        self.samples = samples
+        self.consumed = any(s["status"] == "consumed" for s in samples)
+        named = ", ".join(f"{s['sample_id']} ({s['kind']} {s['timeline_index']}, "
+                          f"{s['status']})" for s in samples)
+        what = ("were trained with the reward they had" if self.consumed
+                else "are leased to a trainer; send the reward again once the lease ends")
+        StoreError.__init__(
+            self, f"episode {stream_id!r} is finished and its samples {named} {what}: the "
+                  "reward is refused")
+        self.stream_id = stream_id
+        self.expected = "no consumed or leased sample"
         self.actual = actual
 
 

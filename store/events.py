@@ -53,6 +53,7 @@ __all__ = [
     "AttemptFailed",
     "RolledBack",
     "RewardAssigned",
+    "RewardNumber",
     "EpisodeFinished",
     "PolicyServed",
     "PolicyUpdated",
@@ -613,11 +614,20 @@ class RolledBack(Event):
     discarded_call_ids: list[str] = Field(default_factory=list)
 
 
+#: A reward or one of its components: a finite number, never a boolean (refused by
+#: ``_Frozen``), nor a string that looks like one (strict).
+RewardNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
 @event_type
 class RewardAssigned(Event):
+    """An episode's reward. The latest one in the stream is the episode's reward; it may
+    arrive after ``episode_finished`` as long as none of the episode's samples was consumed
+    (``store.eventlog``: the one event a finished episode still takes)."""
+
     type: ClassVar[str] = "reward_assigned"
-    value: float = Field(allow_inf_nan=False)
-    components: dict[str, float] = Field(default_factory=dict)
+    value: RewardNumber
+    components: dict[str, RewardNumber] = Field(default_factory=dict)
     source: str = "task"
 
 

@@ -70,15 +70,22 @@ def leadership(store: EventStore, name: str) -> Iterator[bool]:
         conn.close()
 
 
-def not_projected(store: EventStore, finished: Sequence[tuple[str, int]]) -> list[str]:
-    """Of ``(episode_id, stream_version of its episode_finished)`` pairs, the episodes whose
-    projection is missing or older than that version, in the order given."""
-    if not finished:
+def not_projected(store: EventStore, appended: Sequence[tuple[str, int]]) -> list[str]:
+    """Of ``(episode_id, stream_version)`` pairs (an ``episode_finished``, or a late
+    ``reward_assigned``, and its version), the finished episodes whose projection is missing
+    or older than that version, each once, in the order given. A reward of an episode not
+    finished yet is left out: the episode is projected when it finishes."""
+    if not appended:
         return []
-    ids = [episode_id for episode_id, _ in finished]
+    ids = [episode_id for episode_id, _ in appended]
+    versions = [version for _, version in appended]
     with store.db.connection() as conn:
-        done = dict(conn.execute(
-            "SELECT episode_id, projected_version FROM episodes"
-            " WHERE episode_id = ANY(%s::text[])", (ids,)).fetchall())
-    return [episode_id for episode_id, version in finished
-            if done.get(episode_id) is None or done[episode_id] < version]
+        rows = conn.execute(
+            "SELECT u.e FROM unnest(%s::text[], %s::int[]) WITH ORDINALITY AS u(e, v, n)"
+            " WHERE EXISTS (SELECT 1 FROM events f WHERE f.stream_id = u.e"
+            "               AND f.type = 'episode_finished' AND f.stream_version <= u.v)"
+            " AND NOT EXISTS (SELECT 1 FROM episodes p WHERE p.episode_id = u.e"
+            "                 AND p.projected_version >= u.v)"
+            " ORDER BY u.n",
+            (ids, versions)).fetchall()
+    return list(dict.fromkeys(r[0] for r in rows))

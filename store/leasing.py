@@ -26,18 +26,23 @@ from store.codec import unpack_mask
 from store.db import scalar
 from store.eventlog import EventStore, run_stream_id
 from store.events import failure_order_key
+from store.lease_expiry import expire_overdue
 from store.rows import safe_data
 from store.stored_sample import StoredSample, from_row
 
-__all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing"]
+__all__ = ["Lease", "LeasedSample", "LeaseExpired", "Leasing", "expire_overdue"]
 
 
 class LeaseExpired(errors.StoreError):
     """The lease ended (expired or released) before this call; its samples went back."""
 
 
-# A leased sample is a stored sample; the name stays for the trainer's readers.
-LeasedSample = StoredSample
+@dataclass(frozen=True)
+class LeasedSample(StoredSample):
+    """A stored sample as leasing hands it to a trainer: its ``reward`` is always a number
+    (the latest reward of its episode, or the run's negative reward), never None."""
+
+    reward: float
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,16 @@ class Lease:
     skipped_stale: int = 0
 
 
-def _sample(row: dict[str, Any]) -> StoredSample:
-    reward = float(row["reward"]) if row["reward"] is not None else 0.0
+def _sample(row: dict[str, Any]) -> LeasedSample:
+    """A leased sample from its row. Every leased sample has a reward: samples without one
+    are ``no_reward`` and never leased; a row that has none is refused, never made a
+    number."""
+    if row["reward"] is None:
+        raise errors.StoreError(f"sample {row['sample_id']} was leased without a reward; "
+                                "samples of unrewarded episodes are never ready")
     mask = unpack_mask(row["loss_mask"])
-    return from_row(row, reward=reward, status="leased", loss_mask=mask,
-                    num_trainable=int(np.count_nonzero(mask)))
+    return from_row(row, as_type=LeasedSample, reward=float(row["reward"]), status="leased",
+                    loss_mask=mask, num_trainable=int(np.count_nonzero(mask)))
 
 
 class Leasing:
@@ -80,18 +90,7 @@ class Leasing:
         if now is not None and now.tzinfo is None:
             raise ValueError("now must be timezone-aware")
         with self.db.transaction() as conn:
-            return conn.execute(
-                """
-                WITH gone AS (
-                    UPDATE leases SET ended = 'expired', ended_at = now()
-                    WHERE ended IS NULL AND expires_at < coalesce(%(now)s, now())
-                    RETURNING lease_id
-                )
-                UPDATE samples SET status = 'ready', lease_id = NULL, leased_until = NULL
-                WHERE status = 'leased' AND lease_id IN (SELECT lease_id FROM gone)
-                """,
-                {"now": now},
-            ).rowcount
+            return expire_overdue(conn, now=now)
 
     def lease_batch(
         self,
@@ -147,9 +146,16 @@ class Leasing:
                 FROM episodes e JOIN ready USING (group_id)
                 WHERE e.run_id = %(run)s
                 GROUP BY e.group_id
-                -- aborted and invalid episodes do not count: a group is complete when
-                -- group_size episodes finished and could be replayed
-                HAVING count(*) FILTER (WHERE e.status NOT IN ('aborted', 'invalid'))
+                -- a group is complete when group_size of its episodes finished, could be
+                -- replayed and are rewarded: aborted and invalid episodes do not count, nor
+                -- do episodes without a reward or whose late reward is not projected yet
+                -- (their samples wait as no_reward)
+                HAVING count(*) FILTER (
+                           WHERE e.status NOT IN ('aborted', 'invalid')
+                             AND e.reward IS NOT NULL
+                             AND NOT EXISTS (SELECT 1 FROM samples w
+                                             WHERE w.episode_id = e.episode_id
+                                               AND w.status = 'no_reward'))
                        >= %(n)s
                 ORDER BY 3, 1
                 LIMIT %(limit)s
@@ -309,6 +315,7 @@ class Leasing:
                 "SELECT status, count(*) FROM samples WHERE run_id = %s GROUP BY status",
                 (run_id,),
             ).fetchall()
-        out = dict.fromkeys(("ready", "leased", "consumed", "stale", "skipped"), 0)
+        out = dict.fromkeys(("ready", "leased", "consumed", "stale", "skipped", "no_reward"),
+                            0)
         out.update({status: n for status, n in rows})
         return out

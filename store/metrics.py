@@ -28,7 +28,7 @@ __all__ = ["APPEND_LATENCY", "CONTENT_TYPE", "StoreCollector", "registry", "rend
 #: The media type of :func:`render`'s text (the exposition format version 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-SAMPLE_STATUSES = ("ready", "leased", "consumed", "stale", "skipped")
+SAMPLE_STATUSES = ("ready", "leased", "consumed", "stale", "skipped", "no_reward")
 EPISODE_STATUSES = ("running", "completed", "terminated", "truncated", "error", "aborted",
                     "invalid")
 

@@ -10,6 +10,10 @@ be replayed from the log alone; samples keep their lease state across a rebuild 
 nothing already trained is trained again. A sample a trainer leased or consumed is never
 changed or deleted by a later projection of its episode: the projection records what it
 wanted in ``projection_conflicts`` instead (``Projections.conflicts`` lists them).
+
+Samples are written ``ready`` to train, or ``no_reward`` when their episode has no reward yet
+(no reward is invented: leasing never takes them) or the log already holds a newer event of
+the episode (a late reward) whose projection will replace them.
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ class EpisodeProjection:
     tool_calls: list[ToolCallRow] = field(default_factory=list)
 
 
-def _sample_values(s: SampleRow) -> tuple[Any, ...]:
+def _sample_values(s: SampleRow, status: str) -> tuple[Any, ...]:
     n_ids, n_mask, n_logp = len(s.token_ids), len(s.loss_mask), len(s.logprobs)
     if not (n_ids == n_mask == n_logp):
         raise ValueError(
@@ -178,6 +182,7 @@ def _sample_values(s: SampleRow) -> tuple[Any, ...]:
         s.position_key, s.retry_index,
         Jsonb(list(s.error_types)) if s.error_types is not None else None,
         Jsonb(list(s.error_messages)) if s.error_messages is not None else None,
+        status,
     )
 
 
@@ -242,14 +247,19 @@ _FAILURE_INSERT = _unnest_insert("failures", FailureRow, _FAILURE_TYPES)
 _SAMPLE_COLUMNS = (
     "run_id, group_id, episode_id, agent, kind, timeline_index, reward, policy_version,"
     " prompt_length, num_tokens, num_trainable, num_drifted, token_ids, loss_mask, logprobs,"
-    " failed_at, failure_version, position_key, retry_index, error_types, error_messages"
+    " failed_at, failure_version, position_key, retry_index, error_types, error_messages,"
+    " status"
 )
 
 #: Sample states a trainer holds: a re-projection never changes or deletes such a sample.
 _PROTECTED = "('leased', 'consumed')"
 #: The sample columns a re-projection may want to change (all but the key).
 _SAMPLE_VALUE_COLUMNS = [c.strip() for c in _SAMPLE_COLUMNS.split(",")
-                         if c.strip() not in ("episode_id", "kind", "timeline_index")]
+                         if c.strip() not in ("episode_id", "kind", "timeline_index", "status")]
+#: The status of a sample written by a projection: ``ready`` to train, or ``no_reward`` when
+#: its episode has no reward yet, or when a newer event (a late reward) is in the log and
+#: the projection that replays it will replace the sample.
+_READY, _NO_REWARD = "ready", "no_reward"
 #: An episode row written again replaces the earlier one in place, so that the samples that
 #: reference it (leased and consumed ones stay) are not deleted with it.
 _EPISODE_UPSERT = (_EPISODE_INSERT + " ON CONFLICT (episode_id) DO UPDATE SET "
@@ -266,12 +276,13 @@ _NEW_SAMPLES = (
     " jsonb_array_elements_text(et) WITH ORDINALITY AS t(x, n) ORDER BY n) END AS error_types,"
     " CASE WHEN em IS NULL THEN NULL ELSE ARRAY(SELECT x FROM"
     " jsonb_array_elements_text(em) WITH ORDINALITY AS t(x, n) ORDER BY n) END"
-    " AS error_messages"
+    " AS error_messages, st AS status"
     " FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], %b::text[],"
     " %b::int[], %b::float8[], %b::int[], %b::int[], %b::int[], %b::int[],"
     " %b::int[], %b::bytea[], %b::bytea[], %b::bytea[], %b::timestamptz[],"
-    " %b::int[], %b::text[], %b::int[], %b::jsonb[], %b::jsonb[])"
-    " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv, pk, ri, et, em)"
+    " %b::int[], %b::text[], %b::int[], %b::jsonb[], %b::jsonb[], %b::text[])"
+    " AS s(r, g, e, a, k, ti, rw, pv, pl, nt, ntr, nd, ids, mask, lp, fa, fv, pk, ri, et, em,"
+    " st)"
 )
 _CONFLICT_COLUMNS = ("episode_id, run_id, kind, timeline_index, sample_id, sample_status,"
                      " action, columns, projected_version")
@@ -308,6 +319,15 @@ _DELETE_CONFLICTS = (
     " WHERE m.e = o.episode_id AND m.k = o.kind AND m.ti = o.timeline_index)"
     " ON CONFLICT ON CONSTRAINT projection_conflicts_once DO NOTHING"
 )
+
+
+def _sample_status(projection: EpisodeProjection, current: dict[str, int]) -> str:
+    """The status a projection gives its samples: ``no_reward`` when the episode has no
+    reward, or when the log holds a newer event of it (``current``: the streams' versions)
+    than this projection replayed; ``ready`` otherwise."""
+    episode = projection.episode
+    newer = current.get(episode.episode_id, 0) > episode.projected_version
+    return _NO_REWARD if episode.reward is None or newer else _READY
 
 
 class Projections:
@@ -353,7 +373,8 @@ class Projections:
         stream version or a later one. Rows of an earlier projection of the episode are
         replaced, except samples a trainer leased or consumed: those stay exactly as they
         are, and where the new projection would change one (or make none with its key) a row
-        in ``projection_conflicts`` records it; stale and skipped samples keep that state.
+        in ``projection_conflicts`` records it; stale and skipped samples keep that state;
+        the others are ``ready``, or ``no_reward`` (see the module docstring).
         ``before_commit`` runs inside the transaction after every row is written
         (fault-injection tests use it).
         """
@@ -398,6 +419,14 @@ class Projections:
                         or done[p.episode.episode_id] < p.episode.projected_version]
                 if not todo:
                     return [False] * len(projections)
+                # Read after the lock a late reward's append also takes
+                # (``store.eventlog``): a reward that committed before it is seen here, and
+                # one that commits after it finds these samples and holds them back itself.
+                current = dict(cur.execute(
+                    "SELECT stream_id, max(stream_version) FROM events"
+                    " WHERE stream_id = ANY(%b::text[]) GROUP BY stream_id",
+                    ([p.episode.episode_id for p in todo],),
+                ).fetchall())
                 runs = {p.run.run_id: p.run for p in todo}
                 cur.execute(
                     "INSERT INTO runs (run_id, project, group_size, max_negatives_per_group,"
@@ -410,15 +439,17 @@ class Projections:
                               for r in runs.values()], 7),
                 )
                 again = [p.episode.episode_id for p in todo if p.episode.episode_id in done]
-                samples = [_sample_values(s) for p in todo for s in p.samples]
+                samples = [_sample_values(s, _sample_status(p, current))
+                           for p in todo for s in p.samples]
                 kept: list[tuple[Any, ...]] = []
                 if again:
                     # Stale and skipped samples are made again with their state; leased and
-                    # consumed ones stay exactly as they are (a trainer has them).
+                    # consumed ones stay exactly as they are (a trainer has them); ready and
+                    # no_reward ones take the state this projection gives them.
                     kept = cur.execute(
                         "SELECT episode_id, kind, timeline_index, status, lease_id, leased_until,"
                         " consumed_version FROM samples WHERE episode_id = ANY(%b::text[])"
-                        f" AND status <> 'ready' AND status NOT IN {_PROTECTED}",
+                        " AND status IN ('stale', 'skipped')",
                         (again,),
                     ).fetchall()
                     for table in ("timeline_forks", "failures", "tool_calls"):
@@ -434,7 +465,7 @@ class Projections:
                     cur.execute(_DELETE_CONFLICTS, [again, *_columns(made, 3)])
                 if samples:
                     cur.execute(_SAMPLE_INSERT_KEEPING if again else _SAMPLE_INSERT,
-                                _columns(samples, 21))
+                                _columns(samples, 22))
                 if kept:
                     cur.execute(
                         "UPDATE samples s SET status = k.status, lease_id = k.lease_id,"
@@ -463,14 +494,17 @@ class Projections:
 
     def finished_unprojected(self, limit: int = 100) -> list[str]:
         """Episodes whose ``episode_finished`` is stored but whose projection is missing or
-        older than it (a lost replay message, a broker that was down)."""
+        older than their last event (a lost replay message, a broker that was down, a late
+        reward not projected yet)."""
         with self.db.connection() as conn:
             rows = conn.execute(
                 """
                 SELECT f.stream_id FROM events f
                 LEFT JOIN episodes p ON p.episode_id = f.stream_id
                 WHERE f.type = 'episode_finished'
-                  AND (p.episode_id IS NULL OR p.projected_version < f.stream_version)
+                  AND (p.episode_id IS NULL OR p.projected_version < f.stream_version
+                       OR p.projected_version < (SELECT max(l.stream_version) FROM events l
+                                                 WHERE l.stream_id = f.stream_id))
                 ORDER BY f.position
                 LIMIT %s
                 """,
@@ -506,7 +540,7 @@ class Projections:
                          " runs, projection_checkpoints IN ACCESS EXCLUSIVE MODE")
             for table in ("timeline_forks", "failures", "tool_calls"):
                 conn.execute(f"DELETE FROM {table}")
-            conn.execute("DELETE FROM samples WHERE status = 'ready'")
+            conn.execute("DELETE FROM samples WHERE status IN ('ready', 'no_reward')")
             kept = int(scalar(conn, "SELECT count(*) FROM samples"))
             conn.execute("DELETE FROM episodes e WHERE NOT EXISTS"
                          " (SELECT 1 FROM samples s WHERE s.episode_id = e.episode_id)")

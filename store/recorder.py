@@ -44,6 +44,7 @@ from store.db import (
     uuid_array,
 )
 from store.events import EpisodeStarted, Event, LLMCalled, RunCreated
+from store.lease_expiry import expire_overdue
 from store.rows import (
     ROW_COLUMNS,
     START,
@@ -64,6 +65,7 @@ from store.stream_rules import (
     StreamState,
     check_append,
     check_expected_version,
+    rewards_only,
 )
 from store.validation import check_text, validate_batch
 
@@ -291,6 +293,9 @@ class Recorder:
                     continue
                 state = states[stream_id]
                 current = state.version
+                if state.finished and rewards_only(events):
+                    alone.append(item)  # a late reward: checked with the samples' locks
+                    continue
                 try:
                     check_append(stream_id, events, state, expected)
                     rows, memo = self._rows(conn, stream_id, current, events)
@@ -401,6 +406,8 @@ class Recorder:
         state = StreamState(*state_row)
         current = state.version
         check_append(stream_id, events, state, expected)
+        if state.finished:  # a late reward (anything else was refused above)
+            hold_samples_for_reward(conn, stream_id, current)
 
         rows, memo = self._rows(conn, stream_id, current, events)
         # A unique violation here (the same event id committed meanwhile to another
@@ -707,6 +714,33 @@ class _Outcome:
     done: list[tuple[int, str, AppendResult, _Memo | None]] = field(default_factory=list)
     failed: list[tuple[int, Exception]] = field(default_factory=list)
     again: list[int] = field(default_factory=list)
+
+
+def hold_samples_for_reward(conn: Any, stream_id: str, current: int) -> None:
+    """Before a late reward for the finished episode ``stream_id`` is appended (in the same
+    transaction, under the stream's lock): refuse it when a trainer took one of the episode's
+    samples, and otherwise hold its ready samples back until the projection that replays the
+    reward replaces them.
+
+    "Taken" means consumed (acknowledged after an optimizer step: trained with the reward it
+    had) or leased under a lease that has not ended (a trainer holds it and expects it not to
+    change under it). A lease past its expiry is expired first, as leasing would, so it
+    does not block. ``SamplesTakenError`` names the samples. The projection's lock of the
+    episode is taken first, so a projection being written either commits before (its samples
+    are held back here) or reads this reward's version after (and writes them held back)."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 1))", (stream_id,))
+    expire_overdue(conn, episode_id=stream_id)
+    rows = conn.execute(
+        "SELECT sample_id, kind, timeline_index, status FROM samples WHERE episode_id = %s"
+        " ORDER BY sample_id FOR UPDATE",
+        (stream_id,),
+    ).fetchall()
+    taken = [{"sample_id": r[0], "kind": r[1], "timeline_index": r[2], "status": r[3]}
+             for r in rows if r[3] in ("consumed", "leased")]
+    if taken:
+        raise errors.SamplesTakenError(stream_id, actual=current, samples=taken)
+    conn.execute("UPDATE samples SET status = 'no_reward' WHERE episode_id = %s"
+                 " AND status = 'ready'", (stream_id,))
 
 
 def _columns(rows: list[EventRow], conn: Any) -> tuple[Any, ...]:

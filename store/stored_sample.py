@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,6 +30,8 @@ class StoredSample:
     episode_id: str
     agent: str
     kind: str
+    # The episode's latest reward (a negative sample: the run's negative reward); None for a
+    # sample of an episode that has none yet (status ``no_reward``), never made a number.
     reward: float | None
     policy_version: int | None
     prompt_length: int
@@ -72,8 +74,13 @@ class StoredSample:
         return self.logprobs[self.prompt_length :]
 
 
-def from_row(row: Mapping[str, Any], **overrides: Any) -> StoredSample:
-    """A sample from a ``samples`` row (a mapping of its columns, token columns as bytes).
+Sample = TypeVar("Sample", bound="StoredSample")
+
+
+def from_row(row: Mapping[str, Any], *, as_type: type[Sample] = StoredSample,  # type: ignore[assignment]
+             **overrides: Any) -> Sample:
+    """A sample from a ``samples`` row (a mapping of its columns, token columns as bytes),
+    of ``as_type`` (``StoredSample`` or a subclass: leasing's ``LeasedSample``).
     ``overrides`` replace fields (leasing sets ``status``). Raises ``ValueError`` when a token
     column is not a whole number of its elements (a truncated payload)."""
     if "token_ids" in row:
@@ -94,4 +101,4 @@ def from_row(row: Mapping[str, Any], **overrides: Any) -> StoredSample:
         "error_messages": row.get("error_messages"),
     }
     fields.update(overrides)
-    return StoredSample(**fields)
+    return as_type(**fields)

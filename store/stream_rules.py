@@ -2,7 +2,9 @@
 
 - Optimistic concurrency: an append names the version it expects the stream to be at
   (``ANY``: no check; ``NO_STREAM`` or 0: the stream must not exist yet).
-- A finished episode is closed (:func:`check_closed`, the one place of that rule).
+- A finished episode is closed (:func:`check_closed`, the one place of that rule) to all but
+  a late ``reward_assigned`` (:func:`rewards_only`); the recorder then checks the episode's
+  samples under their locks.
 - ``episode_started`` only opens an episode, ``episode_finished`` ends its batch, and runs'
   streams (``run-<run id>``) hold a run's own events and nothing else.
 
@@ -18,7 +20,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from store import errors
-from store.events import MAX_INT, EpisodeFinished, EpisodeStarted, Event, RunCreated
+from store.events import (
+    MAX_INT,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RewardAssigned,
+    RunCreated,
+)
 
 __all__ = [
     "ANY",
@@ -29,6 +38,7 @@ __all__ = [
     "check_append",
     "check_closed",
     "check_expected_version",
+    "rewards_only",
     "run_stream_id",
 ]
 
@@ -73,14 +83,22 @@ def check_expected_version(value: object) -> int | None:
     return value
 
 
-def check_closed(stream_id: str, events: Sequence[Event], state: StreamState) -> None:
-    """The closed-stream rule: nothing may follow an episode's ``episode_finished``, whatever
-    the new events are. Raises ``ClosedError`` (a ``ConflictError``) otherwise.
+def rewards_only(events: Sequence[Event]) -> bool:
+    """Whether a batch holds only ``reward_assigned`` events: what a finished episode takes."""
+    return bool(events) and all(isinstance(e, RewardAssigned) for e in events)
 
-    A finished episode is closed for good: an event after its finish would change what
-    replay made of it, samples already trained included. (A retry of the finishing batch is
-    answered as an idempotent retry before any rule is asked.)"""
-    if state.finished:
+
+def check_closed(stream_id: str, events: Sequence[Event], state: StreamState) -> None:
+    """The closed-stream rule: nothing but a late reward may follow an episode's
+    ``episode_finished``. Raises ``ClosedError`` (a ``ConflictError``) otherwise.
+
+    A finished episode is closed: an event after its finish would change what replay made of
+    it. A batch of rewards alone is the one exception (graders that score after the episode,
+    the asynchronous remote-rollout revision); the recorder takes it only while none of the
+    episode's samples is consumed or leased (``store.recorder.hold_samples_for_reward``).
+    (A retry of the finishing batch is answered as an idempotent retry before any rule is
+    asked.)"""
+    if state.finished and not rewards_only(events):
         raise errors.ClosedError(stream_id, actual=state.version)
 
 
@@ -88,12 +106,16 @@ def check_append(stream_id: str, events: Sequence[Event], state: StreamState,
                  expected: int | None) -> None:
     """Whether ``events`` may follow a stream in ``state`` when the append expects version
     ``expected`` (None: any). Raises, in this order, ``ClosedError`` (:func:`check_closed`),
-    ``ConflictError`` (the stream is at another version) or ``ValidationError`` naming the
-    event that goes where it may not (:func:`_check_order`)."""
+    ``ConflictError`` (the stream is at another version), ``ValidationError`` naming the
+    event that goes where it may not (:func:`_check_order`) or ``NotFoundError`` (a reward
+    for a stream that does not exist)."""
     check_closed(stream_id, events, state)
     if expected is not None and state.version != expected:
         raise errors.ConflictError(stream_id, expected=expected, actual=state.version)
     _check_order(stream_id, events, state.version)
+    if state.version == 0 and isinstance(events[0], RewardAssigned):
+        raise errors.NotFoundError(f"no episode {stream_id!r} to reward: a reward follows "
+                                   "its episode's episode_started")
 
 
 def _check_order(stream_id: str, events: Sequence[Event], current: int) -> None:

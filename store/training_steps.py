@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from store.arguments import whole_number
 from store.db import Database
 
-__all__ = ["EXCLUSION_CATEGORIES", "Exclusion", "TrainingStep", "exclusions", "training_steps"]
+__all__ = ["EXCLUSION_CATEGORIES", "Exclusion", "TrainingStep", "exclusion_counts", "exclusions",
+           "training_steps"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def training_steps(db: Database, run_id: str, *, limit: int = 1000) -> list[Trai
 
 #: The exclusion taxonomy, in the order the docs list it.
 EXCLUSION_CATEGORIES = ("infra", "grader", "format", "tool", "timeout", "truncated", "stale",
-                        "capped", "rejected", "invalid")
+                        "capped", "rejected", "invalid", "no_reward")
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,19 @@ def exclusions(db: Database, *, run_id: str | None = None, episode_id: str | Non
                 "ORDER BY episode_id, sample_id NULLS FIRST LIMIT %s",
                 (run_id, limit)).fetchall()
     return [Exclusion(*row) for row in rows]
+
+
+def exclusion_counts(db: Database, run_id: str) -> dict[str, int]:
+    """How many rows of the ``exclusions`` view the run has per category (every category of
+    :data:`EXCLUSION_CATEGORIES`, zero when none): the run's count of episodes and samples
+    that did not reach training, and why. An unknown run gives zeros. Raises ValueError for
+    an empty ``run_id``."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+    with db.connection() as conn:
+        rows = conn.execute(
+            "SELECT category, count(*) FROM analytics_exclusions(run => %s) GROUP BY category",
+            (run_id,)).fetchall()
+    out = dict.fromkeys(EXCLUSION_CATEGORIES, 0)
+    out.update({category: int(n) for category, n in rows})
+    return out

@@ -37,6 +37,7 @@ class SampleStatus(enum.StrEnum):
     consumed = "consumed"
     stale = "stale"
     skipped = "skipped"
+    no_reward = "no_reward"
 
 
 _FLAGS = {"min_reward": "--min-reward", "group_id": "--group", "kind": "--kind",

@@ -120,11 +120,20 @@ def _open_episode(ctx: Any, key: Any, episode_id: str) -> int:
 
 
 @router.post("/v1/episodes/{episode_id}/reward", response_model=AppendResult,
-             responses={409: ERROR_RESPONSES[422] | {"description": "The episode is finished."}})
+             responses={409: ERROR_RESPONSES[422] | {
+                 "description": "The episode is finished and some of its samples were "
+                                "consumed (`samples_consumed`) or are leased "
+                                "(`samples_leased`); `samples` names them."}})
 def reward_episode(episode_id: str, body: RewardIn, key: IngestKey, ctx: Ctx) -> AppendResult:
-    """Record a reward (``reward_assigned``). A retry with the same ``event_id`` stores it
-    once; a reward for a finished episode is refused with 409."""
-    _open_episode(ctx, key, episode_id)
+    """Record a reward (``reward_assigned``), before or after the episode finished. The
+    latest reward is the episode's; every one stays in the log. A late one (after
+    ``episode_finished``) is taken as long as no sample of the episode was consumed or is
+    leased (409 ``samples_consumed``/``samples_leased`` naming them): the episode is
+    replayed with it and its samples become ready. A retry with the same ``event_id``
+    stores it once. Bad input: a value that is not a finite number (a boolean or a string
+    included) is 422 naming the field; an unknown episode is 404; another project's, 403.
+    Nothing is stored then."""
+    ctx.access.check_episode(key, episode_id)
     event = RewardAssigned(value=body.value, components=body.components, source=body.source,
                            **({"event_id": body.event_id} if body.event_id else {}))
     result = ctx.store.append(episode_id, [event])

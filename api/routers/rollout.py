@@ -2,7 +2,8 @@
 
 - ``POST /v1/rollout/completed``: a RolloutServer reports that a rollout ended; the episode
   (``rollout_id``) gets its reward (when the report carries one) and ``episode_finished``.
-  Event ids are derived from the rollout id, so a retried report is stored once.
+  Event ids are derived from the rollout id, so a retried report is stored once; a report
+  with a reward for an episode finished already records it as a late reward.
 - ``POST /rollout``: this store as the RolloutServer: the request is checked here, then
   queued on the rollout queue; a rollout worker drives the agent loop, calling back the
   trainer at ``server_url`` (``/v1/chat/completions``, else ``/v1/completions``), and pushes
@@ -102,9 +103,11 @@ def completion_events(body: RolloutCompleted) -> tuple[list[Event], str, float |
         status = "completed"
     events: list[Event] = []
     if reward is not None:
+        # The id names the rollout and the value: a retried report is stored once, and a
+        # later report with another reward is a reward of its own (the latest is the one).
         events.append(RewardAssigned(
-            event_id=uuid.uuid5(_NAMESPACE, f"{body.rollout_id}/reward"), value=reward,
-            source="rollout_server"))
+            event_id=uuid.uuid5(_NAMESPACE, f"{body.rollout_id}/reward/{reward!r}"),
+            value=reward, source="rollout_server"))
     events.append(EpisodeFinished(
         event_id=uuid.uuid5(_NAMESPACE, f"{body.rollout_id}/finished"), status=status,
         reason=body.error_message or body.finish_reason))
@@ -113,23 +116,45 @@ def completion_events(body: RolloutCompleted) -> tuple[list[Event], str, float |
 
 @router.post("/v1/rollout/completed", response_model=RolloutCompletedAck,
              responses={409: {"model": ErrorBody, "description": "The episode was finished "
-                                                                 "otherwise."}})
+                                                                 "otherwise and the report "
+                                                                 "carries no reward, or its "
+                                                                 "samples were consumed or "
+                                                                 "are leased."}})
 def rollout_completed(body: RolloutCompleted, key: IngestKey, ctx: Ctx) -> RolloutCompletedAck:
     """Record the end of a remote rollout: reward (if given) and ``episode_finished``.
-    A value the store refuses (NUL, a lone surrogate, …) is answered 422 naming it."""
+
+    A report for an episode finished already (by an earlier report without a reward, as the
+    asynchronous revision sends them, or by the idle sweep) records only its reward, as a
+    late reward: taken while none of the episode's samples was consumed or is leased (409
+    ``samples_consumed``/``samples_leased`` naming them otherwise), the episode keeps the
+    status it finished with, and the answer says so. A faithful retry of a report is stored
+    once; a report without a reward for an episode finished otherwise is 409
+    ``episode_finished``. A value the store refuses (NUL, a lone surrogate, …) is answered
+    422 naming it; a reward that is not a finite number (a boolean included) too."""
     refuse_unstorable(body)
     ctx.access.check_episode(key, body.rollout_id)
     events, status, reward = completion_events(body)
-    finished = queries.episode_finished(ctx.store, body.rollout_id)
+    if not queries.episode_finished(ctx.store, body.rollout_id):
+        try:
+            result = ctx.store.append(body.rollout_id, events, ANY)
+        except store_errors.ClosedError:  # a concurrent finish: this report came late
+            pass
+        else:
+            return RolloutCompletedAck(rollout_id=body.rollout_id, status=status,
+                                       reward=reward, version=result.version,
+                                       duplicate=result.duplicate)
+    recorded = (queries.episode_row(ctx.store, body.rollout_id) or {}).get("status") or status
     try:
-        # Already finished: only a faithful retry of this very report may pass (the store
-        # answers a retry before looking at the version; anything else conflicts with
-        # NO_STREAM, as the stream exists).
-        result = ctx.store.append(body.rollout_id, events, NO_STREAM if finished else ANY)
-    except store_errors.ConflictError:
-        raise ApiError(409, "episode_finished", f"episode {body.rollout_id!r} was finished "
-                       "before this report") from None
-    return RolloutCompletedAck(rollout_id=body.rollout_id, status=status, reward=reward,
+        # A faithful retry of the report that finished the episode passes (the store answers
+        # a retry before looking at the version); anything else conflicts with NO_STREAM, or
+        # mixes a new reward with the stored finish.
+        result = ctx.store.append(body.rollout_id, events, NO_STREAM)
+    except (store_errors.ConflictError, store_errors.ValidationError):
+        if reward is None:
+            raise ApiError(409, "episode_finished", f"episode {body.rollout_id!r} was "
+                           "finished before this report, which carries no reward") from None
+        result = ctx.store.append(body.rollout_id, events[:1], ANY)  # a late reward
+    return RolloutCompletedAck(rollout_id=body.rollout_id, status=recorded, reward=reward,
                                version=result.version, duplicate=result.duplicate)
 
 

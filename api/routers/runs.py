@@ -28,6 +28,7 @@ from store import errors as store_errors
 from store import queries, serving
 from store.eventlog import NO_STREAM, run_stream_id
 from store.events import RunCreated as RunCreatedEvent
+from store.training_steps import exclusion_counts
 from store.validation import check_text
 from workers.engines.tokenizers import tokenizer_problem
 
@@ -36,9 +37,11 @@ __all__ = ["router", "run_out"]
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
 
 
-def run_out(ctx: ApiContext, record: dict[str, Any]) -> RunOut:
+def run_out(ctx: ApiContext, record: dict[str, Any], *, excluded: bool = False) -> RunOut:
     """A run record (``queries.run_record`` / ``list_runs``) with its episode and sample
-    counts and policy version: what the API and the web page show of a run."""
+    counts and policy version: what the API and the web page show of a run. With
+    ``excluded``, also what did not reach training per exclusion category (one query over
+    the run's episodes: for one run, not for listings)."""
     data = record["data"]
     run_id = record["run_id"]
     return RunOut(
@@ -49,6 +52,7 @@ def run_out(ctx: ApiContext, record: dict[str, Any]) -> RunOut:
         version=record.get("version") or ctx.store.stream_version(run_stream_id(run_id)),
         episodes=queries.run_episode_counts(ctx.store, run_id),
         samples=ctx.leasing.stats(run_id),
+        excluded=exclusion_counts(ctx.store.db, run_id) if excluded else {},
         policy_version=ctx.leasing.current_policy_version(run_id),
     )
 
@@ -101,7 +105,7 @@ def get_run(run_id: str, key: ReadKey, ctx: Ctx) -> RunOut:
     record = queries.run_record(ctx.store, run_id)
     if record is None:  # pragma: no cover - check_run found it a moment ago
         raise ApiError(404, "not_found", f"no run {run_id!r}")
-    return run_out(ctx, record)
+    return run_out(ctx, record, excluded=True)
 
 
 @router.post("/{run_id}/events", response_model=AppendResult,

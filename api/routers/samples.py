@@ -23,7 +23,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["samples"], responses=ERROR_RESPONSES)
 
 SampleKind = Literal["positive", "negative"]
-SampleStatus = Literal["ready", "leased", "consumed", "stale", "skipped"]
+SampleStatus = Literal["ready", "leased", "consumed", "stale", "skipped", "no_reward"]
 
 
 @router.get("/samples", response_model=SamplePage)

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from api.schemas.common import FloatArray, IntArray
+from store.events import RewardNumber
 
 __all__ = [
     "AppendRequest",
@@ -149,6 +150,8 @@ class TimelineMessage(BaseModel):
     trainable: int = Field(description="Tokens of this message under the loss mask.")
     tool_calls: list[dict[str, Any]] | None = None
     truncated: bool = False
+    discarded: bool = Field(default=False, description="The output of a discarded call "
+                            "(rolled back or abandoned), here as context: never trained.")
 
 
 class TimelineOut(BaseModel):
@@ -204,15 +207,20 @@ class EpisodeTimelines(BaseModel):
     negatives: list[NegativeOut]
     forks: list[ForkOut]
     drifted_messages: int
+    discarded_calls: list[str] = Field(
+        default_factory=list, description="Calls whose output was discarded (rolled back or "
+        "abandoned): in no timeline's training tokens, only in their negative samples.")
 
 
 class RewardIn(BaseModel):
-    """A reward for an episode. ``event_id`` makes a retried call idempotent."""
+    """A reward for an episode: ``value`` (and each of ``components``) a finite number, not a
+    boolean nor a string (422 naming the field otherwise). ``event_id`` makes a retried call
+    idempotent."""
 
     model_config = ConfigDict(extra="forbid")
 
-    value: float = Field(allow_inf_nan=False)
-    components: dict[str, float] = Field(default_factory=dict)
+    value: RewardNumber
+    components: dict[str, RewardNumber] = Field(default_factory=dict)
     source: str = Field(default="client", min_length=1, max_length=200)
     event_id: uuid.UUID | None = None
 
@@ -224,4 +232,4 @@ class FinishIn(BaseModel):
 
     status: Literal["completed", "terminated", "truncated", "error", "aborted"] = "completed"
     reason: str | None = Field(default=None, max_length=10_000)
-    reward: float | None = Field(default=None, allow_inf_nan=False)
+    reward: RewardNumber | None = None

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from api.schemas.openai import ChatMessage
+from store.events import RewardNumber
 
 __all__ = [
     "RolloutCompleted",
@@ -53,7 +54,7 @@ class RolloutCompleted(BaseModel):
     error_message: str | None = None
     metrics: dict[str, Any] | None = None
     extra_fields: dict[str, Any] | None = None
-    reward: float | None = Field(default=None, allow_inf_nan=False)
+    reward: RewardNumber | None = None
 
 
 class RolloutCompletedAck(BaseModel):

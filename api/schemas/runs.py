@@ -46,6 +46,11 @@ class RunOut(BaseModel):
     episodes: dict[str, int] = Field(
         description="'started' (from the log) and, per status, episodes replayed.")
     samples: dict[str, int] = Field(description="Samples by lease status.")
+    excluded: dict[str, int] = Field(
+        default_factory=dict,
+        description="Episodes and samples that did not reach training, per category of the "
+                    "exclusions view (no_reward: episodes waiting for a reward); filled for "
+                    "one run (GET /v1/runs/{run_id}), empty in listings.")
     policy_version: int = Field(description="Newest policy_updated version (0: none).")
 
 

@@ -162,14 +162,17 @@ def _timeline_view(result: ReplayResult, pieces: Callable[[Sequence[int]], list[
     for index, merged, sample in zip(result.survivor_indices, result.survivors,
                                      result.samples, strict=True):
         text = pieces(sample.token_ids)
+        discarded = set(result.discarded_context.get(index, ()))
         messages = []
         start = 0
-        for m in merged.messages:
+        for k, m in enumerate(merged.messages):
             end = start + len(m.token_ids)
             error = errors.get(m.text) if m.role == "tool" else None
             messages.append({
                 "role": m.role, "author": m.author, "text": m.text,
                 "tool_calls": m.tool_calls or [], "truncated": m.truncated, "error": error,
+                # a rolled-back or abandoned call's output, here as context: not trained
+                "discarded": k in discarded,
                 "trainable": sum(sample.loss_mask[start:end]),
                 "tokens": _tokens(text, sample.token_ids, sample.loss_mask, sample.logprobs,
                                   start, end),
@@ -189,10 +192,12 @@ def episode_page(store: EventStore, episode_id: str, *,
                  tokenizer_loader: Callable[[str | None], Any] = load_tokenizer
                  ) -> dict[str, Any]:
     """Everything the episode page shows: the listing row, the merged timelines token by
-    token (text, id, loss mask, logprob), the failed attempts as negative samples (kept or
-    over the cap), forks, the event log with tool errors and rollbacks flagged, and why the
-episode or its samples did not reach training (``exclusions``; ``untokenized`` says why
-LLM calls recorded without token ids gave no samples). Raises
+    token (text, id, loss mask, logprob; a discarded call's output flagged where a timeline
+    holds it as context), the calls discarded (rolled back or abandoned: trained only as
+    negative samples), the failed attempts as negative samples (kept or over the cap),
+    forks, the event log with tool errors and rollbacks flagged, and why the episode or its
+    samples did not reach training (``exclusions``, ``no_reward`` among them;
+    ``untokenized`` says why LLM calls recorded without token ids gave no samples). Raises
     ApiError 404/409 as ``replay_stored`` does."""
     replayed = replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader)
     result, records = replayed.result, replayed.records
@@ -229,6 +234,7 @@ LLM calls recorded without token ids gave no samples). Raises
         "reward": result.reward,
         "timelines": _timeline_view(result, pieces, errors),
         "negatives": negatives,
+        "discarded_calls": [result.call_ids[i] for i in result.discarded_indices],
         "forks": [{"agent": f.agent, "timeline": f.timeline_index, "other": f.parent_index,
                    "message_index": f.message_index, "reason": str(f.reason)}
                   for f in result.forks],

@@ -226,7 +226,7 @@ async def run_page(request: Request, run_id: str, key: PageKey, ctx: Ctx) -> HTM
 
     def load() -> dict[str, Any]:
         record = queries.run_record(ctx.store, run_id)
-        return {"run": run_out(ctx, record),
+        return {"run": run_out(ctx, record, excluded=True),
                 "dashboard": data.dashboard(ctx.store, run_id),
                 "groups": queries.run_groups(ctx.store, run_id)}
 

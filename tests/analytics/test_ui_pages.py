@@ -227,6 +227,17 @@ def test_episode_page_colours_exactly_the_trained_tokens(
     assert r.text.count('class="badge rollback"') == len(result.failures) == 1
     assert '<tr class="rollback">' in r.text and '<tr class="error">' in r.text
     assert "search(" in r.text  # the tool call inline
+    # The rolled-back call is in the retry's timeline as context: flagged, no token trained.
+    assert result.discarded_indices and result.discarded_context
+    timelines = r.text.split('id="negatives"')[0]
+    discarded = re.findall(r'<article class="msg [^"]*discarded[^"]*">(.*?)</article>',
+                           timelines, re.S)
+    assert len(discarded) == sum(map(len, result.discarded_context.values())) == 1
+    assert "discarded call · context, not trained" in discarded[0]
+    marks = re.findall(r'<span class="t m(\d)"', discarded[0])
+    assert marks and set(marks) == {"0"}
+    (call,) = [result.call_ids[i] for i in result.discarded_indices]
+    assert re.search(rf'id="discarded-calls">{call}<', r.text)
 
 
 def test_error_pages(ui: tuple[TestClient, dict[str, str]], seeded: Seeded) -> None:

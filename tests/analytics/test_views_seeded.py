@@ -190,13 +190,16 @@ def test_timeline_stats(seeded: Seeded) -> None:
     assert_rows(rows, [timeline_reference(seeded, 0, V0), timeline_reference(seeded, 1, V1)])
     # By hand: each rollback retry starts a timeline that forks from the failed one at the
     # regenerated tool call (e1 1, e2 2, e3 2, e5 1); the other calls extend their
-    # predecessor. Qwen3 renders an earlier assistant turn without its empty <think> block,
-    # so every absorbed generation drifted.
+    # predecessor. Rolled-back calls take no part in merging, and a retry that was rolled
+    # back in turn is a timeline of discarded calls only: survivors are e1's fix and answer,
+    # e2's last retry and answer, e3's last attempt (never rolled back: it terminated the
+    # episode) and e4's one timeline. Qwen3 renders an earlier assistant turn without its
+    # empty <think> block, so every absorbed generation drifted: only e4 absorbs any (2).
     v0, v1 = rows
     assert (v0.timelines_before, v0.timelines_after, v0.forks, v0.forks_tool_calls,
-            v0.drifted_messages, v0.episodes_with_drift) == (14, 9, 5, 5, 5, 4)
+            v0.drifted_messages, v0.episodes_with_drift) == (14, 6, 5, 5, 2, 1)
     assert (v1.timelines_before, v1.timelines_after, v1.forks, v1.drifted_messages) == (
-        5, 3, 1, 2)
+        5, 3, 1, 1)
     # The invalid episode was never merged: only e7 counts.
     (other,) = analytics.timeline_stats(seeded.db, Filters(run_id=OTHER))
     assert (other.episodes, other.timelines_before, other.timelines_after) == (1, 2, 1)

@@ -309,7 +309,7 @@ def test_export_refuses_bad_requests(client: TestClient, dataset: Dataset,
     assert r.status_code == 422
     r = client.get(f"/v1/runs/{dataset.empty_run}/export", params={"format": "verl-batch"},
                    headers=headers)
-    assert r.status_code == 404 and "has no samples" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "has no rewarded samples" in r.json()["error"]["message"]
     r = client.get(url, params={"format": "verl-batch", "group_id": "nope"}, headers=headers)
     assert r.status_code == 404 and "matching the filters" in r.json()["error"]["message"]
     r = client.get("/v1/runs/no-such-run/export", params={"format": "atif"}, headers=headers)
@@ -405,7 +405,7 @@ def test_cli_refuses_bad_input(cli: Any, dataset: Dataset, tmp_path: Path) -> No
     assert "does not exist" in " ".join(result.output.replace("│", " ").split())
     result = cli("--run", dataset.empty_run, "--format", "verl-batch", "-o", str(out),
                  "--pad-token-id", "0")
-    assert result.exit_code == 1 and "has no samples" in result.output
+    assert result.exit_code == 1 and "has no rewarded samples" in result.output
     assert not out.exists() and not list(tmp_path.glob(".x.*"))
 
 

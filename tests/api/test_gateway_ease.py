@@ -58,7 +58,7 @@ def test_the_openai_client_on_a_base_url_creates_run_and_episode(
     assert (started.run_id, started.group_id, started.messages) == (run_id, "task-7", MESSAGES)
     assert _types(api_store, episode.episode_id) == [
         "episode_started", "llm_called", "llm_called"]
-    # Reward and finish, idempotently; nothing is recorded after the finish.
+    # Reward and finish, idempotently; after the finish nothing but a late reward.
     rid = uuid.uuid4()
     assert not episode.reward(0.5, event_id=rid)["duplicate"]
     assert episode.reward(0.5, event_id=rid)["duplicate"]
@@ -66,15 +66,17 @@ def test_the_openai_client_on_a_base_url_creates_run_and_episode(
     assert not done["duplicate"]
     again = episode.finish()
     assert again["duplicate"] and again["version"] == done["version"]
+    late_reward = episode.reward(0.75)  # no sample consumed: the latest reward wins
+    assert not late_reward["duplicate"] and late_reward["version"] == done["version"] + 1
     with pytest.raises(TrajstoreError) as refused:
-        episode.reward(1.0)
-    assert refused.value.status == 409
+        episode.reward(True)  # type: ignore[arg-type]
+    assert refused.value.status == 422 and refused.value.error["field"] == "body.value"
     late = gateway.post(f"/v1/runs/{run_id}/episodes/{episode.episode_id}/chat/completions",
                         json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4},
                         headers=project.headers("ingest"))
     assert late.status_code == 409
-    assert _types(api_store, episode.episode_id)[-3:] == [
-        "reward_assigned", "reward_assigned", "episode_finished"]
+    assert _types(api_store, episode.episode_id)[-4:] == [
+        "reward_assigned", "reward_assigned", "episode_finished", "reward_assigned"]
     # The captured episode replays into trainable samples.
     outcome = project_episode(api_store, episode.episode_id)
     assert outcome.outcome == "written" and outcome.status == "completed", outcome

@@ -640,6 +640,57 @@ def test_spans_with_token_ids_become_training_samples(
     assert timelines["reward"] == 1.0
 
 
+def test_an_llm_span_that_ended_in_error_is_never_trained(
+        client: TestClient, project: Project, api_store: EventStore) -> None:
+    """The OTLP door's record of an abandoned call: a chat span whose status is ERROR (the
+    client got an error, not the answer) is kept for analysis, but its tokens are trained in
+    no sample; the call that replaced it is."""
+    from workers.engines.tokenizers import load_tokenizer
+
+    qwen3 = load_tokenizer("qwen3")
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = qwen3.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    prompt_ids = qwen3(prompt, add_special_tokens=False)["input_ids"]
+
+    def generated(text: str) -> list[int]:
+        full = qwen3.apply_chat_template([*question, {"role": "assistant", "content": text}],
+                                         tokenize=False)
+        return qwen3(full[len(prompt):].rstrip(), add_special_tokens=False)["input_ids"]
+
+    episode, trace = f"conv-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    root, failed, kept = (uuid.uuid4().hex[:16] for _ in range(3))
+
+    def chat(span: str, text: str, start: int, **extra: Any) -> dict[str, Any]:
+        ids = generated(text)
+        return json_span(trace, span, "chat", start, {
+            "gen_ai.operation.name": "chat", "gen_ai.request.model": "Qwen/Qwen3-0.6B",
+            "gen_ai.input.messages": _messages("user", {"type": "text",
+                                                        "content": "What is 2+3?"}),
+            "gen_ai.output.messages": _messages("assistant", {"type": "text",
+                                                              "content": text}),
+            "prompt_token_ids": prompt_ids, "response_token_ids": ids,
+            "trajstore.logprobs": [-0.5] * len(ids)}, parent=root, **extra)
+
+    body = export(
+        json_span(trace, root, "invoke_agent", T0, {
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": episode,
+            "trajstore.reward": 1.0}, end=T0 + 9_000_000),
+        chat(failed, "6", T0 + 1_000_000,
+             status={"code": 2, "message": "the reply did not validate"}),
+        chat(kept, "5", T0 + 3_000_000))
+    reply = post(client, project, json.dumps(body).encode(), content_type="application/json",
+                 **{"X-Trajstore-Run": f"trained-{uuid.uuid4().hex[:8]}"})
+    assert reply.status_code == 200, reply.text
+    assert project_episode(api_store, episode).outcome == "written"
+    timelines = client.get(f"/v1/episodes/{episode}/timelines",
+                           headers=project.headers("read")).json()
+    assert timelines["discarded_calls"] == [failed]
+    [timeline] = timelines["timelines"]
+    assert timeline["token_ids"] == prompt_ids + generated("5")
+    assert timeline["loss_mask"] == [0] * len(prompt_ids) + [1] * len(generated("5"))
+    assert timelines["negatives"] == []
+
+
 def _one_call(*spans: dict[str, Any]) -> Any:
     plans = episode_events(decode_request(json.dumps(export(*spans)).encode(),
                                           "application/json"))

@@ -105,6 +105,48 @@ def test_the_async_completion_reward_reaches_the_samples(
     assert samples and {s["reward"] for s in samples} == {0.75}
 
 
+def test_the_async_completion_without_a_reward_waits_for_a_later_report(
+        gateway: TestClient, project: Project, api_store: EventStore,
+        tiny_model_dir: Path) -> None:
+    """The asynchronous revision's completion carries no reward: the episode is finished
+    and waits (no_reward); a later report (or POST /v1/episodes/{id}/reward) brings it, the
+    latest one wins, and a retried report is stored once."""
+    run_id, rollout_id = new_rollout(gateway, project, str(tiny_model_dir))
+    conversation(gateway, project, rollout_id)
+    report = {"rollout_id": rollout_id, "status": "COMPLETED", "finish_reason": "stop",
+              "final_messages": QUESTION}
+    headers = project.headers("ingest")
+    done = gateway.post("/v1/rollout/completed", headers=headers, json=report)
+    assert done.status_code == 200 and done.json()["reward"] is None
+    assert project_episode(api_store, rollout_id).outcome == "written"
+
+    def samples() -> list[tuple[str, float | None]]:
+        got = gateway.get(f"/v1/runs/{run_id}/samples", params={"tokens": "false"},
+                          headers=project.headers("read")).json()["samples"]
+        return [(s["status"], s["reward"]) for s in got]
+
+    assert samples() == [("no_reward", None)]
+    assert gateway.post("/v1/rollout/completed", headers=headers,
+                        json=report).json()["duplicate"] is True
+    scored = gateway.post("/v1/rollout/completed", headers=headers,
+                          json={**report, "status": "COMPLETED", "reward": 0.25})
+    assert scored.status_code == 200, scored.text
+    assert (scored.json()["status"], scored.json()["reward"]) == ("completed", 0.25)
+    assert scored.json()["duplicate"] is False
+    again = gateway.post("/v1/rollout/completed", headers=headers, json={**report, "reward": 0.25})
+    assert again.json()["duplicate"] is True
+    rescored = gateway.post("/v1/rollout/completed", headers=headers,
+                            json={**report, "extra_fields": {"reward": 0.5}})
+    assert rescored.status_code == 200 and rescored.json()["reward"] == 0.5
+    assert project_episode(api_store, rollout_id).outcome == "written"
+    assert samples() == [("ready", 0.5)]
+    rewards = [r.event.value for r in api_store.read_stream(rollout_id)
+               if r.type == "reward_assigned"]
+    assert rewards == [0.25, 0.5]  # both in the log, the latest is the episode's
+    bad = gateway.post("/v1/rollout/completed", headers=headers, json={**report, "reward": True})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "body.reward"
+
+
 def test_idle_synchronous_rollouts_are_finished_and_yield_samples(
         gateway: TestClient, project: Project, api_store: EventStore,
         tiny_model_dir: Path) -> None:

@@ -1,6 +1,6 @@
 """The replay entry point on whole episodes recorded with Qwen3's tokenizer: rollback with a
-negative sample, retokenization drift, truncation, agents, the negative cap, and streams that
-cannot be replayed."""
+negative sample, retokenization drift, agents, the negative cap, and streams that cannot be
+replayed (truncation: test_sample_semantics)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ def test_rollback_episode(qwen3) -> None:
     events = rollback_episode(qwen3).events
     result = replay_episode(events, config=RunConfig(), tokenizer=qwen3, episode_id="ep-1")
     assert result.call_ids == ["call-bad", "call-retry-0", "call-final"]
-    assert result.absorber == [1, None, None]
+    # The rolled-back call takes no part in merging: nothing absorbs it, it survives nowhere.
+    assert result.discarded_indices == [0]
+    assert result.absorber == [None, None, None]
     assert result.survivor_indices == [1, 2]
     assert (result.group_id, result.status, result.reward) == ("group-1", "completed", 1.0)
     assert result.forks == [ForkPoint("main", 2, 1, 1, "tool_calls")]
@@ -79,11 +81,16 @@ def test_rollback_episode(qwen3) -> None:
     trained = [t for t, m in zip(final_sample.token_ids, final_sample.loss_mask, strict=True)
                if m]
     assert trained == list(final.response_ids)
-    # The retry sample trains the failed call and the fix; the error feedback is context.
+    # The retry's sample is its own call as the engine saw it: the failed call and the error
+    # feedback are context (mask 0, logprob 0), only the fix is trained.
+    assert retry_sample.token_ids == [*fixed.prompt_ids, *fixed.response_ids]
+    context, generated = len(fixed.prompt_ids), len(fixed.response_ids)
+    assert retry_sample.loss_mask == [0] * context + [1] * generated
+    assert retry_sample.logprobs[:context] == [0.0] * context
+    assert retry_sample.logprobs[context:] == pytest.approx(list(fixed.logprobs))
+    assert result.discarded_context == {1: [1]}  # the failed call, shown as context
+    assert result.survivors[0].messages[1].author != "llm"
     bad = calls["call-bad"]
-    trained = [t for t, m in zip(retry_sample.token_ids, retry_sample.loss_mask, strict=True)
-               if m]
-    assert trained == [*bad.response_ids, *fixed.response_ids]
     (negative,) = result.negatives
     assert negative.call_id == "call-bad"
     assert negative.sample.token_ids == [*bad.prompt_ids, *bad.response_ids]
@@ -95,10 +102,9 @@ def test_rollback_episode(qwen3) -> None:
     assert (negative.assistant_turns, negative.user_turns) == (1, 0)
     assert negative.group_id == "group-1" and negative.episode_id == "ep-1"
     # Qwen3 drops the reasoning of assistant turns before the last user message, so in the
-    # retry's prompt (the error feedback is a user message) the failed call renders without
-    # its <think> block: same text, other tokens. The survivor carries the sampled ids.
-    assert result.drifted_messages == 1
-    assert retry_sample.num_drifted_messages == 1
+    # retry's prompt the failed call renders without its <think> block: the context is what
+    # the engine saw, not the failed call's sampled ids, and nothing was absorbed or drifted.
+    assert result.drifted_messages == 0
 
 
 def test_negative_cap_and_switch(qwen3) -> None:
@@ -131,8 +137,8 @@ def test_an_abandoned_branch_is_a_negative_sample_never_a_positive_one(qwen3) ->
     s.call([question], {"role": "assistant", "content": "Seven."}, call_id="b")
     events = s.finish(1.0)
     result = replay_episode(events, config=RunConfig(), tokenizer=qwen3)
-    assert result.absorber == [None, None]  # both survive merging ...
-    assert result.survivor_indices == [1]  # ... but only the retry is a sample
+    assert result.absorber == [None, None] and result.discarded_indices == [0]
+    assert result.survivor_indices == [1]  # only the retry is a sample
     assert [len(result.samples), result.samples[0].reward] == [1, 1.0]
     (negative,) = result.negatives
     assert (negative.call_id, negative.sample.reward, negative.error_types) == (
@@ -140,14 +146,19 @@ def test_an_abandoned_branch_is_a_negative_sample_never_a_positive_one(qwen3) ->
     off = RunConfig(rollback=RollbackConfig(save_negative_samples=False))
     excluded = replay_episode(events, config=off, tokenizer=qwen3)
     assert excluded.negatives == [] and excluded.survivor_indices == [1]
-    # Without the rolled_back the same events give two positive samples, and so does an
-    # agent loop's rollback (a failed tool, not an abandonment): left as it was.
-    kept = replay_episode([e for e in events if e.type != "rolled_back"], config=RunConfig(),
-                          tokenizer=qwen3)
-    assert kept.survivor_indices == [0, 1]
+    # Either record of the abandonment is enough (a REST client may send one of them); the
+    # agent loop's rollback of a failed tool (no Abandoned type) discards just the same.
+    for kept_type in ("rolled_back", "attempt_failed"):
+        alone = replay_episode([e for e in events if e.type != kept_type],
+                               config=RunConfig(), tokenizer=qwen3)
+        assert alone.survivor_indices == [1], kept_type
     loop_style = [e.model_copy(update={"error_types": ["SyntaxError"]})
                   if e.type == "attempt_failed" else e for e in events]
     assert replay_episode(loop_style, config=RunConfig(),
+                          tokenizer=qwen3).survivor_indices == [1]
+    # With neither, the first answer is an ordinary call: two positive samples.
+    neither = [e for e in events if e.type not in ("rolled_back", "attempt_failed")]
+    assert replay_episode(neither, config=RunConfig(),
                           tokenizer=qwen3).survivor_indices == [0, 1]
 
 
@@ -173,20 +184,6 @@ def test_retokenization_drift_is_repaired_at_text_level(qwen3) -> None:
                            tokenizer=qwen3)
     assert token.absorber == [None, None] and token.drifted_messages == 0
     assert token.forks == [ForkPoint("main", 1, 0, 1, "token_drift")]
-
-
-def test_truncated_generation_keeps_its_flag(qwen3) -> None:
-    s = Script(qwen3)
-    question = {"role": "user", "content": "Write a long story."}
-    cut = {"role": "assistant", "content": "Once upon a time"}
-    ids = s.encode("<think>\n\n</think>\n\nOnce upon a time")
-    s.call([question], cut, response_ids=ids, finish_reason="length")
-    s.call([question, cut, {"role": "user", "content": "Go on."}],
-           {"role": "assistant", "content": "there was a file."})
-    result = replay_episode(s.finish(0.0), config=RunConfig(), tokenizer=qwen3)
-    (survivor,) = result.survivors
-    assert survivor.messages[1].truncated is True
-    assert survivor.messages[1].token_ids[-len(ids):] == ids  # no end-of-turn token trained
 
 
 def test_agents_never_merge(qwen3) -> None:
@@ -236,7 +233,7 @@ def _broken_streams(qwen3):
     return [
         ([], "must begin with episode_started"),
         (base[1:], "must begin with episode_started"),
-        ([*base, EpisodeFinished(status="completed"), RewardAssigned(value=1.0)],
+        ([*base, EpisodeFinished(status="completed"), ToolReturned(name="search")],
          "comes after episode_finished"),
         ([*base, base[0]], "episode_started appears again"),
         (dup.events, "recorded twice"),

@@ -38,7 +38,7 @@ import pytest
 from store import errors
 from store.db import Database
 from store.eventlog import ANY, NO_STREAM, AppendResult, EventStore, run_stream_id
-from store.events import EpisodeFinished, LLMCalled, RewardAssigned, RunCreated
+from store.events import EpisodeFinished, LLMCalled, RewardAssigned, RunCreated, ToolReturned
 from store.rows import same_content
 from store.settings import Settings
 from tests.factories import closing, episode_started, trajectory
@@ -327,16 +327,27 @@ def test_appenders_racing_with_any_all_land_gap_free(store: EventStore,
 # --- where events may go (store.stream_rules) -------------------------------------------
 
 
-def test_nothing_is_appended_after_episode_finished(store: EventStore, append: Append) -> None:
+def test_nothing_but_a_late_reward_is_appended_after_episode_finished(
+        store: EventStore, append: Append) -> None:
     stream = new_stream()
     append(stream, [episode_started(), EpisodeFinished(status="completed")])
-    for batch in ([EpisodeFinished(status="error")], [RewardAssigned(value=1.0)]):
+    for batch in ([EpisodeFinished(status="error")],
+                  [RewardAssigned(value=1.0), EpisodeFinished(status="error")],
+                  [RewardAssigned(value=1.0), ToolReturned(name="calc")]):
         with pytest.raises(errors.ClosedError, match="is finished") as info:
             append(stream, batch)
         assert isinstance(info.value, errors.ConflictError) and info.value.actual == 2
-    with pytest.raises(errors.ClosedError):
-        append(stream, [RewardAssigned(value=1.0)], 2)  # at the version it expects
+    with pytest.raises(errors.ConflictError):
+        append(stream, [RewardAssigned(value=1.0)], 1)  # a stale expected version
     assert store.stream_version(stream) == 2
+    # A late reward is the one event a finished episode takes (tests/store/test_late_rewards),
+    # at the version it expects or any.
+    append(stream, [RewardAssigned(value=1.0)], 2)
+    append(stream, [RewardAssigned(value=0.5)])
+    assert store.stream_version(stream) == 4
+    # A reward opens no stream: it follows its episode's episode_started.
+    with pytest.raises(errors.NotFoundError, match="to reward"):
+        append(new_stream(), [RewardAssigned(value=1.0)])
     # Nothing may follow a finish inside one batch either.
     third = new_stream()
     with pytest.raises(errors.ValidationError, match="must be the last") as info_order:

@@ -77,7 +77,7 @@ def test_only_complete_groups_with_capped_negatives(store: EventStore) -> None:
     assert s.prompt_ids.tolist() == s.token_ids[:4].tolist()
     assert s.response_mask.tolist() == [1] * 6 and s.rollout_logprobs.tolist() == [-0.5] * 6
     assert leasing.stats(run) == {"ready": 1, "leased": 3, "consumed": 0, "stale": 0,
-                                  "skipped": 3}
+                                  "skipped": 3, "no_reward": 0}
 
 
 def test_aborted_episodes_do_not_complete_a_group(store: EventStore) -> None:

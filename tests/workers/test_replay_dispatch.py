@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from store.eventlog import EventStore
+from store.events import RewardAssigned
 from store.followers import leadership, load_cursor, save_cursor
 from store.projections import Projections
 from store.rows import LogPosition
@@ -132,3 +133,52 @@ def test_a_replay_worker_projects_episodes_appended_anywhere(
             "SELECT episode_id, count(*) FROM samples GROUP BY episode_id").fetchall())
     assert set(per_episode) == {before, *live, while_down}
     assert set(per_episode.values()) == {3}
+
+
+def test_a_late_reward_is_sent_once_and_a_running_episodes_reward_is_not(
+        worker_store: EventStore, qwen3: Any) -> None:
+    store = worker_store
+    run_id = new_run(store)
+    name = f"late-{uuid.uuid4().hex[:6]}"
+    events = rollback_episode(qwen3, run_id, "g1")
+    finished = f"ep-{uuid.uuid4().hex[:8]}"
+    store.append(finished, [e for e in events if e.type != "reward_assigned"])
+    running = f"ep-{uuid.uuid4().hex[:8]}"
+    store.append(running, [e for e in events if e.type != "episode_finished"])
+    assert _follow_until(store, 1, name) == [finished]
+    assert project_episode(store, finished).outcome == "written"
+    store.append(finished, [RewardAssigned(value=0.5)])
+    assert _follow_until(store, 1, name) == [finished]  # the late reward, once
+    assert project_episode(store, finished).outcome == "written"
+    assert _follow_until(store, 0, name) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_replay_worker_projects_a_late_reward_into_ready_samples(
+        worker_store: EventStore, start_worker: Any, qwen3: Any) -> None:
+    """No sweep: the worker's follower of the log sends the episode again when its late
+    reward commits, and the worker process replays it."""
+    store = worker_store
+    run_id = new_run(store)
+    projections = Projections(store)
+    worker = start_worker("--queues", "replay")
+    worker.wait_ready()
+    episode = f"ep-{uuid.uuid4().hex[:8]}"
+    store.append(episode, [e for e in rollback_episode(qwen3, run_id, "g1")
+                           if e.type != "reward_assigned"])
+    finished_at = store.stream_version(episode)
+    wait_for(lambda: projections.projected_version(episode) == finished_at,
+             what="the projection")
+
+    def statuses() -> list[tuple[str, str, float | None]]:
+        with store.db.connection() as conn:
+            return conn.execute("SELECT kind, status, reward FROM samples WHERE episode_id = %s"
+                                " ORDER BY kind, timeline_index", (episode,)).fetchall()
+
+    assert statuses() == [("negative", "no_reward", -1.0), ("positive", "no_reward", None),
+                          ("positive", "no_reward", None)]
+    store.append(episode, [RewardAssigned(value=0.5)])
+    wait_for(lambda: projections.projected_version(episode) == finished_at + 1,
+             what="the late reward's projection")
+    assert statuses() == [("negative", "ready", -1.0), ("positive", "ready", 0.5),
+                          ("positive", "ready", 0.5)]

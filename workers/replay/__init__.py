@@ -12,6 +12,7 @@ nor anything that does I/O.
 
 from workers.replay.episode import (
     ReplayResult,
+    discarded_calls,
     has_token_ids,
     merge_policy_of,
     needs_tokenizer,
@@ -55,6 +56,7 @@ __all__ = [
     "build_negative",
     "build_sample",
     "detect_forks",
+    "discarded_calls",
     "loss_mask",
     "merge_policy_of",
     "merge_timelines",

@@ -32,8 +32,8 @@ from workers.replay.samples import Sample, build_sample
 from workers.replay.segment import Segmenter
 from workers.replay.timeline import MergePolicy, Timeline
 
-__all__ = ["ReplayResult", "has_token_ids", "merge_policy_of", "needs_tokenizer",
-           "replay_episode", "untokenized_reason"]
+__all__ = ["ReplayResult", "discarded_calls", "has_token_ids", "merge_policy_of",
+           "needs_tokenizer", "replay_episode", "untokenized_reason"]
 
 #: Event types that belong to a run's own stream, never to an episode's.
 _RUN_STREAM_TYPES = ("run_created", "policy_updated", "policy_served")
@@ -44,11 +44,15 @@ class ReplayResult:
     """What one episode replays into.
 
     ``timelines``: the initial timelines, one per ``llm_called`` in stream order, with
-    ``call_ids`` beside them. ``absorber[i]``: index of the timeline that absorbed timeline
-    ``i`` (``None`` for a survivor). ``survivors``: the merged surviving timelines in
-    recording order, ``survivor_indices`` their indices; a survivor whose call the client
-    abandoned (an ``attempt_failed`` of type ``Abandoned`` and a ``rolled_back`` discarding
-    it) is left out. ``samples``: one per survivor, with the episode reward.
+    ``call_ids`` beside them. ``discarded_indices``: the timelines of discarded calls
+    (``discarded_calls``: rolled back or abandoned), left out of merging: never absorbed,
+    never absorbing, never a survivor, so none of their generated tokens is trained in a
+    positive sample; ``discarded_context[i]`` lists the positions where survivor ``i`` holds
+    a discarded call's output as context (loss mask 0). ``absorber[i]``: index of the
+    timeline that absorbed timeline ``i`` (``None`` for a survivor or a discarded call).
+    ``survivors``: the merged surviving timelines in recording order, ``survivor_indices``
+    their indices. ``samples``: one per survivor, with the episode's reward (the latest
+    ``reward_assigned``; None when it has none).
     ``untokenized_calls``: the call ids of LLM calls recorded without token ids, which give
     no timeline (nor sample) and are not among ``call_ids``. ``failures``: every failed
     attempt as a negative sample;
@@ -74,6 +78,8 @@ class ReplayResult:
     negatives: list[NegativeSample]
     drifted_messages: int
     untokenized_calls: list[str] = dataclasses.field(default_factory=list)
+    discarded_indices: list[int] = dataclasses.field(default_factory=list)
+    discarded_context: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def untokenized_reason(self) -> str | None:
@@ -130,7 +136,8 @@ def _check_stream(events: Sequence[Event]) -> tuple[list[Event], EpisodeStarted]
             raise ReplayError(f"episode_started appears again at event {i}")
         if e.type in _RUN_STREAM_TYPES:
             raise ReplayError(f"event {i} is a {e.type}, which belongs to a run stream")
-        if finished_at is not None:
+        if finished_at is not None and not isinstance(e, RewardAssigned):
+            # A late reward is the one event a finished episode takes (store.eventlog).
             raise ReplayError(f"event {i} ({e.type}) comes after episode_finished at event "
                               f"{finished_at}")
         if isinstance(e, EpisodeFinished):
@@ -146,11 +153,15 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
     ``config``: the run's ``RunConfig`` (merge policy, negative samples, chat template
     override); ``tokenizer``: a fast Hugging Face tokenizer for the run's model (None will
     do when no call carries token ids, ``needs_tokenizer``). LLM calls without token ids
-    are skipped: they give no timeline and are listed in ``untokenized_calls``.
+    are skipped: they give no timeline (nor negative sample) and are listed in
+    ``untokenized_calls``. Discarded calls (``discarded_calls``) are never trained in a
+    positive sample (see ``ReplayResult``). The latest ``reward_assigned`` is the episode's
+    reward, late ones (after ``episode_finished``) included.
     Raises TypeError for arguments of the wrong type and ReplayError when the events cannot
-    be replayed: a stream that does not begin with ``episode_started`` or has events after
-    ``episode_finished``, a repeated call id, prompt ids that are not a rendering of their
-    messages, an ``attempt_failed`` whose failed call is unknown.
+    be replayed: a stream that does not begin with ``episode_started`` or has events other
+    than ``reward_assigned`` after ``episode_finished``, a repeated call id, prompt ids that
+    are not a rendering of their messages, an ``attempt_failed`` whose failed call is
+    unknown.
     """
     policy = merge_policy_of(config)
     items, started = _check_stream(events)
@@ -172,6 +183,37 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
                    episode_id)
 
 
+def discarded_calls(events: Sequence[Event]) -> list[str]:
+    """The call ids of the LLM calls among ``events`` whose output was discarded, in the
+    order they were recorded. Every door's record of a discarded call counts:
+
+    - listed by a ``rolled_back`` (the agent loop's rollback, the gateway's
+      ``X-Trajstore-Abandoned``, or a client's own events over REST);
+    - named by an ``attempt_failed`` of type ``Abandoned`` (a client that says it threw the
+      answer away, with or without the ``rolled_back``);
+    - recorded with an ``error`` in its response (a call whose client got an error instead
+      of the answer: an OpenTelemetry LLM span that ended in error).
+
+    A call that failed and was never rolled back (the last attempt of an episode whose
+    retries ran out) is not discarded: it stays in the context the episode ended with.
+    Raises TypeError when ``events`` is not a sequence of events."""
+    items = list(events)
+    named: set[str] = set()
+    for e in items:
+        if isinstance(e, RolledBack):
+            named.update(e.discarded_call_ids)
+        elif isinstance(e, AttemptFailed) and e.failed_call_id is not None \
+                and ABANDONED_ERROR_TYPE in e.error_types:
+            named.add(e.failed_call_id)
+        elif not isinstance(e, Event):
+            raise TypeError(f"events must be store.events.Event, got {type(e).__name__}")
+    out = []
+    for e in items:
+        if isinstance(e, LLMCalled) and (e.call_id in named or e.response.get("error")):
+            out.append(e.call_id)
+    return list(dict.fromkeys(out))
+
+
 def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
             policy: MergePolicy, segmenter: Segmenter | None, episode_id: str | None
             ) -> ReplayResult:
@@ -182,8 +224,6 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
     attempts: list[tuple[int, AttemptFailed, int]] = []
     reward: float | None = None
     status: str | None = None
-    discarded: set[str] = set()
-    abandoned: set[str] = set()
     for position, event in enumerate(items):
         if isinstance(event, LLMCalled) and not has_token_ids(event):
             untokenized.append(event.call_id)
@@ -201,23 +241,22 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
             call_index[event.call_id] = len(timelines) - 1
             call_ids.append(event.call_id)
         elif isinstance(event, AttemptFailed):
+            if event.failed_call_id is not None and event.failed_call_id in untokenized:
+                continue  # a call without token ids is no sample, negative or not
             attempts.append((position, event, _failed_call(event, call_index, call_ids,
                                                           timelines, position)))
-            if ABANDONED_ERROR_TYPE in event.error_types and event.failed_call_id:
-                abandoned.add(event.failed_call_id)
-        elif isinstance(event, RolledBack):
-            discarded.update(event.discarded_call_ids)
         elif isinstance(event, RewardAssigned):
-            reward = float(event.value)
+            reward = float(event.value)  # the latest reward is the episode's
         elif isinstance(event, EpisodeFinished):
             status = event.status
 
-    outcome, forks = merge_and_detect_forks(timelines, policy)
-    # A call the client abandoned (its attempt_failed says so and a rolled_back discarded
-    # it) that no later call absorbed never becomes a positive sample; its attempt_failed
-    # makes it a negative one. The agent loop's rolled-back calls are left as they were.
-    excluded = discarded & abandoned
-    survivors = [i for i in outcome.survivors if call_ids[i] not in excluded]
+    # The calls whose output was discarded (rolled back, abandoned) are left out of merging:
+    # their tokens are trained only in their negative samples, are context wherever they
+    # appear in a surviving timeline, and a timeline of their own is no positive sample.
+    discarded = set(discarded_calls(items))
+    outcome, forks = merge_and_detect_forks(
+        timelines, policy, discarded=[i for i, c in enumerate(call_ids) if c in discarded])
+    survivors = outcome.survivors
     samples = [
         build_sample(outcome.merged[i], timeline_index=i,
                      drifted_messages=len(outcome.drifted.get(i, ())), reward=reward)
@@ -245,7 +284,8 @@ def _replay(items: list[Event], started: EpisodeStarted, config: RunConfig,
         survivors=[outcome.merged[i] for i in survivors], forks=forks,
         samples=samples, failures=failures, negatives=negatives,
         drifted_messages=sum(len(v) for i, v in outcome.drifted.items() if i in survivors),
-        untokenized_calls=untokenized)
+        untokenized_calls=untokenized, discarded_indices=outcome.discarded,
+        discarded_context=outcome.discarded_context)
 
 
 def _failed_call(attempt: AttemptFailed, call_index: dict[str, int], call_ids: list[str],

@@ -15,7 +15,7 @@ earlier timelines are kept as a trie of those ids.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -77,18 +77,21 @@ def detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_PO
     return _forks(items, policy, [_path(t, policy, interner, keys) for t in items])
 
 
-def merge_and_detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY
+def merge_and_detect_forks(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY,
+                           *, discarded: Collection[int] = ()
                            ) -> tuple[MergeOutcome, list[ForkPoint]]:
-    """``plan_merge`` and ``detect_forks`` of the same timelines, keying every message and
-    prefix once for both (with ``ignore_tools`` their paths are the same prefix ids). Raises
-    as they do."""
+    """``plan_merge`` (leaving ``discarded`` out of merging) and ``detect_forks`` (over every
+    timeline: a rollback is where history forked) of the same timelines, keying every
+    message and prefix once for both (with ``ignore_tools`` their paths are the same prefix
+    ids). Raises as they do."""
     items = _check_inputs(timelines, policy)
     interner = PrefixInterner()
     keys: dict[int, tuple[Message, Hashable]] = {}
     paths = [prefix_ids(t, policy, interner=interner, keys=keys) for t in items]
     fork_paths = (paths if policy.ignore_tools
                   else [_path(t, policy, interner, keys) for t in items])
-    return _plan(items, policy, paths), _forks(items, policy, fork_paths)
+    return (_plan(items, policy, paths, discarded=discarded),
+            _forks(items, policy, fork_paths))
 
 
 def _forks(items: list[Timeline], policy: MergePolicy, paths: list[list[int]]

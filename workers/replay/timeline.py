@@ -13,7 +13,10 @@ as possible without losing a sampled token:
   timeline merges into, so the outcome does not depend on which call finished first and an
   identical duplicate keeps the later one;
 - absorbing copies author, tokens, logprobs, ``sampled`` and ``truncated`` of each ``llm``
-  message into the survivor where the survivor's message is not already the model's own.
+  message into the survivor where the survivor's message is not already the model's own;
+- the timelines of discarded calls (rolled back or abandoned, given as ``discarded``) take
+  no part: they neither absorb nor are absorbed, so wherever their output appears in a
+  survivor it stays context.
 
 Merging runs in time linear in the total number of messages and tokens: every message prefix
 is interned to an integer, and a dict from prefix id to the greatest timeline holding that
@@ -22,7 +25,7 @@ prefix gives each timeline's absorber with one lookup.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -288,15 +291,20 @@ class MergePolicy:
 @dataclass(frozen=True)
 class MergeOutcome:
     """The full result of merging: ``absorber[i]`` is the index of the surviving timeline
-    that absorbed timeline ``i`` (``None`` when ``i`` survives); ``survivors`` are survivor
-    indices in recording order; ``merged`` maps a survivor index to its merged timeline;
-    ``drifted`` maps a survivor index to the message positions whose text matched an absorbed
-    timeline's but whose token ids differed."""
+    that absorbed timeline ``i`` (``None`` when ``i`` survives, or was discarded);
+    ``survivors`` are survivor indices in recording order; ``merged`` maps a survivor index
+    to its merged timeline; ``drifted`` maps a survivor index to the message positions whose
+    text matched an absorbed timeline's but whose token ids differed. ``discarded`` are the
+    indices of the timelines left out of merging (their calls were discarded), and
+    ``discarded_context`` maps a survivor index to the message positions where it holds a
+    discarded call's output as context."""
 
     absorber: list[int | None]
     survivors: list[int]
     merged: dict[int, Timeline]
     drifted: dict[int, list[int]] = field(default_factory=dict)
+    discarded: list[int] = field(default_factory=list)
+    discarded_context: dict[int, list[int]] = field(default_factory=dict)
 
     def surviving_timelines(self) -> list[Timeline]:
         """The merged survivors in recording order."""
@@ -371,36 +379,45 @@ def _absorb(survivor: Timeline, absorbed: list[Timeline], *, track_drift: bool
             sorted(drifted))
 
 
-def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY
-               ) -> MergeOutcome:
+def plan_merge(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY, *,
+               discarded: Collection[int] = ()) -> MergeOutcome:
     """Merge ``timelines`` (in recording order) under ``policy`` and return every detail:
-    who absorbed whom, the merged survivors and their drifted positions. The inputs are not
-    modified. Raises TypeError when ``timelines`` is not a sequence of ``Timeline`` or
-    ``policy`` is not a ``MergePolicy``."""
+    who absorbed whom, the merged survivors and their drifted positions. The timelines whose
+    indices are in ``discarded`` (their calls were rolled back or abandoned) take no part:
+    none absorbs another or is absorbed, none survives, so their generated tokens are never
+    trained in a merged timeline; where a survivor holds one's output in its context, that
+    position is listed in ``discarded_context``. The inputs are not modified. Raises
+    TypeError when ``timelines`` is not a sequence of ``Timeline`` or ``policy`` is not a
+    ``MergePolicy``, and IndexError for a ``discarded`` index out of range."""
     items = _check_inputs(timelines, policy)
     interner = PrefixInterner()
     keys: dict[int, tuple[Message, Hashable]] = {}
     return _plan(items, policy, [prefix_ids(t, policy, interner=interner, keys=keys)
-                                 for t in items])
+                                 for t in items], discarded=discarded)
 
 
-def _plan(items: list[Timeline], policy: MergePolicy, paths: list[list[int]]) -> MergeOutcome:
+def _plan(items: list[Timeline], policy: MergePolicy, paths: list[list[int]], *,
+          discarded: Collection[int] = ()) -> MergeOutcome:
     """``plan_merge`` given each timeline's ``prefix_ids`` (one interner for all)."""
-    ends: list[int] = []
+    left_out = set(discarded)
+    for i in left_out:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(items):
+            raise IndexError(f"discarded timeline index {i!r} is not one of the "
+                             f"{len(items)} timelines")
     best: dict[int, tuple[int, int]] = {}
     for i, t in enumerate(items):
-        ids = paths[i]
+        if i in left_out:
+            continue
         rank = (len(t), i)
-        for pid in ids[1:]:
+        for pid in paths[i][1:]:
             current = best.get(pid)
             if current is None or rank > current:
                 best[pid] = rank
-        ends.append(ids[-1])
     absorber: list[int | None] = []
-    for i, end in enumerate(ends):
-        j = best[end][1]
+    for i in range(len(items)):
+        j = i if i in left_out else best[paths[i][-1]][1]
         absorber.append(None if j == i else j)
-    survivors = [i for i, a in enumerate(absorber) if a is None]
+    survivors = [i for i, a in enumerate(absorber) if a is None and i not in left_out]
     groups: dict[int, list[Timeline]] = {i: [] for i in survivors}
     for i, a in enumerate(absorber):
         if a is not None:
@@ -413,7 +430,27 @@ def _plan(items: list[Timeline], policy: MergePolicy, paths: list[list[int]]) ->
                                             track_drift=policy.compare_level == "text")
         else:
             merged[i], drifted[i] = items[i], []
-    return MergeOutcome(absorber=absorber, survivors=survivors, merged=merged, drifted=drifted)
+    return MergeOutcome(absorber=absorber, survivors=survivors, merged=merged, drifted=drifted,
+                        discarded=sorted(left_out),
+                        discarded_context=_discarded_context(left_out, survivors, merged,
+                                                             paths))
+
+
+def _discarded_context(left_out: set[int], survivors: list[int], merged: dict[int, Timeline],
+                       paths: list[list[int]]) -> dict[int, list[int]]:
+    """Survivor index -> the positions of its context messages that are a discarded
+    timeline's generated message: the survivor holds that timeline's messages as its own
+    first messages (the same prefix id), and the message there is not the model's own in
+    the survivor (a kept call's identical output would be)."""
+    out: dict[int, set[int]] = {}
+    for d in left_out:
+        depth = len(paths[d]) - 1  # the discarded timeline's number of messages
+        for s in survivors:
+            path = paths[s]
+            if len(path) > depth and path[depth] == paths[d][-1] \
+                    and not merged[s].messages[depth - 1].is_llm:
+                out.setdefault(s, set()).add(depth - 1)
+    return {s: sorted(positions) for s, positions in sorted(out.items())}
 
 
 def merge_timelines(timelines: Sequence[Timeline], policy: MergePolicy = DEFAULT_POLICY

@@ -83,8 +83,9 @@ class Task:
     max_turns: int | None = None
     stop_at_tool_calls: bool = False
 
-    def score(self, transcript: Transcript) -> Reward:
-        """Apply the task's reward function to ``transcript``."""
+    def score(self, transcript: Transcript) -> Reward | None:
+        """Apply the task's reward function to ``transcript`` (None: the task is scored
+        elsewhere, ``unscored``)."""
         return get_reward(self.reward)(self.ground_truth, transcript)
 
     def to_dict(self) -> dict[str, Any]:

@@ -186,7 +186,8 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
             # Another delivery of this task got to the slot first: it is theirs.
             outcome = SlotOutcome(slot, episode_id, None, None, False)
             break
-        outcome = SlotOutcome(slot, episode_id, result.status, result.reward.value, True)
+        outcome = SlotOutcome(slot, episode_id, result.status,
+                              None if result.reward is None else result.reward.value, True)
         break
     if outcome is None:
         outcome = SlotOutcome(slot, episode_id_for(plan.group_id, slot, MAX_ATTEMPTS - 1),

@@ -13,7 +13,7 @@ events to a sink (stream id = episode id), in this order::
     rolled_back                     (discarded_call_ids = [the failed call])
     checkpoint_created  turn_1      (retry_count + 1; the regenerated calls run) …
     ── otherwise the tool results join the context and the next turn is generated
-    reward_assigned
+    reward_assigned                 (none for a task scored elsewhere: ``unscored``)
     episode_finished
 
 Semantics:
@@ -110,12 +110,13 @@ FORMAT_ERROR_TYPE = "ToolCallFormatError"
 
 @dataclass(frozen=True)
 class EpisodeResult:
-    """Summary of a played episode (the events in the sink are the full record)."""
+    """Summary of a played episode (the events in the sink are the full record). ``reward``
+    is None for a task scored elsewhere (``unscored``): none was recorded."""
 
     episode_id: str
     status: str
     reason: str | None
-    reward: Reward
+    reward: Reward | None
     messages: tuple[dict[str, Any], ...]
     llm_calls: int
     tool_calls: int
@@ -402,7 +403,7 @@ class _Episode:
             messages=tuple(self.context), llm_calls=self.calls, tool_calls=self.tool_calls,
             generated_tokens=self.generated, rollbacks=self.rollbacks)
 
-    async def _play_to_end(self) -> tuple[EpisodeStatus, str | None, Reward]:
+    async def _play_to_end(self) -> tuple[EpisodeStatus, str | None, Reward | None]:
         """Play the episode and queue its last events (written by :meth:`drain`)."""
         await self.emit(EpisodeStarted(
             **self.stamp(), run_id=self.run_id, group_id=self.group_id,
@@ -420,11 +421,11 @@ class _Episode:
             status = "error"
             reason = f"{type(exc).__name__}: {exc}"
             reward = Reward(0.0, {}, source="error")
-        await self.emit(
-            RewardAssigned(**self.stamp(), value=reward.value, components=reward.components,
-                           source=reward.source),
-            EpisodeFinished(**self.stamp(), status=status, reason=reason),
-        )
+        if reward is not None:  # an unscored task records none: no reward is invented
+            await self.emit(RewardAssigned(**self.stamp(), value=reward.value,
+                                           components=reward.components,
+                                           source=reward.source))
+        await self.emit(EpisodeFinished(**self.stamp(), status=status, reason=reason))
         return status, reason, reward
 
 

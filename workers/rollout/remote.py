@@ -31,9 +31,11 @@ Semantics:
   trainer's append-only token buffer cannot represent a rollback, so remote rollouts run
   with tool rollback disabled: failed tool calls and malformed tool-call text are answered
   in the conversation, as the protocol expects.
-- The episode is recorded like any other (``episode_started`` … ``reward_assigned``,
-  ``episode_finished``) under episode id ``rollout-<rollout_id>`` in run ``run_id``. Its
-  reward is ``unscored`` (0): the trainer scores ``final_messages`` itself.
+- The episode is recorded like any other (``episode_started`` … ``episode_finished``)
+  under episode id ``rollout-<rollout_id>`` in run ``run_id``, without a
+  ``reward_assigned``: the trainer scores ``final_messages`` itself (reward ``unscored``), and
+  may post that reward to ``/v1/episodes/rollout-<rollout_id>/reward`` later; until then the
+  episode is not trainable here (``no_reward``).
 - Trainer failures (HTTP 429, 5xx, other 4xx, network errors, malformed answers, a prompt that
   shrank) never raise: the episode ends with status ``error`` and the response has status
   ``ERROR``, ``error_category`` and ``error_message``. So do failures of tools or of the loop.

@@ -17,8 +17,10 @@ Built in:
   format error, at least one tool result that is not an error is in the final context, and the
   last assistant turn makes no tool call and its last number equals the ground truth.
   Components ``format``, ``used_tool`` and ``correct`` (each 0 or 1).
-- ``unscored``: 0 with source ``unscored``, for episodes whose reward is computed elsewhere
-  (remote rollouts: the caller scores ``final_messages``); the ground truth must be None.
+- ``unscored``: no reward (None), for episodes whose reward is computed elsewhere (remote
+  rollouts: the caller scores ``final_messages`` and may post the reward later); the episode
+  records no ``reward_assigned`` and is not trainable until one arrives. The ground truth
+  must be None.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class Reward:
     source: str = "task"
 
 
-RewardFn = Callable[[Any, Transcript], Reward]
+#: A reward function; None means "not scored here": no reward is recorded (none is invented).
+RewardFn = Callable[[Any, Transcript], Reward | None]
 GroundTruthCheck = Callable[[Any], Any]
 
 #: Reward functions by name.
@@ -266,11 +269,12 @@ def _no_ground_truth(ground_truth: Any) -> None:
 
 
 @register_reward("unscored", check_ground_truth=_no_ground_truth)
-def unscored_reward(ground_truth: Any, transcript: Transcript) -> Reward:
-    """Reward 0 with source ``unscored``: the episode is scored by someone else (remote
-    rollouts). Raises ValueError when ``ground_truth`` is not None."""
+def unscored_reward(ground_truth: Any, transcript: Transcript) -> Reward | None:
+    """No reward: the episode is scored by someone else (remote rollouts), who may post it
+    later; until then the episode is not trainable (``no_reward``), rather than trained as a
+    failure with a made-up 0. Raises ValueError when ``ground_truth`` is not None."""
     _no_ground_truth(ground_truth)
-    return Reward(0.0, {}, source="unscored")
+    return None
 
 
 @register_reward("digit_share")

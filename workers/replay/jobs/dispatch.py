@@ -1,10 +1,13 @@
-"""Replay triggered by the log: every ``episode_finished``, whichever process appended it.
+"""Replay triggered by the log: every ``episode_finished``, and every late
+``reward_assigned`` of a finished episode, whichever process appended it.
 
 The replay dispatcher follows the event log in commit order (LISTEN/NOTIFY wakes it as an
 append commits; polling is the fallback) and sends ``replay_episode`` for each finished
-episode that has no projection at that version yet. It saves the log position it acted up to
-in ``log_followers`` after each batch, so a restart goes on where it stopped: an episode is
-sent once per finish, and at most once more when the process dies between a send and the save
+episode that has no projection at that version yet (a late reward makes a new version, so
+its episode is replayed again and its samples carry the reward). It saves the log position
+it acted up to in ``log_followers`` after each batch, so a restart goes on where it stopped:
+an episode is sent once per finish (and late reward), and at most once more when the
+process dies between a send and the save
 (replay is idempotent: the second delivery does nothing). A dispatcher that starts with no
 saved position reads the log from its beginning, sending only what was never projected.
 
@@ -50,10 +53,10 @@ def dispatch_finished(store: EventStore, *, send: Callable[[str], None] = send_r
         if not leading:
             return 0
         position = load_cursor(store, name)
-        for batch in store.subscribe(position, types=["episode_finished"],
+        for batch in store.subscribe(position, types=["episode_finished", "reward_assigned"],
                                      poll_interval=poll_interval, stop=stop):
-            finished = [(r.stream_id, r.stream_version) for r in batch]
-            for episode_id in not_projected(store, finished):
+            appended = [(r.stream_id, r.stream_version) for r in batch]
+            for episode_id in not_projected(store, appended):
                 send(episode_id)
                 sent += 1
             save_cursor(store, name, batch[-1].log_position)
