@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "(default: the demo's for calc)")
     parser.add_argument("--mini-batch-size", type=int, default=None,
                         help="samples per optimizer step of every arm (default: the demo's, 8; "
-                             "1000 trains each version's batch in one step, as the README's "
-                             "five-arm table was measured)")
+                             "1000 trains each version's batch in one step, as the first five-arm "
+                             "table of docs/performance.md was measured)")
     parser.add_argument("--data-dir", type=Path, default=None, help="data folder shared by "
                         "the runs (default: a fresh temporary one)")
     parser.add_argument("--plot", type=Path, default=Path("learning.png"))
