@@ -30,8 +30,10 @@ def serve(
     import uvicorn
 
     from store.settings import get_settings
+    from trajstore.processes import register
 
     settings = get_settings()
+    register(settings.data_dir, "serve")
     uvicorn.run("api.app:app_factory", factory=True, host=host or settings.api_host,
                 port=port or settings.api_port, workers=workers or settings.api_workers,
                 log_level=settings.log_level.lower(), proxy_headers=True)

