@@ -31,26 +31,45 @@ def serve(
 
     from store.settings import get_settings
     from trajstore.processes import register
+    from trajstore.store_access import open_store
 
     settings = get_settings()
+    named = "--host/--port" if host or port else "TRAJSTORE_API_HOST/TRAJSTORE_API_PORT"
+    host, port = host or settings.api_host, port or settings.api_port
+    # What the app needs answers before the server starts: a wrong setting is one line.
+    open_store(settings).close()
+    _check_listen(host, port, setting=named)
     register(settings.data_dir, "serve")
-    uvicorn.run("api.app:app_factory", factory=True, host=host or settings.api_host,
-                port=port or settings.api_port, workers=workers or settings.api_workers,
+    uvicorn.run("api.app:app_factory", factory=True, host=host,
+                port=port, workers=workers or settings.api_workers,
                 log_level=settings.log_level.lower(), proxy_headers=True)
+
+
+def _check_listen(host: str, port: int, *, setting: str) -> None:
+    """Whether the API can listen on ``host:port``; a ``ConfigurationError`` naming
+    ``setting`` when the address is taken or not this machine's."""
+    import socket
+
+    from store.errors import ConfigurationError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigurationError(setting, f"cannot listen on {host}:{port}: "
+                                 f"{exc.strerror or exc}") from None
 
 
 def _key_store():  # type: ignore[no-untyped-def]
     from api.keys import KeyStore
-    from store import errors
-    from store.eventlog import EventStore
     from store.settings import get_settings
+    from trajstore.store_access import open_store
 
     settings = get_settings()
-    try:
-        store = EventStore.open(settings)
-    except errors.StoreError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    store = open_store(settings)
     return store, KeyStore(store.db, settings)
 
 

@@ -109,7 +109,7 @@ def export(
     ATIF trajectories or SFT chat lines (docs/exports.md)."""
     from api.errors import ApiError
     from api.exports import prepare
-    from store.eventlog import EventStore
+    from trajstore.store_access import open_store
 
     settings = get_settings()
     if not output.parent.is_dir() and str(output.parent):
@@ -121,11 +121,7 @@ def export(
     truths = None
     if fmt is ExportFormat.verl_prompts:
         truths = _ground_truths(tasks_dir or settings.data_dir / "tasks")
-    try:
-        store = EventStore.open(settings)
-    except errors.StoreError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    store = open_store(settings)
     try:
         made = prepare(store, run, fmt.value, group_id=group,
                        kind=kind.value if kind else None,

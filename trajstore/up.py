@@ -29,7 +29,7 @@ from typing import IO
 
 import psutil
 
-from store import embedded, migrate
+from store import embedded, migrate, preflight
 from store.settings import Settings
 from trajstore.processes import die_with_parent, register
 
@@ -59,10 +59,11 @@ def default_children(*, with_api: bool) -> list[Child]:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment of a child process: the parent's, with the database and Redis URLs
-    it resolved (starting the embedded servers when the settings name none)."""
+    it resolved (starting the embedded servers when the settings name none). A server that
+    does not answer is a ``ConfigurationError`` naming its setting."""
     env = dict(os.environ)
-    env["TRAJSTORE_DATABASE_URL"] = embedded.database_url(settings)
-    env["TRAJSTORE_REDIS_URL"] = embedded.redis_url(settings)
+    env["TRAJSTORE_DATABASE_URL"] = preflight.database_url(settings)
+    env["TRAJSTORE_REDIS_URL"] = preflight.broker_url(settings)
     env["TRAJSTORE_DATA_DIR"] = str(settings.data_dir)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
