@@ -47,7 +47,8 @@ def default_children(*, with_api: bool) -> list[Child]:
     the sweep."""
     children = []
     if with_api:
-        children.append(Child("api", ("serve",)))
+        # The replay worker replays; the API's own copy of the follower would race it.
+        children.append(Child("api", ("serve", "--no-replay")))
     children += [
         Child("replay", ("worker", "--queues", "replay")),
         Child("rollout", ("worker", "--queues", "rollout")),

@@ -86,7 +86,8 @@ class Server(ServerProcess):
     added, launched at once (:class:`tests.servers.ServerProcess`: its own process group on
     a free port); ``wait_ready()`` before use, ``stop()`` after."""
 
-    def __init__(self, settings: Settings, log: Path, **env: str) -> None:
+    def __init__(self, settings: Settings, log: Path, *, replay: bool = False,
+                 **env: str) -> None:
         port = free_port()
         environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
         environ.update({
@@ -96,8 +97,11 @@ class Server(ServerProcess):
             "TRAJSTORE_LOG_LEVEL": "WARNING",
         })
         environ.update(env)
+        # The session's database holds every test's episodes: a server replays them only
+        # when a test asks (replay=True), as its own copy of the replay follower.
         super().__init__([sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1",
-                          "--port", str(port)], port=port, log=log, env=environ)
+                          "--port", str(port), "--replay" if replay else "--no-replay"],
+                         port=port, log=log, env=environ)
         self.launch()
 
 
@@ -105,8 +109,9 @@ class Server(ServerProcess):
 def start_server(api_settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
-    def start(**env: str) -> Server:
-        server = Server(api_settings, tmp_path / f"server-{len(servers)}.log", **env)
+    def start(*, replay: bool = False, **env: str) -> Server:
+        server = Server(api_settings, tmp_path / f"server-{len(servers)}.log", replay=replay,
+                        **env)
         servers.append(server)
         server.wait_ready()
         return server
