@@ -133,3 +133,25 @@ def test_models_lists_the_engine(gateway: TestClient, project: Project, api_sett
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == [api_settings.gateway_model_name]
     assert gateway.get("/v1/models").status_code == 401
+
+
+def test_models_on_the_episode_base_url(gateway: TestClient, project: Project,
+                                        api_settings: Any, api_store: EventStore) -> None:
+    """The real ``openai`` client on the per-episode base URL the docs give lists and
+    retrieves the gateway's model; asking creates no run and no episode."""
+    import openai
+    from openai import OpenAI
+
+    ts = TrajstoreClient(str(gateway.base_url), project.ingest, http=gateway)
+    run_id = f"agent-{uuid.uuid4().hex[:8]}"
+    episode = ts.episode(run_id)
+    llm = OpenAI(**episode.openai_kwargs, http_client=gateway)
+    assert [m.id for m in llm.models.list()] == [api_settings.gateway_model_name]
+    assert llm.models.retrieve(api_settings.gateway_model_name).id == \
+        api_settings.gateway_model_name
+    with pytest.raises(openai.NotFoundError):
+        llm.models.retrieve("no-such-model")
+    plain = OpenAI(base_url=f"{gateway.base_url}/v1", api_key=project.ingest,
+                   http_client=gateway)
+    assert [m.id for m in plain.models.list()] == [api_settings.gateway_model_name]
+    assert api_store.read_stream(episode.episode_id) == []
