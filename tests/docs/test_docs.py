@@ -1,7 +1,7 @@
 """Documentation that cannot drift: every command, curl and Python block of the README and
-docs/ runs here, as written, against a real ``trajstore serve`` on a database of its own (one per page), or
-says (``<!-- illustration: why -->``, ``tests/docs/blocks.py``) why it cannot and where it is
-tested instead. The blocks of one page run in order, in one folder, with:
+docs/ runs here, as written, against a real ``trajstore serve`` on a database of its own
+(one per page), or says (``<!-- illustration: why -->``, ``tests/docs/blocks.py``) why it
+cannot and where it is tested instead. The blocks of one page run in order, in one folder, with:
 
 - ``API``: the server's URL; ``KEY``, ``INGEST_KEY``, ``READ_KEY``: an admin, an ingest and
   a read key of project ``gsm8k``;
