@@ -213,19 +213,17 @@ def test_search_a_refused_episode_and_tables_that_fit(
     assert errors == [], f"JavaScript errors: {errors}"
 
 
-def test_a_failed_call_is_flagged(browser: Any, pg_server: Any, tmp_path: Path) -> None:
+def test_a_failed_call_is_flagged(browser: Any, migrated_db: str, tmp_path: Path) -> None:
     """An episode whose second LLM call failed (rate limited), on a server and database of
     its own: its row in the calls table and in the event log is flagged, in the error
     colour."""
     import uuid
 
-    from store import migrate
     from store.db import Database
     from store.eventlog import NO_STREAM, EventStore, run_stream_id
     from store.events import EpisodeFinished, EpisodeStarted, LLMCalled, RunCreated
 
-    url = pg_server.create_database()
-    migrate.upgrade(url)
+    url = migrated_db
     settings = Settings(database_url=url, data_dir=tmp_path, api_key_scrypt_n=1024)
     store = EventStore(Database(url, max_size=2), settings)
     run, episode = f"flag-{uuid.uuid4().hex[:6]}", f"flag-ep-{uuid.uuid4().hex[:6]}"
@@ -265,4 +263,3 @@ def test_a_failed_call_is_flagged(browser: Any, pg_server: Any, tmp_path: Path) 
         context.close()
         server.stop()
         store.close()
-        pg_server.drop_database(url)

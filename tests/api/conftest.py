@@ -10,16 +10,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
 from api.app import create_app
 from api.keys import KeyStore
 from store import embedded
 from store.db import Database
 from store.eventlog import EventStore
-from store.settings import Settings
+from store.settings import Settings, get_settings
 from tests.servers import ServerProcess, free_port
 from tests.workers.conftest import Worker
 
@@ -148,3 +150,30 @@ def rollout_worker(pg_url: str, rollout_broker: str, tmp_path_factory: pytest.Te
         yield worker
     finally:
         worker.stop()
+
+
+@pytest.fixture
+def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path
+            ) -> Iterator[TestClient]:
+    """The app in process with the tiny model as the gateway's in-process engine."""
+    settings = api_settings.model_copy(update={"gateway_engine_model": str(tiny_model_dir),
+                                               "gateway_max_tokens": 16})
+    with TestClient(create_app(settings, store=api_store)) as c:
+        yield c
+
+
+@pytest.fixture
+def cli(pg_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    """``trajstore export`` in process (typer's runner) on the session's database."""
+    from trajstore.cli import app
+
+    monkeypatch.setenv("TRAJSTORE_DATABASE_URL", pg_url)
+    monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Any:
+        return runner.invoke(app, ["export", *args])
+
+    yield invoke
+    get_settings.cache_clear()

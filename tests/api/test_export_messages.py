@@ -8,34 +8,14 @@ import json
 import os
 import stat
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
-from typer.testing import CliRunner
 
 from api.otlp.ingest import default_run
-from store.settings import get_settings
 from tests.api.conftest import Project
 from tests.api.test_otlp import T0, agent_spans, export, json_episode, json_span, post
-
-
-@pytest.fixture
-def cli(pg_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
-    from trajstore.cli import app
-
-    monkeypatch.setenv("TRAJSTORE_DATABASE_URL", pg_url)
-    monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(tmp_path))
-    get_settings.cache_clear()
-    runner = CliRunner()
-
-    def invoke(*args: str) -> Any:
-        return runner.invoke(app, ["export", *args])
-
-    yield invoke
-    get_settings.cache_clear()
 
 
 def _otlp_run(client: TestClient, project: Project) -> tuple[str, list[str]]:

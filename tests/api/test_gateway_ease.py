@@ -5,16 +5,13 @@ client. The in-process engine is the tiny model."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
 from store.eventlog import EventStore
-from store.settings import Settings
 from tests.api.conftest import Project
 from trajstore.client import TrajstoreClient, TrajstoreError
 from workers.replay.jobs.project import project_episode
@@ -22,15 +19,6 @@ from workers.replay.jobs.project import project_episode
 pytestmark = pytest.mark.timeout(600)
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
-
-
-@pytest.fixture
-def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path
-            ) -> Iterator[TestClient]:
-    settings = api_settings.model_copy(update={"gateway_engine_model": str(tiny_model_dir),
-                                               "gateway_max_tokens": 16})
-    with TestClient(create_app(settings, store=api_store)) as c:
-        yield c
 
 
 def _types(store: EventStore, stream: str) -> list[str]:

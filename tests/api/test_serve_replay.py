@@ -9,7 +9,6 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +16,18 @@ import httpx
 import pytest
 
 from api.keys import KeyStore
-from store import migrate
 from store.db import Database
 from store.events import Event
 from store.followers import NO_REPLAY
 from store.settings import Settings
 from tests.api.episodes import episode_events
-from tests.conftest import PostgresServer
 from tests.servers import ServerProcess, free_port
 
 
 @pytest.fixture
-def own_db(pg_server: PostgresServer) -> Iterator[str]:
-    url = pg_server.create_database()
-    migrate.upgrade(url)
-    yield url
-    pg_server.drop_database(url)
+def own_db(migrated_db: str) -> str:
+    """A database of its own: a replay follower reads the whole log it is given."""
+    return migrated_db
 
 
 def _serve(url: str, tmp_path: Path, *flags: str) -> ServerProcess:

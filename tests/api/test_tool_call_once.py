@@ -8,33 +8,20 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
 from api.call_ids import tool_event_id
 from store.eventlog import EventStore
 from store.events import ToolReturned
-from store.settings import Settings
 from tests.api.conftest import Project
 from tests.api.test_otlp import T0, export, json_span, post
 
 pytestmark = pytest.mark.timeout(600)
 
 QUESTION = {"role": "user", "content": "What is 2 + 3?"}
-
-
-@pytest.fixture
-def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path
-            ) -> Iterator[TestClient]:
-    settings = api_settings.model_copy(update={"gateway_engine_model": str(tiny_model_dir),
-                                               "gateway_max_tokens": 4})
-    with TestClient(create_app(settings, store=api_store)) as c:
-        yield c
 
 
 def _chat(gateway: TestClient, project: Project, run: str, episode: str,

@@ -28,11 +28,9 @@ from pathlib import Path
 import pytest
 
 from api.keys import KeyStore
-from store import migrate
 from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings
-from tests.conftest import PostgresServer
 from tests.docs.blocks import ROOT, Block, blocks, pages
 from tests.servers import ServerProcess, free_port
 
@@ -64,11 +62,9 @@ class DocEnv:
 
 
 @pytest.fixture
-def doc_env(pg_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[DocEnv]:
+def doc_env(migrated_db: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocEnv]:
     """A page's world: a database and a server of its own (pages may use the same ids)."""
-    url = pg_server.create_database("trajstore_docs")
-    migrate.upgrade(url)
+    url = migrated_db
     data = tmp_path_factory.mktemp("docs-data")
     settings = Settings(database_url=url, data_dir=data, api_key_scrypt_n=1024)
     db = Database(url, max_size=4)
@@ -93,7 +89,6 @@ def doc_env(pg_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory
         env["API"] = server.url
         yield DocEnv(env=env, store=store)
     store.close()
-    pg_server.drop_database(url)
 
 
 def _replayed_run(store: EventStore) -> tuple[str, str]:
