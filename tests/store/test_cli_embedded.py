@@ -66,7 +66,7 @@ def test_unmigrated_server_is_refused_with_the_fix(tmp_path: Path, fresh_db: str
     env = _env(TRAJSTORE_DATA_DIR=str(tmp_path), TRAJSTORE_DATABASE_URL=fresh_db)
     status = _run(["status"], env)
     assert status.returncode == 1
-    assert "trajstore migrate" in status.stdout
+    assert "trajstore migrate" in status.stderr  # errors go to standard error
     assert _run(["migrate"], env).returncode == 0
     assert _run(["status"], env).returncode == 0
 
