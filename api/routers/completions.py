@@ -68,10 +68,21 @@ def models(key: IngestKey, ctx: Ctx) -> dict[str, Any]:
     return _model_list(ctx)
 
 
+def _check_run(ctx: Any, key: Any, run_id: str) -> None:
+    """A run that exists must be the key's project's (403); one that does not is the one
+    the episode's first call will create, so nothing is refused."""
+    from store import queries
+
+    if queries.run_record(ctx.store, run_id) is not None:
+        ctx.access.check_run(key, run_id)
+
+
 @router.get("/runs/{run_id}/episodes/{episode_id}/models")
 def episode_models(run_id: str, episode_id: str, key: IngestKey, ctx: Ctx) -> dict[str, Any]:
     """``GET /v1/models`` under an episode's base URL, where an ``openai`` client given that
-    base URL asks (``client.models.list()``). It creates nothing."""
+    base URL asks (``client.models.list()``). It creates nothing; another project's run is
+    403."""
+    _check_run(ctx, key, run_id)
     return _model_list(ctx)
 
 
@@ -87,6 +98,7 @@ def model(model_id: str, key: IngestKey, ctx: Ctx) -> dict[str, Any]:
 def episode_model(run_id: str, episode_id: str, model_id: str, key: IngestKey,
                   ctx: Ctx) -> dict[str, Any]:
     """``GET /v1/models/{model}`` under an episode's base URL."""
+    _check_run(ctx, key, run_id)
     return _one_model(ctx, model_id)
 
 
