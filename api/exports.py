@@ -164,14 +164,18 @@ def prepare(
     config = _run_config(store, run_id)
     filters = queries.SampleFilters(run_id=run_id, group_id=group_id, kind=kind, status=status)
     chunks: Iterator[bytes]
+    matching = " matching the filters" if group_id or kind or status else ""
+    episodes = f" with reward >= {min_reward:g}" if min_reward is not None else ""
     if fmt == "samples":
         batches = (verl_columns.record_batch([verl_columns.from_row(r) for r in rows])
                    for rows in queries.iter_samples(store, filters, chunk=rows_per_group))
+        batches = _some(batches, f"run {run_id!r} has no samples{matching}")
         chunks = stream_parquet(batches, verl_columns.ARROW_SCHEMA)
         media, name = PARQUET_MEDIA_TYPE, f"{run_id}.parquet"
     elif fmt == "verl-prompts":
         table = _prompt_batches(store, run_id, data_source=data_source or run_id,
                                 ground_truth=ground_truth, rows_per_group=rows_per_group)
+        table = _some(table, f"run {run_id!r} has no episodes")
         chunks = stream_parquet(table, PROMPTS_SCHEMA)
         media, name = PARQUET_MEDIA_TYPE, f"{run_id}.prompts.parquet"
     elif fmt == "verl-batch":
@@ -181,9 +185,7 @@ def prepare(
                    for sample in map(verl_columns.from_row, rows)
                    if sample.reward is not None]
         if not samples:
-            raise ApiError(404, "not_found", f"run {run_id!r} has no rewarded samples"
-                                             + (" matching the filters"
-                                                if group_id or kind or status else ""))
+            raise ApiError(404, "not_found", f"run {run_id!r} has no rewarded samples{matching}")
         if pad_token_id is None:
             pad_token_id = _pad_token_id(config, tokenizer_loader)
         chunks = iter([verl_batch(samples, pad_token_id=pad_token_id, run_id=run_id)])
@@ -191,17 +193,38 @@ def prepare(
     elif fmt == "atif":
         chunks = _lines(atif_trajectory(store.read_stream(row["episode_id"]), row=row,
                                         config=config)
-                        for row in _finished(store, run_id, min_reward))
+                        for row in _some(_finished(store, run_id, min_reward),
+                                         f"run {run_id!r} has no finished episode{episodes}"))
         media, name = JSONL_MEDIA_TYPE, f"{run_id}.atif.jsonl"
     else:  # sft
-        chunks = _lines(line for row in _finished(store, run_id, min_reward)
-                        for line in _sft_lines(store, row, tokenizer_loader))
+        rows = _some(_finished(store, run_id, min_reward),
+                     f"run {run_id!r} has no finished episode{episodes}")
+        chunks = _lines(_some((line for row in rows
+                               for line in _sft_lines(store, row, tokenizer_loader)),
+                              f"no finished episode of run {run_id!r}{episodes} gives an "
+                              "SFT line: replay refused each (GET /v1/episodes/{id} says "
+                              "why)"))
         media, name = JSONL_MEDIA_TYPE, f"{run_id}.sft.jsonl"
     # Build the first chunk now: an error (a tokenizer missing, an episode that cannot be
     # replayed) is then an answer, not a cut-off body.
     first = list(itertools.islice(chunks, 1))
     return Export(format=fmt, media_type=media, filename=name,
                   chunks=itertools.chain(first, chunks))
+
+
+def _some(items: Iterable[Any], nothing: str) -> Iterator[Any]:
+    """``items``, unless it is empty: then ApiError 404 saying ``nothing``, raised when the
+    first item is asked for (``prepare`` asks before it returns). An export that selects
+    nothing is an error, not an empty file."""
+    iterator = iter(items)
+    first = next(iterator, _NONE)
+    if first is _NONE:
+        raise ApiError(404, "not_found", nothing)
+    yield first
+    yield from iterator
+
+
+_NONE = object()
 
 
 # --- verl-prompts ------------------------------------------------------------------------
@@ -535,7 +558,10 @@ def _sft_lines(store: EventStore, row: dict[str, Any],
                tokenizer_loader: Callable[[str | None], Any] | None
                ) -> Iterator[dict[str, Any]]:
     """One line per surviving merged timeline of the episode, leaving out timelines of calls
-    that failed or were rolled back: the call's request messages and its reply."""
+    that failed or were rolled back: the call's request messages and its reply. Calls with
+    token ids survive as replay merges them; calls recorded without (OTLP spans, a server
+    that returns none) from their messages alone, merged at text level, as replay merges
+    text (``text_survivors``)."""
     from api.timelines import replay_stored
 
     kwargs = {"tokenizer_loader": tokenizer_loader} if tokenizer_loader is not None else {}
@@ -555,11 +581,12 @@ def _sft_lines(store: EventStore, row: dict[str, Any],
             dropped.add(r.event.failed_call_id)
     started = replay.records[0].event
     result = replay.result
-    for index in result.survivor_indices:
-        call_id = result.call_ids[index]
-        if call_id in dropped:
+    untokenized = [calls[c] for c in result.untokenized_calls if c not in dropped]
+    kept = {result.call_ids[i] for i in result.survivor_indices} | {
+        call.call_id for call in text_survivors(untokenized)}
+    for call_id, call in calls.items():  # in recording order
+        if call_id not in kept or call_id in dropped:
             continue
-        call = calls[call_id]
         yield {
             "messages": [*(dict(m) for m in call.messages),
                          {"role": "assistant", **call.response}],
@@ -570,3 +597,21 @@ def _sft_lines(store: EventStore, row: dict[str, Any],
             "task_id": started.task_id,  # type: ignore[attr-defined]
             "agent": call.agent, "reward": row["reward"], "status": row["status"],
         }
+
+
+def text_survivors(calls: Sequence[LLMCalled]) -> list[LLMCalled]:
+    """Of ``calls`` (in recording order), those whose history (request messages and reply)
+    no longer call of the same agent extends: the timelines replay keeps when it merges at
+    text level (role, content and tool calls equal), decided from the messages alone."""
+    from workers.replay.equality import content_text
+    from workers.replay.timeline import LLM_AUTHOR, Message, Timeline, plan_merge
+
+    def message(m: dict[str, Any], author: str) -> Message:
+        return Message(role=str(m.get("role") or "user"), author=author,
+                       text=content_text(m.get("content")), token_ids=[], logprobs=None,
+                       tool_calls=m.get("tool_calls") or None)
+
+    timelines = [Timeline(agent=call.agent, messages=[
+        *(message(m, "env") for m in call.messages),
+        message({"role": "assistant", **call.response}, LLM_AUTHOR)]) for call in calls]
+    return [calls[i] for i in plan_merge(timelines).survivors]

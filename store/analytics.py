@@ -79,28 +79,32 @@ _ARGUMENTS = {
 }
 
 
-_DURATION = re.compile(r"(\d+)([smhd])")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
-
-
 def parse_time(text: str, *, now: dt.datetime | None = None) -> dt.datetime:
     """``text`` as a timezone-aware time for ``since``/``until``: an ISO 8601 time (UTC when
-    it has no offset) or a duration back from ``now`` (``90s``, ``30m``, ``24h``, ``7d``).
-    Raises ValueError quoting the text otherwise, and for a duration reaching back before
-    the year 1."""
+    it has no offset), or a duration back from ``now`` as ``pytimeparse`` reads one (``90s``,
+    ``30m``, ``24h``, ``7d``, ``1h30m``, ``2 days``; a bare number is no duration). Raises
+    ValueError quoting the text otherwise, for a negative duration, and for one reaching
+    back before the year 1."""
+    from pytimeparse import parse as parse_duration
+
     now = now or dt.datetime.now(dt.UTC)
-    match = _DURATION.fullmatch(text.strip())
-    if match:
-        try:
-            return now - dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
-        except (OverflowError, ValueError):
-            raise ValueError(f"{text!r} reaches back before the year 1") from None
+    stripped = text.strip()
     try:
-        value = dt.datetime.fromisoformat(text.strip())
+        value = dt.datetime.fromisoformat(stripped)
     except ValueError:
+        value = None
+    if value is not None:
+        return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+    seconds = None if re.fullmatch(r"[\d.:]+", stripped) else parse_duration(stripped)
+    if seconds is None:
         raise ValueError(f"{text!r} is not an ISO 8601 time nor a duration such as 30m, 24h "
-                         "or 7d") from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+                         "or 7d")
+    if seconds < 0:
+        raise ValueError(f"{text!r} is a negative duration: give how long back from now")
+    try:
+        return now - dt.timedelta(seconds=seconds)
+    except (OverflowError, ValueError):
+        raise ValueError(f"{text!r} reaches back before the year 1") from None
 
 
 def _check_name(field: str, value: object) -> None:

@@ -21,7 +21,8 @@ from typing import Any
 from store.settings import Settings
 
 __all__ = ["database_url", "redis_url", "embedded_postgres", "embedded_redis",
-           "embedded_redis_running", "stop_embedded"]
+           "embedded_redis_running", "running_servers", "stop_embedded", "stop_embedded_postgres",
+           "stop_embedded_redis"]
 
 _lock = threading.Lock()
 _postgres: dict[Path, Any] = {}
@@ -170,17 +171,51 @@ def embedded_redis_running(settings: Settings) -> bool:
     return pid is not None and _alive(pid)
 
 
+def running_servers(settings: Settings) -> dict[str, int]:
+    """The embedded servers of the settings' data directory that are running, by name
+    (``postgresql``, ``redis``), with their pids."""
+    pids = {"postgresql": _postgres_pid(Path(settings.embedded_pg_dir).expanduser()),
+            "redis": _redis_pid(Path(settings.embedded_redis_path).expanduser())}
+    return {name: pid for name, pid in pids.items() if pid is not None and _alive(pid)}
+
+
 def stop_embedded(settings: Settings, *, timeout_s: float = 30.0) -> list[str]:
     """Stop the embedded PostgreSQL (fast shutdown: open transactions roll back, nothing
     committed is lost) and the embedded Redis of the settings' data directory, whichever
     process started them. Returns what was stopped, by name; servers that are not running
     are skipped. Processes still connected lose their connections."""
-    stopped = []
-    pg_pid = _postgres_pid(Path(settings.embedded_pg_dir).expanduser())
-    if pg_pid is not None and _stop_pid(pg_pid, signal.SIGINT, timeout_s):
-        stopped.append(f"postgresql (pid {pg_pid})")
-        _forget_dead_handles(Path(settings.embedded_pg_dir).expanduser())
-    redis_pid = _redis_pid(Path(settings.embedded_redis_path).expanduser())
-    if redis_pid is not None and _stop_pid(redis_pid, signal.SIGTERM, timeout_s):
-        stopped.append(f"redis (pid {redis_pid})")
-    return stopped
+    return [what for what in (stop_embedded_postgres(settings, timeout_s=timeout_s),
+                              stop_embedded_redis(settings, timeout_s=timeout_s)) if what]
+
+
+def stop_embedded_postgres(settings: Settings, *, timeout_s: float = 30.0,
+                           only_if_unused: bool = False) -> str | None:
+    """Stop the data directory's embedded PostgreSQL (fast shutdown); with
+    ``only_if_unused``, only when no living process is on pgserver's list of its users (what
+    pgserver itself does when its last user exits, done for users that were killed).
+    Returns what was stopped, or None."""
+    directory = Path(settings.embedded_pg_dir).expanduser()
+    pid = _postgres_pid(directory)
+    if pid is None or not _alive(pid):
+        return None
+    if only_if_unused:
+        _forget_dead_handles(directory)
+        try:
+            users = json.loads((directory / ".handle_pids.json").read_text())
+        except (OSError, ValueError):
+            users = []
+        if users:
+            return None
+    if not _stop_pid(pid, signal.SIGINT, timeout_s):
+        return None
+    _forget_dead_handles(directory)
+    return f"postgresql (pid {pid})"
+
+
+def stop_embedded_redis(settings: Settings, *, timeout_s: float = 30.0) -> str | None:
+    """Stop the data directory's embedded Redis, whichever process started it (it saves its
+    file first). Returns what was stopped, or None."""
+    pid = _redis_pid(Path(settings.embedded_redis_path).expanduser())
+    if pid is None or not _stop_pid(pid, signal.SIGTERM, timeout_s):
+        return None
+    return f"redis (pid {pid})"

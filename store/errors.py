@@ -16,6 +16,7 @@ __all__ = [
     "TransientError",
     "DuplicateKeyError",
     "RefusedError",
+    "ConfigurationError",
 ]
 
 
@@ -121,3 +122,14 @@ class DuplicateKeyError(StoreError):
 
 class RefusedError(StoreError, PermissionError):
     """The database refused the statement (for example an UPDATE of an immutable event)."""
+
+
+class ConfigurationError(StoreError):
+    """A setting cannot be used as given: ``setting`` names it as it is spelled (an
+    environment variable, or a command-line option), ``problem`` says what is wrong. The
+    command line prints it as one line and exits with status 2."""
+
+    def __init__(self, setting: str, problem: str):
+        self.setting = setting
+        self.problem = problem
+        super().__init__(f"{setting}: {problem}")

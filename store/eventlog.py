@@ -60,12 +60,13 @@ class EventStore(Recorder):
     def open(cls, settings: Settings | None = None, *, migrate: bool | None = None) -> EventStore:
         """Connect as the settings say. With no database URL, start the embedded server and
         migrate it; with a URL, migrate only when ``migrate`` is True and otherwise refuse a
-        database that is not at the newest revision, naming the command that fixes it."""
-        from store import embedded
+        database that is not at the newest revision, naming the command that fixes it. A
+        database that cannot be reached is a ``ConfigurationError`` naming the setting."""
         from store import migrate as migrations
+        from store import preflight
 
         settings = settings or Settings()
-        url = embedded.database_url(settings)
+        url = preflight.database_url(settings)
         if migrate is None:
             migrate = settings.database_url is None
         if migrate:

@@ -19,7 +19,18 @@ from store.db import translate_errors
 from store.eventlog import EventStore
 from store.rows import LogPosition
 
-__all__ = ["leadership", "load_cursor", "not_projected", "save_cursor"]
+__all__ = ["NO_REPLAY", "REPLAY_FOLLOWER", "leader_present", "leadership", "load_cursor",
+           "not_projected", "save_cursor"]
+
+#: The follower that queues (or runs) the replay of every finished episode: the replay
+#: workers' dispatcher, and ``trajstore serve``'s own unless it runs with ``--no-replay``.
+REPLAY_FOLLOWER = "replay-dispatch"
+
+#: What is wrong, and how to fix it, when no process leads ``REPLAY_FOLLOWER``: the words of
+#: ``trajstore serve --no-replay``'s start-up warning and of ``/ready``.
+NO_REPLAY = ("no process replays finished episodes: what is ingested is stored but never "
+             "becomes samples. Start a replay worker (`trajstore worker --queues replay`, or "
+             "`trajstore up`), or run `trajstore serve` without --no-replay")
 
 
 def _check_name(name: str) -> None:
@@ -53,13 +64,30 @@ def save_cursor(store: EventStore, name: str, position: LogPosition) -> None:
         )
 
 
+def _lock_key(name: str) -> int:
+    _check_name(name)
+    return zlib.crc32(f"trajstore.follower.{name}".encode())
+
+
+def leader_present(store: EventStore, name: str) -> bool:
+    """Whether some process leads follower ``name`` now (holds its lock, ``leadership``)."""
+    # A one-argument advisory lock on a key below 2**32 shows in pg_locks with classid 0,
+    # objid the key and objsubid 1.
+    with store.db.connection() as conn:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = 0 AND objid = %s::bigint::oid AND objsubid = 1)",
+            (_lock_key(name),)).fetchone()
+    return bool(row[0])
+
+
 @contextmanager
 def leadership(store: EventStore, name: str) -> Iterator[bool]:
     """Try to become the one active copy of follower ``name``: yields True while this
     process holds the lock (a session advisory lock on a connection of its own, held until
     the block ends or the process dies), False when another copy holds it."""
-    _check_name(name)
-    key = zlib.crc32(f"trajstore.follower.{name}".encode())
+    key = _lock_key(name)
     with translate_errors():
         conn = psycopg.connect(store.db.url, autocommit=True)
     try:

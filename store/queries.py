@@ -519,6 +519,20 @@ def stored_event_ids(store: Recorder, event_ids: Sequence[uuid.UUID]) -> set[uui
     return {row[0] for row in rows}
 
 
+def stored_tool_calls(store: Recorder, event_ids: Sequence[uuid.UUID]
+                      ) -> dict[uuid.UUID, tuple[str, dict[str, Any]]]:
+    """The tool name and arguments of the ``tool_returned`` events the log holds under
+    ``event_ids`` (ids of other events, or of none, are absent)."""
+    if not event_ids:
+        return {}
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            "SELECT event_id, data->>'name', data->'arguments' FROM events"
+            " WHERE event_id = ANY(%s) AND type = 'tool_returned'",
+            (list(event_ids),)).fetchall()
+    return {row[0]: (row[1], row[2] if isinstance(row[2], dict) else {}) for row in rows}
+
+
 def span_call_stored(store: Recorder, event_id: uuid.UUID) -> bool | None:
     """What the log holds under ``event_id``: None when nothing; True when an
     ``llm_called`` recorded from an OTLP span (its response carries ``otlp``); False when

@@ -10,12 +10,33 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import platformdirs
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings"]
+__all__ = ["Settings", "get_settings", "check_url"]
+
+#: Log levels by name, as ``logging`` spells them.
+_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
+
+
+def check_url(value: str, schemes: tuple[str, ...], what: str, *,
+              needs_host: bool = True) -> str:
+    """``value`` if it is a URL of one of ``schemes`` with a host (unless ``needs_host`` is
+    false) and, if any, a numeric port; else ``ValueError`` saying it is not ``what``."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - reading it is the check: a port that is no number raises
+    except ValueError as exc:
+        raise ValueError(f"not {what}: {exc}") from None
+    if parts.scheme.lower() not in schemes:
+        found = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+        raise ValueError(f"not {what} ({found}; expected {' or '.join(schemes)})")
+    if needs_host and not parts.hostname:
+        raise ValueError(f"not {what} (no host)")
+    return value
 
 
 def _default_data_dir() -> Path:
@@ -183,6 +204,35 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
 
+    @field_validator("database_url", "test_database_url")
+    @classmethod
+    def _postgres_url(cls, value: str | None) -> str | None:
+        # A host may also come from the URL's query (?host=/run/postgresql), so no host
+        # is required here; connecting says what is wrong with the rest.
+        return None if value is None else check_url(
+            value, ("postgresql", "postgres", "postgresql+psycopg"),
+            "a PostgreSQL URL (postgresql://user@host:port/database)", needs_host=False)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_url(
+            value, ("redis", "rediss", "unix", "redis+socket"),
+            "a Redis URL (redis://host:port/db)", needs_host=False)
+
+    @field_validator("api_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_url(
+            value, ("http", "https"), "an HTTP URL (http://host:8600)")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, value: object) -> object:
+        if isinstance(value, str) and value.upper() in _LOG_LEVELS:
+            return value.upper()
+        raise ValueError(f"not a log level (one of {', '.join(_LOG_LEVELS)})")
+
     @property
     def embedded_pg_dir(self) -> Path:
         return self.data_dir / "postgres"
@@ -292,6 +342,12 @@ class Settings(BaseSettings):
     @classmethod
     def _api_empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("gateway_upstream_url")
+    @classmethod
+    def _upstream_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_url(
+            value, ("http", "https"), "an HTTP URL (http://gpu-node:8000, no /v1)")
 
     @field_validator("api_key_scrypt_n")
     @classmethod

@@ -106,3 +106,13 @@ def fresh_db(pg_server: PostgresServer) -> Iterator[str]:
     url = pg_server.create_database()
     yield url
     pg_server.drop_database(url)
+
+
+@pytest.fixture
+def migrated_db(pg_server: PostgresServer) -> Iterator[str]:
+    """A migrated database of its own, dropped after the test (for tests whose processes
+    follow the whole log, or that count every run)."""
+    url = pg_server.create_database()
+    migrate.upgrade(url)
+    yield url
+    pg_server.drop_database(url)

@@ -116,13 +116,14 @@ class ServerProcess:
         self.stop()
 
 
-def trajstore_serve(*, env: Mapping[str, str], log: Path,
-                    timeout_s: float = 120.0) -> ServerProcess:
-    """``trajstore serve`` on a free port with ``env`` (not yet started)."""
+def trajstore_serve(*, env: Mapping[str, str], log: Path, timeout_s: float = 120.0,
+                    replay: bool = False) -> ServerProcess:
+    """``trajstore serve`` on a free port with ``env`` (not yet started); it replays the
+    episodes it ingests only with ``replay``."""
     port = free_port()
     return ServerProcess([sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1",
-                          "--port", str(port)], port=port, log=log, env=env,
-                         timeout_s=timeout_s)
+                          "--port", str(port), "--replay" if replay else "--no-replay"],
+                         port=port, log=log, env=env, timeout_s=timeout_s)
 
 
 class ThreadedServer:

@@ -103,13 +103,9 @@ def render(spec: AnalyticsView, rows: Sequence[Any], output: OutputFormat, *,
 
 
 def _open_store() -> Any:
-    from store.eventlog import EventStore
+    from trajstore.store_access import open_store
 
-    try:
-        return EventStore.open(get_settings())
-    except errors.StoreError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    return open_store(get_settings())
 
 
 # The options each filter gets, by Filters field (a view's subcommand has those it takes).

@@ -7,7 +7,7 @@ whose roles are ``--role``'s choices, imports neither).
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,30 +25,95 @@ def serve(
                                              help="Port (default: settings).")] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Worker processes "
                                                 "(default: settings).")] = None,
+    replay: Annotated[bool, typer.Option(
+        "--replay/--no-replay", help="Replay finished episodes in this process when no "
+        "replay worker does (--no-replay: leave it to replay workers, as trajstore up and "
+        "the deployment files do).")] = True,
 ) -> None:
-    """Serve the REST API (uvicorn): ingest, queries, batches, the capture gateway."""
+    """Serve the REST API (uvicorn): ingest, queries, batches, the capture gateway, OTLP
+    traces, the web page. Alone it also replays the episodes it ingests (one copy of the
+    replay follower: a replay worker that leads the log takes precedence); with
+    ``--no-replay`` it says at start, and ``/ready`` says, when no process replays."""
     import uvicorn
 
     from store.settings import get_settings
+    from trajstore.processes import register
+    from trajstore.store_access import open_store
 
     settings = get_settings()
-    uvicorn.run("api.app:app_factory", factory=True, host=host or settings.api_host,
-                port=port or settings.api_port, workers=workers or settings.api_workers,
+    named = "--host/--port" if host or port else "TRAJSTORE_API_HOST/TRAJSTORE_API_PORT"
+    host, port = host or settings.api_host, port or settings.api_port
+    # What the app needs answers before the server starts: a wrong setting is one line.
+    open_store(settings).close()
+    _check_listen(host, port, setting=named)
+    register(settings.data_dir, "serve")
+    _start_replay(settings) if replay else _say_who_replays(settings)
+    uvicorn.run("api.app:app_factory", factory=True, host=host,
+                port=port, workers=workers or settings.api_workers,
                 log_level=settings.log_level.lower(), proxy_headers=True)
+
+
+def _start_replay(settings: Any) -> None:
+    """Run a copy of the replay follower in this process, projecting episodes here
+    (``workers.replay.jobs.dispatch.project_here``). When replay cannot run here (its
+    packages are not installed), say so loudly and serve anyway."""
+    from store.followers import NO_REPLAY
+
+    try:
+        from workers.replay.jobs.dispatch import project_here, start_dispatcher
+        from workers.replay.jobs.project import project_episode  # noqa: F401 - its imports
+    except ImportError as exc:
+        typer.secho(f"WARNING: this process cannot replay ({exc}): {NO_REPLAY}", err=True,
+                    fg="yellow")
+        return
+    from store.eventlog import EventStore
+
+    start_dispatcher(lambda: EventStore.open(settings), send=project_here)
+    typer.echo("replay: finished episodes are replayed in this process unless a replay "
+               "worker leads (--no-replay leaves it to the workers)", err=True)
+
+
+def _say_who_replays(settings: Any) -> None:
+    """With ``--no-replay``: whether a replay worker follows the log now; loudly when none."""
+    from store.followers import NO_REPLAY, REPLAY_FOLLOWER, leader_present
+    from trajstore.store_access import open_store
+
+    store = open_store(settings)
+    try:
+        present = leader_present(store, REPLAY_FOLLOWER)
+    finally:
+        store.close()
+    if present:
+        typer.echo("replay: left to the replay workers (one follows the log)", err=True)
+    else:
+        typer.secho(f"WARNING: {NO_REPLAY}", err=True, fg="yellow")
+
+
+def _check_listen(host: str, port: int, *, setting: str) -> None:
+    """Whether the API can listen on ``host:port``; a ``ConfigurationError`` naming
+    ``setting`` when the address is taken or not this machine's."""
+    import socket
+
+    from store.errors import ConfigurationError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigurationError(setting, f"cannot listen on {host}:{port}: "
+                                 f"{exc.strerror or exc}") from None
 
 
 def _key_store():  # type: ignore[no-untyped-def]
     from api.keys import KeyStore
-    from store import errors
-    from store.eventlog import EventStore
     from store.settings import get_settings
+    from trajstore.store_access import open_store
 
     settings = get_settings()
-    try:
-        store = EventStore.open(settings)
-    except errors.StoreError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    store = open_store(settings)
     return store, KeyStore(store.db, settings)
 
 

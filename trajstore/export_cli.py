@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -63,9 +63,17 @@ def _ground_truths(tasks_dir: Path) -> Any:
 
 def _write(chunks: Any, output: Path) -> int:
     """Write ``chunks`` to a temporary file beside ``output``, then rename it: a failed
-    export leaves no partial file."""
+    export leaves no partial file. The file gets the permissions any new file of this
+    process gets (0666 less the umask; a temporary file's own 0600 would hide an export
+    from the group that reads it)."""
     folder = output.parent if str(output.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{output.name}.", suffix=".part")
+    while True:
+        tmp = folder / f".{output.name}.{secrets.token_hex(6)}.part"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:  # pragma: no cover - another export drew the same name
+            continue
     size = 0
     try:
         with os.fdopen(fd, "wb") as f:
@@ -74,7 +82,7 @@ def _write(chunks: Any, output: Path) -> int:
                 size += len(chunk)
         os.replace(tmp, output)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return size
 
@@ -110,7 +118,7 @@ def export(
     ATIF trajectories or SFT chat lines (docs/exports.md)."""
     from api.errors import ApiError
     from api.exports import prepare
-    from store.eventlog import EventStore
+    from trajstore.store_access import open_store
 
     settings = get_settings()
     if not output.parent.is_dir() and str(output.parent):
@@ -122,11 +130,7 @@ def export(
     truths = None
     if fmt is ExportFormat.verl_prompts:
         truths = _ground_truths(tasks_dir or settings.data_dir / "tasks")
-    try:
-        store = EventStore.open(settings)
-    except errors.StoreError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    store = open_store(settings)
     try:
         made = prepare(store, run, fmt.value, group_id=group,
                        kind=kind.value if kind else None,

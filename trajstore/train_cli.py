@@ -53,8 +53,8 @@ def train(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from store import errors
-    from store.eventlog import EventStore
     from store.settings import get_settings
+    from trajstore.store_access import open_store
     from workers.trainer.config import TrainerConfig
     from workers.trainer.loop import StepResult, Trainer
     from workers.trainer.trackers import make_trackers
@@ -72,7 +72,7 @@ def train(
         sinks = make_trackers(trackers, settings.data_dir / "train" / run)
     except (ImportError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--trackers") from None
-    store = EventStore.open(settings)
+    store = open_store(settings)
     if nproc > 1:
         for sink in sinks:  # the ranks' steps are recorded in policy_updated only
             sink.close()

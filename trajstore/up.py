@@ -5,10 +5,18 @@ hands their URLs to the children, so every child uses the same ones and they sto
 parent does. Children's output is merged into one stream, each line prefixed with the child's
 name. Ctrl-C (SIGINT) or SIGTERM stops every child and exits 0; a child that dies on its own
 stops the rest and makes ``up`` exit with status 1.
+
+Nothing outlives ``up``, whatever kills it: each child gets SIGTERM from the kernel when
+``up`` dies (``trajstore.processes.die_with_parent``), and a watchdog in a session of its own
+(``trajstore.watchdog``) stops the children's process groups and the embedded servers ``up``
+started when ``up`` dies without saying it stopped them. ``up`` and its children register
+in the data directory, so ``trajstore stop`` finds them too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import selectors
 import signal
@@ -19,8 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from store import embedded, migrate
+import psutil
+
+from store import embedded, migrate, preflight
 from store.settings import Settings
+from trajstore.processes import die_with_parent, register
 
 __all__ = ["Child", "child_env", "default_children", "supervise"]
 
@@ -36,7 +47,8 @@ def default_children(*, with_api: bool) -> list[Child]:
     the sweep."""
     children = []
     if with_api:
-        children.append(Child("api", ("serve",)))
+        # The replay worker replays; the API's own copy of the follower would race it.
+        children.append(Child("api", ("serve", "--no-replay")))
     children += [
         Child("replay", ("worker", "--queues", "replay")),
         Child("rollout", ("worker", "--queues", "rollout")),
@@ -48,10 +60,11 @@ def default_children(*, with_api: bool) -> list[Child]:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment of a child process: the parent's, with the database and Redis URLs
-    it resolved (starting the embedded servers when the settings name none)."""
+    it resolved (starting the embedded servers when the settings name none). A server that
+    does not answer is a ``ConfigurationError`` naming its setting."""
     env = dict(os.environ)
-    env["TRAJSTORE_DATABASE_URL"] = embedded.database_url(settings)
-    env["TRAJSTORE_REDIS_URL"] = embedded.redis_url(settings)
+    env["TRAJSTORE_DATABASE_URL"] = preflight.database_url(settings)
+    env["TRAJSTORE_REDIS_URL"] = preflight.broker_url(settings)
     env["TRAJSTORE_DATA_DIR"] = str(settings.data_dir)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -62,15 +75,30 @@ def supervise(settings: Settings, children: Sequence[Child], *, out: IO[str] | N
     """Run ``children`` (``trajstore`` subcommands) until Ctrl-C or until one dies. Returns
     the exit status for ``up``: 0 after a requested stop, 1 when a child died."""
     out = out or sys.stdout
-    env = child_env(settings)
-    migrate.upgrade(env["TRAJSTORE_DATABASE_URL"])
+    register(settings.data_dir, "up")
+    watchdog = subprocess.Popen([sys.executable, "-m", "trajstore.watchdog"],
+                                stdin=subprocess.PIPE, start_new_session=True)
+    assert watchdog.stdin is not None
+    tell = functools.partial(_tell, watchdog.stdin)
+    redis_was_running = embedded.embedded_redis_running(settings)
+    try:
+        env = child_env(settings)
+        if settings.redis_url is None and not redis_was_running:
+            tell("redis")
+        migrate.upgrade(env["TRAJSTORE_DATABASE_URL"])
+    except BaseException:
+        watchdog.stdin.close()  # the watchdog stops the Redis started here
+        raise
     procs: dict[str, subprocess.Popen[bytes]] = {}
     selector = selectors.DefaultSelector()
     for child in children:
         proc = subprocess.Popen(
             [sys.executable, "-m", "trajstore", *child.args], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
+        with contextlib.suppress(psutil.Error):  # one that is gone already is not watched
+            tell(f"child {proc.pid} {psutil.Process(proc.pid).create_time()}")
         procs[child.name] = proc
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
@@ -127,4 +155,16 @@ def supervise(settings: Settings, children: Sequence[Child], *, out: IO[str] | N
         for s, handler in previous.items():
             signal.signal(s, handler)
         out.flush()
+        tell("done")
+        watchdog.stdin.close()
+        watchdog.wait()
     return status
+
+
+def _tell(pipe: IO[bytes], line: str) -> None:
+    """One line to the watchdog; a watchdog that is gone is not worth stopping ``up`` for."""
+    try:
+        pipe.write(f"{line}\n".encode())
+        pipe.flush()
+    except (BrokenPipeError, ValueError):
+        pass

@@ -28,13 +28,15 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from httpx_sse import EventSource, SSEError
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, error_body, error_response, refuse_unstorable
@@ -70,19 +72,24 @@ from workers.engines.render import prompt_ids
 if TYPE_CHECKING:
     from api.context import ApiContext
 
-__all__ = ["Gateway", "sse"]
+__all__ = ["Gateway"]
 
 log = logging.getLogger(__name__)
 
 _ABANDONED = "header.X-Trajstore-Abandoned"
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: The end of an OpenAI stream.
+_DONE = ServerSentEvent(data="[DONE]")
 
 
-def sse(chunks: Iterable[dict[str, Any]]) -> Iterator[bytes]:
-    """Server-sent events of ``chunks`` followed by ``data: [DONE]``."""
-    for chunk in chunks:
-        yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+def _event(chunk: dict[str, Any]) -> ServerSentEvent:
+    """One chunk of an OpenAI stream as a server-sent event."""
+    return ServerSentEvent(data=json.dumps(chunk, separators=(",", ":")))
+
+
+def _event_stream(events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
+    """``events`` sent as OpenAI sends a stream (sse-starlette: LF-separated ``data:``
+    events, no caching or proxy buffering, a comment every 15 s on a quiet connection)."""
+    return EventSourceResponse(events, sep="\n", ping=15)
 
 
 def _passthrough(status: int, content: bytes, content_type: str | None) -> Response:
@@ -275,7 +282,7 @@ class Gateway:
                              parse_tools: bool, target: EpisodeTarget | None,
                              record: dict[str, Any], want_logprobs: bool,
                              return_token_ids: bool, include_usage: bool
-                             ) -> StreamingResponse:
+                             ) -> EventSourceResponse:
         """Stream the in-process engine's answer as it samples (``api.gateway.streaming``);
         the call is recorded once complete, exactly as the same call unstreamed, before the
         final ``[DONE]``. A request the engine refuses is answered 422 before the stream
@@ -310,10 +317,8 @@ class Gateway:
         created = int(time.time())
         live_chunk = chat_live_chunk if chat else completion_live_chunk
 
-        async def events() -> AsyncIterator[bytes]:
-            def line(chunk: dict[str, Any]) -> bytes:
-                return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
+        async def events() -> AsyncIterator[ServerSentEvent]:
+            line = _event
             if chat:
                 opening: dict[str, Any] = {
                     "id": call_id, "object": "chat.completion.chunk", "created": created,
@@ -334,7 +339,7 @@ class Gateway:
             if item[0] == "error":
                 log.warning("streamed generation failed: %s", item[1])
                 yield line(error_body("engine_error", f"the engine failed: {item[1]}"))
-                yield b"data: [DONE]\n\n"
+                yield _DONE
                 return
             result: GenerationResult = item[1]
             latency = (time.perf_counter() - started) * 1000
@@ -346,7 +351,7 @@ class Gateway:
             except store_errors.StoreError as exc:
                 log.warning("streamed call not recorded: %s", exc)
                 yield line(error_body("not_recorded", f"the call was not recorded: {exc}"))
-                yield b"data: [DONE]\n\n"
+                yield _DONE
                 return
             common: dict[str, Any] = dict(
                 request_id=call_id, created=created, model=engine.name,
@@ -366,10 +371,9 @@ class Gateway:
                     tail[0]["choices"][0]["prompt_token_ids"] = captured.prompt_ids
             for chunk in tail:
                 yield line(chunk)
-            yield b"data: [DONE]\n\n"
+            yield _DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers=_SSE_HEADERS)
+        return _event_stream(events())
 
     async def _target(self, key: ApiKey, episode: str | None, new: NewEpisode | None = None
                       ) -> EpisodeTarget | None:
@@ -590,22 +594,21 @@ class Gateway:
             content = await answer.aread()
             await answer.aclose()
             return _passthrough(answer.status_code, content, answer.headers.get("content-type"))
-        return StreamingResponse(
+        return _event_stream(
             self._relay(answer, chat=chat, target=target, want_logprobs=want_logprobs,
-                        want_ids=want_ids, record=record, started=started),
-            media_type="text/event-stream", headers=_SSE_HEADERS)
+                        want_ids=want_ids, record=record, started=started))
 
     async def _relay(self, answer: httpx.Response, *, chat: bool, target: EpisodeTarget | None,
                      want_logprobs: bool, want_ids: bool, record: dict[str, Any],
-                     started: float) -> AsyncIterator[bytes]:
-        """Relay an upstream stream chunk by chunk; record the call when ``[DONE]`` comes."""
+                     started: float) -> AsyncIterator[ServerSentEvent]:
+        """Relay an upstream stream chunk by chunk (read as server-sent events by httpx-sse);
+        record the call when ``[DONE]`` comes. An upstream that does not answer with an
+        event stream ends the relay with an ``upstream_incomplete`` error event."""
         acc = StreamAccumulator(chat=chat)
         call_id: str | None = None
         try:
-            async for line in answer.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for sent in EventSource(answer).aiter_sse():
+                data = sent.data.strip()
                 if data == "[DONE]":
                     try:
                         await self._record(target, acc.result(),
@@ -614,9 +617,9 @@ class Gateway:
                                            **record)
                     except (IncompleteAnswer, store_errors.StoreError) as exc:
                         log.warning("streamed call not recorded: %s", exc)
-                        body = error_body("not_recorded", f"the call was not recorded: {exc}")
-                        yield b"data: " + json.dumps(body).encode() + b"\n\n"
-                    yield b"data: [DONE]\n\n"
+                        yield _event(error_body("not_recorded",
+                                                f"the call was not recorded: {exc}"))
+                    yield _DONE
                     return
                 try:
                     chunk = json.loads(data)
@@ -627,7 +630,12 @@ class Gateway:
                     acc.feed(chunk)
                     strip_extensions(chunk, keep_logprobs=want_logprobs,
                                      keep_token_ids=want_ids)
-                yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+                yield _event(chunk)
+        except SSEError as exc:
+            log.warning("upstream stream unreadable: %s", exc)
+            yield _event(error_body("upstream_incomplete",
+                                    f"the upstream server did not stream events: {exc}"))
+            yield _DONE
         finally:
             await answer.aclose()
 

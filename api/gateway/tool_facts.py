@@ -4,13 +4,14 @@
 results back as ``tool`` messages answering the assistant message's ``tool_calls``. Each such
 result becomes one ``tool_returned`` event (tool call id, the call's name and arguments, the
 output), appended before the ``llm_called`` of the request that first carries it and never
-again for the same tool call id (its event id is derived from episode, agent and tool call
-id, and ids already stored are skipped; an id a client issues again in a later turn is a new
-call). A tool message is matched to the call its
-``tool_call_id`` names among the preceding assistant messages' calls; without one, to the
-next unanswered call of the assistant message before it. Tool messages that answer no call
-are not recorded. Arguments are the call's JSON ``arguments`` (text that is not a JSON object
-is kept as ``{"raw": text}``).
+again for the same tool call id (its event id is derived from episode and tool call id, as an
+``execute_tool`` span of the same call derives it, ``api.call_ids.tool_event_id``, and ids
+already stored are skipped; an id a client issues again in a later turn is a new call, with an
+id derived from episode, agent, tool call id and its issue). A tool message is matched to
+the call its ``tool_call_id`` names among the preceding assistant messages' calls; without
+one, to the next unanswered call of the assistant message before it. Tool messages that
+answer no call are not recorded. Arguments are the call's JSON ``arguments`` (text that is
+not a JSON object is kept as ``{"raw": text}``).
 
 **Errors** (``is_error``, ``error_type``, ``error_message``), decided from the output text:
 
@@ -36,6 +37,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from api.call_ids import tool_event_id
 from store.events import ABANDONED_ERROR_TYPE, AttemptFailed, Event, RolledBack, ToolReturned
 
 __all__ = ["ABANDONED_TYPE", "abandon_events", "classify_output", "fact_id", "tool_results"]
@@ -146,8 +148,12 @@ def tool_results(messages: Sequence[Mapping[str, Any]], *, episode_id: str, agen
                 continue
             output = _text(message.get("content"))
             is_error, error_type, error_message = classify_output(output)
+            # The first issue of a tool call id takes the id an execute_tool span of the same
+            # call takes too (api.call_ids): one call, one fact.
+            shared = raw is not None and key == raw
             out.append(ToolReturned(
-                event_id=fact_id(episode_id, agent, "tool", key), agent=agent,
+                event_id=(tool_event_id(episode_id, raw) if shared and raw is not None
+                          else fact_id(episode_id, agent, "tool", key)), agent=agent,
                 tool_call_id=raw, name=name,
                 arguments=arguments, output=output, is_error=is_error,
                 error_type=error_type, error_message=error_message))

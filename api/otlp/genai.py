@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from api.call_ids import call_event_id
+from api.call_ids import call_event_id, tool_event_id
 from api.otlp.decode import STATUS_ERROR, OtlpError, Span, SpanEvent
 from store.events import EpisodeFinished, Event, LLMCalled, RewardAssigned, ToolReturned
 
@@ -98,6 +98,10 @@ class EpisodeSpans:
     events: list[Event] = field(default_factory=list)
     wheres: list[str] = field(default_factory=list)
     unversioned: set[uuid.UUID] = field(default_factory=set)
+    #: For each tool call stored under the id its episode and tool call id give (the id the
+    #: gateway gives the same call, ``api.call_ids.tool_event_id``), the span's own id, for
+    #: when the shared one holds another call of that tool call id.
+    own_ids: dict[uuid.UUID, uuid.UUID] = field(default_factory=dict)
     spans: int = 0
     where: str = ""
     first_call_ns: int | None = None
@@ -733,6 +737,20 @@ def _rewards(span: Span) -> list[tuple[int, RewardAssigned]]:
     return out
 
 
+def _shared_tool_id(plan: EpisodeSpans, event: Event) -> Event:
+    """A tool call span's event under the id the gateway gives the same call (its episode
+    and tool call id), the first in this export to name that tool call id; others keep
+    their span's id."""
+    if not isinstance(event, ToolReturned) or not event.tool_call_id:
+        return event
+    shared = tool_event_id(plan.episode_id, event.tool_call_id)
+    if shared in plan.own_ids:
+        return event
+    assert event.event_id is not None  # the span's own, always set here
+    plan.own_ids[shared] = event.event_id
+    return event.model_copy(update={"event_id": shared})
+
+
 def episode_events(spans: Sequence[Span]) -> list[EpisodeSpans]:
     """The events of ``spans`` grouped by episode (in order of first appearance), each
     episode's in the order to append them. Raises OtlpError for a span whose GenAI
@@ -779,6 +797,7 @@ def episode_events(spans: Sequence[Span]) -> list[EpisodeSpans]:
         elif first_call is not None and not versioned:
             plan.unversioned.add(items[0][1].event_id)  # type: ignore[arg-type]
         plan.spans += 1
+        items = [(key, _shared_tool_id(plan, event)) for key, event in items]
         keyed[episode_id].extend((key, event, span.where) for key, event in items)
     for episode_id, plan in episodes.items():
         ordered = sorted(keyed[episode_id], key=lambda item: item[0])

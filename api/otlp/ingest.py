@@ -6,9 +6,11 @@ stores nothing: the events of every episode are validated as the log validates a
 against the key's project (403 for another project's, as for any write). Then each episode
 is opened the way the capture gateway opens one (``Capture.target_or_create``: the episode,
 and its run when missing, are created on first use) and its new events are appended. Events
-whose ids are stored already (spans sent before) are left out, so an export sent twice is
-stored once. An episode that is finished refuses further events: its spans are reported
-as rejected in the answer's ``partial_success``, the rest of the export is stored.
+whose ids are stored already (spans sent before, or the capture gateway's record of the same
+LLM call or tool call: ``api.call_ids``) are left out, so an export sent twice is stored
+once, and a call seen by both doors is one fact. An episode that is finished refuses
+further events: its spans are reported as rejected in the answer's ``partial_success``, the
+rest of the export is stored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from api.access import Access
+from api.call_ids import same_tool_call
 from api.errors import ApiError
 from api.gateway.capture import Capture, NewEpisode
 from api.keys import ApiKey
@@ -26,6 +29,7 @@ from api.otlp.genai import A_EPISODE, A_GROUP, A_RUN, EpisodeSpans, episode_even
 from store import errors as store_errors
 from store import queries
 from store.eventlog import ANY, EventStore
+from store.events import ToolReturned
 from store.settings import Settings
 from store.validation import validate_batch
 
@@ -73,6 +77,21 @@ def _plan_run(plan: EpisodeSpans, key: ApiKey, header_run: str | None) -> str:
     return default_run(key.project)
 
 
+def _separate_reissued_tool_calls(store: EventStore, plan: EpisodeSpans) -> None:
+    """A tool call span under the id its episode and tool call id give, where the log holds
+    another call under that id (a client that issued the tool call id again): the span's
+    own id instead, so it is stored rather than left out as a duplicate. The same call
+    reported by the gateway first stays one fact (``api.call_ids``)."""
+    held = queries.stored_tool_calls(store, [e.event_id for e in plan.events
+                                             if e.event_id in plan.own_ids])
+    for i, event in enumerate(plan.events):
+        if not isinstance(event, ToolReturned) or event.event_id not in held:
+            continue
+        if not same_tool_call(held[event.event_id], (event.name, event.arguments)):
+            plan.events[i] = event.model_copy(
+                update={"event_id": plan.own_ids[event.event_id]})  # type: ignore[index]
+
+
 def store_spans(store: EventStore, settings: Settings, access: Access, capture: Capture,
                 key: ApiKey, spans: list[Span], *, header_run: str | None = None
                 ) -> ExportOutcome:
@@ -111,6 +130,7 @@ def store_spans(store: EventStore, settings: Settings, access: Access, capture: 
                          task_id=plan.task_id, messages=plan.messages, tools=plan.tools,
                          model=plan.model, where=f"attribute {A_RUN}")
         for attempt in range(3):
+            _separate_reissued_tool_calls(store, plan)
             stored = queries.stored_event_ids(store, [e.event_id for e in plan.events
                                                       if e.event_id is not None])
             fresh = [e for e in plan.events if e.event_id not in stored]

@@ -54,14 +54,66 @@ Abandoned = Annotated[str | None, Header(
                 "(or is excluded), never a positive one.")]
 
 
-@router.get("/models")
-def models(key: IngestKey, ctx: Ctx) -> dict[str, Any]:
-    """The model the gateway serves, in OpenAI's list shape: the upstream's model name when
-    one is set (else the caller's), or the in-process engine's name."""
+def _model_list(ctx: Any) -> dict[str, Any]:
     name = (ctx.settings.gateway_upstream_model or "upstream") if ctx.gateway.has_upstream \
         else ctx.settings.gateway_model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                         "owned_by": "trajstore"}]}
+
+
+@router.get("/models")
+def models(key: IngestKey, ctx: Ctx) -> dict[str, Any]:
+    """The model the gateway serves, in OpenAI's list shape: the upstream's model name when
+    one is set (else the caller's), or the in-process engine's name."""
+    return _model_list(ctx)
+
+
+def _check_run(ctx: Any, key: Any, run_id: str) -> None:
+    """A run that exists must be the key's project's (403); one that does not is the one
+    the episode's first call will create, so nothing is refused."""
+    from store import queries
+
+    if queries.run_record(ctx.store, run_id) is not None:
+        ctx.access.check_run(key, run_id)
+
+
+@router.get("/runs/{run_id}/episodes/{episode_id}/models")
+def episode_models(run_id: str, episode_id: str, key: IngestKey, ctx: Ctx) -> dict[str, Any]:
+    """``GET /v1/models`` under an episode's base URL, where an ``openai`` client given that
+    base URL asks (``client.models.list()``). It creates nothing; another project's run is
+    403."""
+    _check_run(ctx, key, run_id)
+    return _model_list(ctx)
+
+
+@router.get("/models/{model_id}")
+def model(model_id: str, key: IngestKey, ctx: Ctx) -> dict[str, Any]:
+    """One model (``client.models.retrieve``): the one the gateway serves; any other name
+    is 404 (with an upstream and no model name set, the caller's name is what is sent, so
+    any name is answered)."""
+    return _one_model(ctx, model_id)
+
+
+@router.get("/runs/{run_id}/episodes/{episode_id}/models/{model_id}")
+def episode_model(run_id: str, episode_id: str, model_id: str, key: IngestKey,
+                  ctx: Ctx) -> dict[str, Any]:
+    """``GET /v1/models/{model}`` under an episode's base URL."""
+    _check_run(ctx, key, run_id)
+    return _one_model(ctx, model_id)
+
+
+def _one_model(ctx: Any, model_id: str) -> dict[str, Any]:
+    from api.errors import ApiError
+
+    served = _model_list(ctx)["data"]
+    if ctx.gateway.has_upstream and not ctx.settings.gateway_upstream_model:
+        # The caller's model name goes upstream as given: any name is served.
+        return {**served[0], "id": model_id}
+    for item in served:
+        if item["id"] == model_id:
+            return dict(item)
+    raise ApiError(404, "not_found", f"no model {model_id!r}; this gateway serves "
+                                     f"{served[0]['id']!r}")
 
 
 @router.post("/chat/completions", response_model=CompletionResponse, responses=_STREAM)

@@ -1,5 +1,6 @@
 """Liveness (``/health``: the process answers) and readiness (``/ready``: the database is
-reachable and at the schema revision this code needs). Neither needs a key."""
+reachable and at the schema revision this code needs; it also says whether any process
+replays finished episodes). Neither needs a key."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from api.errors import ERROR_RESPONSES
 from api.schemas.health import Health, Readiness, WhoAmI
 from store import errors as store_errors
 from store import migrate, queries
+from store.followers import NO_REPLAY, REPLAY_FOLLOWER, leader_present
 
 __all__ = ["router"]
 
@@ -28,7 +30,9 @@ async def health() -> Health:
             responses={503: {"model": Readiness, "description": "Not ready (reason in detail)."}})
 def ready(ctx: Ctx) -> JSONResponse:
     """Ready when the database answers and its schema revision is the newest this code
-    knows; 503 otherwise."""
+    knows; 503 otherwise. ``replay`` says whether a process follows the log to replay
+    finished episodes (``following``: a replay worker, or ``trajstore serve``'s own copy)
+    or none does (``none``, with the fix in ``warnings``)."""
     head = migrate.head_revision()
     try:
         queries.ping(ctx.store)
@@ -41,8 +45,13 @@ def ready(ctx: Ctx) -> JSONResponse:
         body = Readiness(status="unavailable", database="ok", revision=current, head=head,
                          detail=f"schema at {current}, needs {head}: run `trajstore migrate`")
         return JSONResponse(body.model_dump(), status_code=503)
-    return JSONResponse(Readiness(status="ready", database="ok", revision=current,
-                                  head=head).model_dump())
+    # Ingest works without replay, so this is no reason to take the API out of service;
+    # but nothing ingested would ever become a sample, and that is said here.
+    replaying = leader_present(ctx.store, REPLAY_FOLLOWER)
+    return JSONResponse(Readiness(
+        status="ready", database="ok", revision=current, head=head,
+        replay="following" if replaying else "none",
+        warnings=[] if replaying else [NO_REPLAY]).model_dump())
 
 
 @router.get("/v1/keys/me", response_model=WhoAmI, tags=["keys"], responses=ERROR_RESPONSES)

@@ -17,6 +17,9 @@ class Readiness(BaseModel):
     revision: str | None = None
     head: str | None = None
     detail: str | None = None
+    #: ``following`` when a process replays finished episodes, ``none`` when none does.
+    replay: str | None = None
+    warnings: list[str] = []
 
 
 class WhoAmI(BaseModel):

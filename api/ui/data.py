@@ -12,19 +12,22 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from api.errors import ApiError
 from api.timelines import replay_stored
-from store import analytics, queries
+from store import analytics, queries, search
 from store.analytics import Filters
 from store.eventlog import EventStore
-from store.events import AttemptFailed, RolledBack, ToolReturned
+from store.events import AttemptFailed, LLMCalled, RolledBack, ToolReturned
 from store.training_steps import exclusions, training_steps
 from workers.engines.tokenizers import load_tokenizer
 from workers.replay import ReplayResult, has_token_ids
 
 __all__ = [
+    "call_rows",
     "dashboard",
     "episode_page",
     "group_page",
+    "search_page",
     "token_pieces",
 ]
 
@@ -129,6 +132,15 @@ def _event_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
         elif r.type == "llm_called":
             summary = (f"{e.agent} · call {e.call_id} · {len(e.prompt_ids)} prompt + "
                        f"{len(e.response_ids)} generated tokens · policy v{e.policy_version}")
+        if r.type == "llm_called":
+            if e.latency_ms is not None:
+                summary += f" · {e.latency_ms:.0f} ms"
+            error = e.response.get("error")
+            if error is not None or e.finish_reason == "error":
+                flag = "error"
+                summary += " · failed: " + (
+                    f"{error.get('type') or 'error'}: {error.get('message') or ''}".rstrip(": ")
+                    if isinstance(error, dict) else str(error or "error"))
         elif isinstance(e, ToolReturned):
             if e.is_error or e.error_type:
                 flag = "error"
@@ -153,6 +165,54 @@ def _event_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
             summary = f"group {e.group_id}, policy v{e.policy_version}"
         rows.append({"version": r.stream_version, "type": r.type, "summary": summary,
                      "flag": flag, "at": r.recorded_at})
+    return rows
+
+
+def call_rows(records: Sequence[Any]) -> list[dict[str, Any]]:
+    """One row per LLM call of the episode, in recording order: agent, call id, policy
+    version, latency, tokens in and out (the usage the caller reported, else the token ids
+    recorded), finish reason, and its state: ``failed`` (the request failed: its error),
+    ``rolled back`` (its attempt failed and was discarded), ``abandoned`` (the client threw
+    the answer away), ``truncated`` (cut off at the length limit), or ``ok``."""
+    failed_attempts: dict[str, str] = {}
+    discarded: set[str] = set()
+    for r in records:
+        e = r.event
+        if isinstance(e, AttemptFailed) and e.failed_call_id:
+            failed_attempts[e.failed_call_id] = ", ".join(e.error_types) or "error"
+        elif isinstance(e, RolledBack):
+            discarded.update(e.discarded_call_ids)
+    rows = []
+    for r in records:
+        e = r.event
+        if not isinstance(e, LLMCalled):
+            continue
+        usage = e.usage or {}
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        if prompt is None and has_token_ids(e):
+            prompt = len(e.prompt_ids)
+        if completion is None and has_token_ids(e):
+            completion = len(e.response_ids)
+        error = e.response.get("error") if isinstance(e.response, dict) else None
+        kind = failed_attempts.get(e.call_id)
+        if error is not None or e.finish_reason == "error":
+            state = "failed"
+            detail = (f"{error.get('type') or 'error'}: {error.get('message') or ''}"
+                      if isinstance(error, dict) else str(error or "error"))
+        elif kind == "Abandoned":
+            state, detail = "abandoned", "the client threw this answer away"
+        elif e.call_id in discarded or kind is not None:
+            state, detail = "rolled back", kind or ""
+        elif e.finish_reason == "length":
+            state, detail = "truncated", "cut off at the length limit"
+        else:
+            state, detail = "ok", ""
+        rows.append({"version": r.stream_version, "agent": e.agent, "call_id": e.call_id,
+                     "policy_version": e.policy_version, "latency_ms": e.latency_ms,
+                     "prompt_tokens": prompt, "completion_tokens": completion,
+                     "finish_reason": e.finish_reason, "state": state,
+                     "detail": detail.strip(" :")})
     return rows
 
 
@@ -195,11 +255,18 @@ def episode_page(store: EventStore, episode_id: str, *,
     token (text, id, loss mask, logprob; a discarded call's output flagged where a timeline
     holds it as context), the calls discarded (rolled back or abandoned: trained only as
     negative samples), the failed attempts as negative samples (kept or over the cap),
-    forks, the event log with tool errors and rollbacks flagged, and why the episode or its
-    samples did not reach training (``exclusions``, ``no_reward`` among them;
-    ``untokenized`` says why LLM calls recorded without token ids gave no samples). Raises
-    ApiError 404/409 as ``replay_stored`` does."""
-    replayed = replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader)
+    forks, each LLM call's latency, tokens and state (``call_rows``), the event log with tool
+    errors, failed calls and rollbacks flagged, and why the episode or its samples did not
+    reach training (``exclusions``, ``no_reward`` among them; ``untokenized`` says why LLM
+    calls recorded without token ids gave no samples). An episode replay refuses, or cannot
+    replay without a missing tokenizer, is shown without timelines, with the reason in
+    ``refused``. Raises ApiError 404 for an unknown episode or run."""
+    try:
+        replayed = replay_stored(store, episode_id, tokenizer_loader=tokenizer_loader)
+    except ApiError as exc:
+        if exc.code not in ("not_replayable", "tokenizer_not_found"):
+            raise
+        return _unreplayed_page(store, episode_id, exc.message)
     result, records = replayed.result, replayed.records
 
     def pieces(ids: Sequence[int]) -> list[str]:
@@ -242,4 +309,40 @@ def episode_page(store: EventStore, episode_id: str, *,
         "exclusions": [analytics.row_as_dict(x)
                        for x in exclusions(store.db, episode_id=episode_id)],
         "untokenized": result.untokenized_reason,
+        "calls": call_rows(records),
+        "refused": None,
     }
+
+
+def _unreplayed_page(store: EventStore, episode_id: str, reason: str) -> dict[str, Any]:
+    """The episode page of an episode replay refuses (``invalid``) or cannot replay here
+    (its run's tokenizer is missing): no timelines, the reason, and everything the log
+    holds: its LLM calls, its events, why it was not trained."""
+    records = store.read_stream(episode_id)
+    started = records[0].event
+    row = queries.episode_row(store, episode_id) or {}
+    return {
+        "episode_id": episode_id, "row": row,
+        "run_id": started.run_id, "group_id": started.group_id,  # type: ignore[attr-defined]
+        "status": row.get("status"), "reward": row.get("reward"),
+        "timelines": [], "negatives": [], "forks": [],
+        "events": _event_rows(records),
+        "exclusions": [analytics.row_as_dict(x)
+                       for x in exclusions(store.db, episode_id=episode_id)],
+        "untokenized": None,
+        "calls": call_rows(records),
+        "refused": row.get("invalid_reason") or reason,
+    }
+
+
+def search_page(store: EventStore, project: str, text: str, *, limit: int = 50
+                ) -> list[dict[str, Any]]:
+    """The episodes of ``project``'s runs where ``text`` occurs (``store.search``), each
+    with its listing row and what matched. Raises ValueError for blank text."""
+    runs = queries.run_ids_of(store, project)
+    found = []
+    for match in search.search_episodes(store, run_ids=runs, text=text, limit=limit):
+        row = queries.episode_row(store, match.episode_id)
+        if row is not None:
+            found.append({**row, "matched": match.what, "detail": match.detail})
+    return found

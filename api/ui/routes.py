@@ -4,7 +4,10 @@ Pages: ``/ui`` (the key's runs) → ``/ui/runs/{run}`` (the failure dashboard: c
 version, failure patterns, error signatures, tool error rates, and the run's groups) →
 ``/ui/runs/{run}/groups/{group}`` (its episodes) → ``/ui/episodes/{episode}`` (the merged
 timelines token by token, coloured by loss mask with the logprob on hover; tool calls and
-errors inline; the rolled-back attempts as negative samples; the event log).
+errors inline; each LLM call's latency, tokens and state, failed calls flagged; the
+rolled-back attempts as negative samples; the event log; an episode replay refuses shows its
+reason and events). ``/ui/search?q=`` finds episodes by episode id, task id or error. Wide
+tables scroll inside their box, so a page fits the window.
 
 A browser cannot send a bearer header on a link, so ``/ui/login`` takes a key once (any key
 with the ``read`` role, or ``admin``) and keeps a session in an HttpOnly, SameSite=Strict
@@ -57,8 +60,19 @@ SESSION_S = 8 * 3600.0
 HERE = Path(__file__).resolve().parent
 STATIC_DIR = HERE / "static"
 templates = Jinja2Templates(directory=HERE / "templates")
-templates.env.filters["num"] = lambda v, digits=3: "" if v is None else (
-    f"{v:.{digits}f}".rstrip("0").rstrip(".") if isinstance(v, float) else str(v))
+
+
+def _num(v: Any, digits: int = 3) -> str:
+    """A number as the tables show it: floats to ``digits`` places without trailing zeros."""
+    if v is None:
+        return ""
+    if not isinstance(v, float):
+        return str(v)
+    text = f"{v:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+templates.env.filters["num"] = _num
 templates.env.filters["pct"] = lambda v: "" if v is None else f"{100 * v:.1f}%"
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -243,6 +257,22 @@ async def group_page(request: Request, run_id: str, group_id: str, key: PageKey,
         raise PageError(404, f"run {run_id!r} has no group {group_id!r}")
     return _page(request, "group.html", key=key, run_id=run_id, group_id=group_id,
                  episodes=episodes)
+
+
+@router.get("/search", response_class=HTMLResponse)
+async def search_page(request: Request, key: PageKey, ctx: Ctx, q: str = "") -> HTMLResponse:
+    """The episodes of the key's project where ``q`` occurs: in the episode or task id, or
+    in an error (``store.search``). A blank or over-long query is said on the page."""
+    limit, found, problem = 50, [], None
+    if not q.strip():
+        problem = "Type part of an episode id, a task id or an error to search for."
+    elif len(q) > 200:
+        problem = "Search for at most 200 characters."
+    else:
+        found = await run_in_threadpool(data.search_page, ctx.store, key.project, q,
+                                        limit=limit)
+    return _page(request, "search.html", key=key, query=q, found=found, problem=problem,
+                 limit=limit)
 
 
 @router.get("/episodes/{episode_id}", response_class=HTMLResponse)

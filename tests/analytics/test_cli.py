@@ -199,8 +199,15 @@ def test_parse_time() -> None:
     assert parse_time("2026-04-30", option="--until") == dt.datetime(2026, 4, 30, tzinfo=dt.UTC)
     offset = parse_time("2026-04-30T10:00:00+02:00", option="--until")
     assert offset == dt.datetime(2026, 4, 30, 8, 0, tzinfo=dt.UTC)
-    with pytest.raises(typer.BadParameter, match="'5 hours' is not an ISO 8601 time"):
-        parse_time("5 hours", option="--since")
+    assert parse_time("1h30m", option="--since", now=now) == now - dt.timedelta(minutes=90)
+    assert parse_time("5 hours", option="--since", now=now) == now - dt.timedelta(hours=5)
+    for bad in ("5", "soon", "12:30"):
+        with pytest.raises(typer.BadParameter, match=f"'{bad}' is not an ISO 8601 time"):
+            parse_time(bad, option="--since")
+    with pytest.raises(typer.BadParameter, match="negative duration"):
+        parse_time("-5m", option="--since")
+    with pytest.raises(typer.BadParameter, match="before the year 1"):
+        parse_time("999999999d", option="--since", now=now)
 
 
 def test_format_cell() -> None:

@@ -171,3 +171,95 @@ def test_screenshots_show_the_charts_and_the_token_colours(
     assert near(found, "#c9f2d0"), "trained tokens are not coloured"
     assert near(found, "#eef0f4"), "context tokens are not coloured"
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def _fits(page: Any) -> bool:
+    """Whether the page is no wider than the window (wide tables scroll in their box)."""
+    return bool(page.evaluate(
+        "document.documentElement.scrollWidth <= document.documentElement.clientWidth"))
+
+
+def test_search_a_refused_episode_and_tables_that_fit(
+        browser: Any, served: tuple[Server, str], seeded: Seeded) -> None:
+    """At 800 pixels wide, the dashboard (tables of ten and more columns), an episode and the
+    search results fit the window; the search box finds episodes by an error's text; an
+    episode replay refused shows the reason and its events."""
+    context = browser.new_context(viewport={"width": 800, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        sign_in(page, served, f"/ui/runs/{RUN}")
+        page.wait_for_selector("body[data-charts=ready]")
+        assert _fits(page)
+        wide = page.locator("#rollbacks")
+        assert wide.evaluate("t => t.parentElement.scrollWidth > t.parentElement.clientWidth")
+        page.fill("input[name=q]", "unexpected argument")
+        page.press("input[name=q]", "Enter")
+        page.wait_for_selector("#matches")
+        assert page.locator("#matches tbody tr").count() == 4
+        assert _fits(page)
+        page.click(f"#matches >> text={seeded.ids['e1']}")
+        page.wait_for_selector(".timeline")
+        assert _fits(page)
+        assert page.locator("#call-rows tbody tr").count() >= 2
+        page.goto(served[0].url + f"/ui/episodes/{seeded.ids['e8']}")
+        refused = page.locator("#refused")
+        assert refused.is_visible() and "not a rendering" in refused.inner_text()
+        assert page.locator("#events tbody tr").count() == len(seeded.events["e8"])
+        assert _fits(page)
+    finally:
+        context.close()
+    assert errors == [], f"JavaScript errors: {errors}"
+
+
+def test_a_failed_call_is_flagged(browser: Any, migrated_db: str, tmp_path: Path) -> None:
+    """An episode whose second LLM call failed (rate limited), on a server and database of
+    its own: its row in the calls table and in the event log is flagged, in the error
+    colour."""
+    import uuid
+
+    from store.db import Database
+    from store.eventlog import NO_STREAM, EventStore, run_stream_id
+    from store.events import EpisodeFinished, EpisodeStarted, LLMCalled, RunCreated
+
+    url = migrated_db
+    settings = Settings(database_url=url, data_dir=tmp_path, api_key_scrypt_n=1024)
+    store = EventStore(Database(url, max_size=2), settings)
+    run, episode = f"flag-{uuid.uuid4().hex[:6]}", f"flag-ep-{uuid.uuid4().hex[:6]}"
+    question = [{"role": "user", "content": "Hi"}]
+    store.append(run_stream_id(run), [RunCreated(run_id=run, project="flagged")], NO_STREAM)
+    store.append(episode, [
+        EpisodeStarted(run_id=run, group_id="g", messages=question),
+        LLMCalled(call_id="ok", messages=question, prompt_ids=[], response_ids=[],
+                  logprobs=[], response={"role": "assistant", "content": "Hello"},
+                  latency_ms=80.0, usage={"prompt_tokens": 9, "completion_tokens": 2}),
+        LLMCalled(call_id="bad", messages=question, prompt_ids=[], response_ids=[],
+                  logprobs=[], finish_reason="error", latency_ms=30.0,
+                  response={"role": "assistant", "content": "",
+                            "error": {"type": "RateLimitError", "message": "slow down"}}),
+        EpisodeFinished(status="error")], NO_STREAM)
+    keys = KeyStore(store.db, settings)
+    token = keys.create(project="flagged", role="read").token
+    keys.close()
+    server = Server(settings, tmp_path / "server.log")
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    try:
+        server.wait_ready()
+        page.goto(server.url + f"/ui/episodes/{episode}")
+        page.fill("input[name=key]", token)
+        page.click("button[type=submit]")
+        page.wait_for_selector("#call-rows")
+        rows = page.locator("#call-rows tbody tr")
+        assert rows.count() == 2
+        assert "80" in rows.nth(0).inner_text() and "failed" not in rows.nth(0).inner_text()
+        bad = rows.nth(1)
+        assert "failed" in bad.inner_text() and "RateLimitError: slow down" in bad.inner_text()
+        shot = colours(bad.screenshot())
+        assert near(shot, "#fdecea"), "the failed call's row is not in the error colour"
+        assert page.locator("#events tr.error").count() == 1
+    finally:
+        context.close()
+        server.stop()
+        store.close()

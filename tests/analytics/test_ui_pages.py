@@ -246,7 +246,16 @@ def test_error_pages(ui: tuple[TestClient, dict[str, str]], seeded: Seeded) -> N
     r = page(ui, f"/ui/runs/{RUN}", key="stranger")
     assert r.status_code == 403 and "not in this key" in r.text
     assert page(ui, f"/ui/episodes/{seeded.ids['e1']}", key="stranger").status_code == 403
-    # An episode that cannot be replayed (e8: corrupted prompt) says why instead of failing.
+    # An episode replay refuses (e8: corrupted prompt) shows why, and its events.
     r = page(ui, f"/ui/episodes/{seeded.ids['e8']}")
-    assert r.status_code == 409 and "cannot be replayed" in r.text
+    assert r.status_code == 200, r.text
+    assert "Replay refused this episode" in r.text
+    from store import queries
+
+    # The projection's reason is the one shown.
+    reason = queries.episode_row(seeded.store, seeded.ids["e8"])["invalid_reason"]
+    assert reason and reason in html.unescape(r.text), reason
+    assert len(cells(r.text, "call-rows")) == sum(
+        e.type == "llm_called" for e in seeded.events["e8"])
+    assert 'id="events"' in r.text and "episode_finished" in r.text
     assert page(ui, "/ui/static/vendor/chart.umd.min.js").status_code == 200

@@ -10,16 +10,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
 from api.app import create_app
 from api.keys import KeyStore
 from store import embedded
 from store.db import Database
 from store.eventlog import EventStore
-from store.settings import Settings
+from store.settings import Settings, get_settings
 from tests.servers import ServerProcess, free_port
 from tests.workers.conftest import Worker
 
@@ -86,7 +88,8 @@ class Server(ServerProcess):
     added, launched at once (:class:`tests.servers.ServerProcess`: its own process group on
     a free port); ``wait_ready()`` before use, ``stop()`` after."""
 
-    def __init__(self, settings: Settings, log: Path, **env: str) -> None:
+    def __init__(self, settings: Settings, log: Path, *, replay: bool = False,
+                 **env: str) -> None:
         port = free_port()
         environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
         environ.update({
@@ -96,8 +99,11 @@ class Server(ServerProcess):
             "TRAJSTORE_LOG_LEVEL": "WARNING",
         })
         environ.update(env)
+        # The session's database holds every test's episodes: a server replays them only
+        # when a test asks (replay=True), as its own copy of the replay follower.
         super().__init__([sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1",
-                          "--port", str(port)], port=port, log=log, env=environ)
+                          "--port", str(port), "--replay" if replay else "--no-replay"],
+                         port=port, log=log, env=environ)
         self.launch()
 
 
@@ -105,8 +111,9 @@ class Server(ServerProcess):
 def start_server(api_settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
-    def start(**env: str) -> Server:
-        server = Server(api_settings, tmp_path / f"server-{len(servers)}.log", **env)
+    def start(*, replay: bool = False, **env: str) -> Server:
+        server = Server(api_settings, tmp_path / f"server-{len(servers)}.log", replay=replay,
+                        **env)
         servers.append(server)
         server.wait_ready()
         return server
@@ -143,3 +150,30 @@ def rollout_worker(pg_url: str, rollout_broker: str, tmp_path_factory: pytest.Te
         yield worker
     finally:
         worker.stop()
+
+
+@pytest.fixture
+def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path
+            ) -> Iterator[TestClient]:
+    """The app in process with the tiny model as the gateway's in-process engine."""
+    settings = api_settings.model_copy(update={"gateway_engine_model": str(tiny_model_dir),
+                                               "gateway_max_tokens": 16})
+    with TestClient(create_app(settings, store=api_store)) as c:
+        yield c
+
+
+@pytest.fixture
+def cli(pg_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    """``trajstore export`` in process (typer's runner) on the session's database."""
+    from trajstore.cli import app
+
+    monkeypatch.setenv("TRAJSTORE_DATABASE_URL", pg_url)
+    monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Any:
+        return runner.invoke(app, ["export", *args])
+
+    yield invoke
+    get_settings.cache_clear()

@@ -73,6 +73,9 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
             "messages": [{"role": "user", "content": "hi"}], "run_id": run,
             "max_turns": 1}),
         ("GET", "/v1/models", "ingest", lambda: None),
+        ("GET", "/v1/models/trajstore", "ingest", lambda: None),
+        ("GET", f"/v1/runs/{run}/episodes/{episode}/models", "ingest", lambda: None),
+        ("GET", f"/v1/runs/{run}/episodes/{episode}/models/trajstore", "ingest", lambda: None),
         ("POST", f"/v1/runs/{run}/episodes/{episode}/chat/completions", "ingest", lambda: {
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
         ("POST", f"/v1/runs/{run}/episodes/{episode}/completions", "ingest", lambda: {
@@ -119,7 +122,8 @@ def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
                   for m in item}
     public = {("GET", "/health"), ("GET", "/ready")}
     templated = {(m, p.replace(run, "{run_id}").replace(episode, "{episode_id}")
-                  .replace(str(lease.lease_id), "{lease_id}")) for m, p in covered}
+                  .replace(str(lease.lease_id), "{lease_id}")
+                  .replace("/models/trajstore", "/models/{model_id}")) for m, p in covered}
     assert templated | public == documented, "the matrix must cover every route"
 
     for method, path, role, body in routes(run, episode, str(lease.lease_id)):

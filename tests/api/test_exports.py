@@ -16,14 +16,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
-from typer.testing import CliRunner
 
 from api.app import create_app
 from api.keys import KeyStore
 from store.db import Database
 from store.eventlog import EventStore
 from store.events import EpisodeStarted
-from store.settings import Settings, get_settings
+from store.settings import Settings
 from tests.api.conftest import Project, make_project
 from tests.api.episodes import ADD_TOOL, create_run, episode_events
 from workers.replay.jobs.project import project_episode
@@ -321,22 +320,6 @@ def test_export_refuses_bad_requests(client: TestClient, dataset: Dataset,
     r = client.get(f"/v1/runs/{dataset.run_id}/export.parquet", headers=headers)
     assert r.status_code == 200
     assert pq.read_table(io.BytesIO(r.content)).num_rows == len(_samples(client, dataset))
-
-
-@pytest.fixture
-def cli(pg_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
-    from trajstore.cli import app
-
-    monkeypatch.setenv("TRAJSTORE_DATABASE_URL", pg_url)
-    monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(tmp_path))
-    get_settings.cache_clear()
-    runner = CliRunner()
-
-    def invoke(*args: str) -> Any:
-        return runner.invoke(app, ["export", *args])
-
-    yield invoke
-    get_settings.cache_clear()
 
 
 def test_cli_writes_each_format(cli: Any, dataset: Dataset, tmp_path: Path) -> None:

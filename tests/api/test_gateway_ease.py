@@ -5,16 +5,13 @@ client. The in-process engine is the tiny model."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
 from store.eventlog import EventStore
-from store.settings import Settings
 from tests.api.conftest import Project
 from trajstore.client import TrajstoreClient, TrajstoreError
 from workers.replay.jobs.project import project_episode
@@ -22,15 +19,6 @@ from workers.replay.jobs.project import project_episode
 pytestmark = pytest.mark.timeout(600)
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
-
-
-@pytest.fixture
-def gateway(api_settings: Settings, api_store: EventStore, tiny_model_dir: Path
-            ) -> Iterator[TestClient]:
-    settings = api_settings.model_copy(update={"gateway_engine_model": str(tiny_model_dir),
-                                               "gateway_max_tokens": 16})
-    with TestClient(create_app(settings, store=api_store)) as c:
-        yield c
 
 
 def _types(store: EventStore, stream: str) -> list[str]:
@@ -135,3 +123,25 @@ def test_models_lists_the_engine(gateway: TestClient, project: Project, api_sett
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == [api_settings.gateway_model_name]
     assert gateway.get("/v1/models").status_code == 401
+
+
+def test_models_on_the_episode_base_url(gateway: TestClient, project: Project,
+                                        api_settings: Any, api_store: EventStore) -> None:
+    """The real ``openai`` client on the per-episode base URL the docs give lists and
+    retrieves the gateway's model; asking creates no run and no episode."""
+    import openai
+    from openai import OpenAI
+
+    ts = TrajstoreClient(str(gateway.base_url), project.ingest, http=gateway)
+    run_id = f"agent-{uuid.uuid4().hex[:8]}"
+    episode = ts.episode(run_id)
+    llm = OpenAI(**episode.openai_kwargs, http_client=gateway)
+    assert [m.id for m in llm.models.list()] == [api_settings.gateway_model_name]
+    assert llm.models.retrieve(api_settings.gateway_model_name).id == \
+        api_settings.gateway_model_name
+    with pytest.raises(openai.NotFoundError):
+        llm.models.retrieve("no-such-model")
+    plain = OpenAI(base_url=f"{gateway.base_url}/v1", api_key=project.ingest,
+                   http_client=gateway)
+    assert [m.id for m in plain.models.list()] == [api_settings.gateway_model_name]
+    assert api_store.read_stream(episode.episode_id) == []

@@ -120,3 +120,49 @@ def test_strip_extensions_removes_what_the_caller_did_not_ask_for() -> None:
     kept = strip_extensions(json.loads(json.dumps(body)), keep_logprobs=True,
                             keep_token_ids=True)
     assert kept == body
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "assistant", "content": None, "reasoning_content": "r",
+     "tool_calls": [{"id": "c-0", "type": "function",
+                     "function": {"name": "add", "arguments": "{\"a\": 1}"}}]},
+])
+@pytest.mark.parametrize("logprobs_asked", [True, False])
+def test_every_body_is_what_the_openai_package_reads(message: dict, logprobs_asked: bool
+                                                     ) -> None:
+    """The bodies are written by hand (with vLLM's token-id extensions); the ``openai``
+    package's own wire types read each of them without a loss: what they hold, dumped back,
+    is what was sent (extensions aside)."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    ids, lps = [1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4]
+    common = dict(request_id="x", created=1, model="m", prompt_ids=[7, 8], response_ids=ids,
+                  logprobs=lps, return_token_ids=True)
+    text = token_text if logprobs_asked else None
+
+    def same(model: type, body: dict) -> None:
+        read = model.model_validate(body).model_dump(mode="json", exclude_unset=True)
+        sent = json.loads(json.dumps(body))
+        assert read == {k: v for k, v in read.items() if k in sent}
+        for key in ("id", "object", "created", "model"):
+            assert read[key] == sent[key]
+        assert len(read["choices"]) == len(sent["choices"])
+
+    same(ChatCompletion, chat_response(**common, message=message, finish_reason="stop",
+                                       token_text=text))
+    for chunk in chat_chunks(**common, message=message, finish_reason="stop",
+                             token_text=token_text, want_logprobs=logprobs_asked,
+                             include_usage=True):
+        same(ChatCompletionChunk, chunk)
+    same(Completion, completion_response(**common, text="Hello!", finish_reason="length",
+                                         token_text=text))
+    for chunk in completion_chunks(**common, text="Hello!", finish_reason="stop",
+                                   token_text=token_text, want_logprobs=logprobs_asked,
+                                   include_usage=True):
+        # OpenAI streams text completions with a null finish_reason until the last chunk,
+        # which the type (shared with whole answers) does not allow: read it as "stop".
+        for choice in chunk["choices"]:
+            choice["finish_reason"] = choice["finish_reason"] or "stop"
+        same(Completion, chunk)

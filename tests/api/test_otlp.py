@@ -199,6 +199,7 @@ def test_the_documented_example_runs(start_server: Any, project: Project,
                                      api_store: EventStore) -> None:
     """docs/otlp.md's example, as written (a BatchSpanProcessor flushed at shutdown), against
     a running server."""
+    import os
     import re
     import subprocess
     import sys
@@ -207,8 +208,8 @@ def test_the_documented_example_runs(start_server: Any, project: Project,
     server = start_server()
     doc = (Path(__file__).resolve().parents[2] / "docs" / "otlp.md").read_text()
     [code] = re.findall(r"```python\n(.*?)```", doc, re.S)
-    code = code.replace("http://127.0.0.1:8000", server.url).replace("tsk_...", project.ingest)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    env = {**os.environ, "API": server.url, "INGEST_KEY": project.ingest}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
     records = stored(api_store, "conv-42")
     assert [r.type for r in records] == ["episode_started", "llm_called", "reward_assigned",
                                          "episode_finished"]

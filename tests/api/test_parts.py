@@ -89,8 +89,8 @@ def test_engine_and_upstream_configuration_errors(tmp_path: Path) -> None:
         engine_model_dir(Settings(data_dir=tmp_path, gateway_engine_model="/no/such/dir"))
     with pytest.raises(ValueError, match="gateway_upstream_url is not set"):
         Upstream(Settings())
-    with pytest.raises(ValueError, match="must be an http"):
-        Upstream(Settings(gateway_upstream_url="ftp://x"))
+    with pytest.raises(ValueError, match="not an HTTP URL"):  # refused by the settings
+        Settings(gateway_upstream_url="ftp://x")
     up = Upstream(Settings(gateway_upstream_url="http://h:1/", gateway_upstream_model="m"))
     assert up.base_url == "http://h:1/v1"
     body = up.prepare({"model": "a", "messages": [], "top_logprobs": None}, chat=True)

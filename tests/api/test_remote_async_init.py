@@ -214,6 +214,8 @@ def test_the_callback_is_not_retried_on_a_final_answer_and_checks_its_arguments(
     @app.post("/{kind}/v1/rollout/completed")
     def completed(kind: str) -> JSONResponse:
         tries[kind] = tries.get(kind, 0) + 1
+        if kind == "flaky":  # two failures, then taken
+            return JSONResponse({}, status_code=200 if tries[kind] == 3 else 502)
         return JSONResponse({}, status_code=401 if kind == "final" else 503)
 
     server = ThreadedServer(app, lifespan="off")
@@ -224,9 +226,14 @@ def test_the_callback_is_not_retried_on_a_final_answer_and_checks_its_arguments(
                                       api_key=None, attempts=4, backoff_s=0) == 401
         assert post_rollout_completed(f"{server.url}/busy", report, api_key="k",
                                       attempts=3, backoff_s=0) == 503
+        assert post_rollout_completed(f"{server.url}/flaky", report, api_key=None,
+                                      attempts=5, backoff_s=0.01) == 200
     finally:
         server.stop()
-    assert tries == {"final": 1, "busy": 3}
+    assert tries == {"final": 1, "busy": 3, "flaky": 3}
+    # Nobody listening: every try fails to connect, and nothing answered.
+    assert post_rollout_completed(server.url, {"rollout_id": "r2"}, api_key=None, attempts=2,
+                                  backoff_s=0) is None
     assert completion_url("http://t:1/v1/completions/") == "http://t:1/v1/rollout/completed"
     with pytest.raises(ValueError, match="attempts"):
         post_rollout_completed("http://127.0.0.1:9", {}, api_key=None, attempts=0)

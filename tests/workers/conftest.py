@@ -13,19 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from store import embedded, migrate
+from store import embedded
 from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings
-from tests.conftest import PostgresServer
 
 
 @pytest.fixture
-def worker_db(pg_server: PostgresServer) -> Iterator[str]:
-    url = pg_server.create_database()
-    migrate.upgrade(url)
-    yield url
-    pg_server.drop_database(url)
+def worker_db(migrated_db: str) -> str:
+    return migrated_db
 
 
 @pytest.fixture

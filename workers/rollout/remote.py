@@ -203,6 +203,7 @@ def post_rollout_completed(server_url: str, response: Mapping[str, Any], *,
     the last answer (None when the trainer never answered). Never raises for the trainer's
     failures; ``attempts`` below 1 or a negative ``backoff_s`` is a ValueError."""
     import httpx
+    import tenacity
 
     if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
         raise ValueError(f"attempts must be a positive integer, got {attempts!r}")
@@ -210,26 +211,40 @@ def post_rollout_completed(server_url: str, response: Mapping[str, Any], *,
         raise ValueError(f"backoff_s must be a number >= 0, got {backoff_s!r}")
     url = completion_url(server_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    status: int | None = None
+    rollout_id = response.get("rollout_id")
+    last: list[int | None] = [None]  # the status of the latest answer
+
+    def transient(outcome: tenacity.RetryCallState) -> bool:
+        failed = outcome.outcome
+        if failed is None:
+            return False
+        if failed.failed:
+            return isinstance(failed.exception(), httpx.TransportError)
+        return failed.result() in _TRANSIENT
+
+    def warn(state: tenacity.RetryCallState) -> None:
+        failed = state.outcome
+        what = (str(failed.exception()) if failed is not None and failed.failed
+                else f"answered {last[0]}")
+        _log.warning("rollout %s: completion callback to %s %s (try %d of %d)", rollout_id,
+                     url, what if what.startswith("answered") else f"failed: {what}",
+                     state.attempt_number, attempts)
+
     with httpx.Client(timeout=timeout_s, follow_redirects=False) as client:
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(backoff_s * 2 ** (attempt - 1))
-            try:
-                answer = client.post(url, json=dict(response), headers=headers)
-            except httpx.TransportError as exc:
-                _log.warning("rollout %s: completion callback to %s failed (try %d of %d): "
-                             "%s", response.get("rollout_id"), url, attempt + 1, attempts, exc)
-                continue
-            status = answer.status_code
-            if status < 300:
-                return status
-            if status not in _TRANSIENT:
-                break
-            _log.warning("rollout %s: completion callback to %s answered %d (try %d of %d)",
-                         response.get("rollout_id"), url, status, attempt + 1, attempts)
+        def post() -> int:
+            last[0] = client.post(url, json=dict(response), headers=headers).status_code
+            return last[0]
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(attempts),
+            wait=tenacity.wait_exponential(multiplier=backoff_s, exp_base=2, min=0),
+            retry=transient, before_sleep=warn, retry_error_callback=lambda _: last[0],
+            reraise=False)
+        status = retrying(post)
+    if status is not None and status < 300:
+        return status
     _log.error("rollout %s: the trainer at %s never took the completion callback (last "
-               "answer: %s)", response.get("rollout_id"), url, status)
+               "answer: %s)", rollout_id, url, status)
     return status
 
 

@@ -11,9 +11,12 @@ process dies between a send and the save
 (replay is idempotent: the second delivery does nothing). A dispatcher that starts with no
 saved position reads the log from its beginning, sending only what was never projected.
 
-Every replay worker runs a copy (``trajstore worker --queues replay``); a PostgreSQL advisory
-lock lets one act and the others stand by, taking over within ``standby_s`` when it goes. The
-periodic sweep stays as the safety net for a broker that was down when a send was due.
+Every replay worker runs a copy (``trajstore worker --queues replay``), and so does
+``trajstore serve`` unless told ``--no-replay``: its copy projects each episode in its own
+process (``project_here``) instead of queueing it, so an API running alone still replays what
+it ingests. A PostgreSQL advisory lock lets one copy act and the others stand by, taking over
+within ``standby_s`` when it goes. The periodic sweep stays as the safety net for a broker
+that was down when a send was due.
 """
 
 from __future__ import annotations
@@ -24,13 +27,19 @@ from collections.abc import Callable
 
 from store import errors
 from store.eventlog import EventStore
-from store.followers import leadership, load_cursor, not_projected, save_cursor
+from store.followers import (
+    REPLAY_FOLLOWER,
+    leadership,
+    load_cursor,
+    not_projected,
+    save_cursor,
+)
 
-__all__ = ["FOLLOWER", "dispatch_finished", "send_replay", "start_dispatcher"]
+__all__ = ["FOLLOWER", "dispatch_finished", "project_here", "send_replay", "start_dispatcher"]
 
 log = logging.getLogger(__name__)
 
-FOLLOWER = "replay-dispatch"
+FOLLOWER = REPLAY_FOLLOWER
 
 
 def send_replay(episode_id: str) -> None:
@@ -39,6 +48,19 @@ def send_replay(episode_id: str) -> None:
 
     ensure_configured().send_task("trajstore.replay_episode", args=[episode_id],
                                   queue="replay")
+
+
+def project_here(store: EventStore) -> Callable[[str], None]:
+    """A ``send`` that projects the episode at once in this process, on ``store``, instead
+    of queueing it (``trajstore serve``'s replay). An episode that cannot be replayed is
+    recorded ``invalid`` by the projection, as a replay worker records it."""
+    from workers.replay.jobs.project import project_episode
+
+    def project(episode_id: str) -> None:
+        outcome = project_episode(store, episode_id)
+        log.info("replayed %s: %s", episode_id, outcome.outcome)
+
+    return project
 
 
 def dispatch_finished(store: EventStore, *, send: Callable[[str], None] = send_replay,
@@ -64,10 +86,14 @@ def dispatch_finished(store: EventStore, *, send: Callable[[str], None] = send_r
 
 
 def start_dispatcher(store_factory: Callable[[], EventStore], *, standby_s: float = 5.0,
-                     poll_interval: float = 5.0) -> tuple[threading.Thread, threading.Event]:
+                     poll_interval: float = 5.0,
+                     send: Callable[[EventStore], Callable[[str], None]] | None = None,
+                     ) -> tuple[threading.Thread, threading.Event]:
     """Run ``dispatch_finished`` in a daemon thread until the returned event is set: it
     leads when it can and stands by (trying again every ``standby_s`` seconds) when another
-    copy leads; database or broker errors are logged and retried after ``standby_s``."""
+    copy leads; database or broker errors are logged and retried after ``standby_s``.
+    ``send`` makes the action from the thread's store (default: queue ``replay_episode``;
+    ``project_here``: project in this process)."""
     stop = threading.Event()
 
     def run() -> None:
@@ -76,7 +102,8 @@ def start_dispatcher(store_factory: Callable[[], EventStore], *, standby_s: floa
             try:
                 if store is None:
                     store = store_factory()
-                dispatch_finished(store, stop=stop, poll_interval=poll_interval)
+                dispatch_finished(store, stop=stop, poll_interval=poll_interval,
+                                  send=send(store) if send is not None else send_replay)
             except errors.StoreError as exc:
                 log.warning("replay dispatcher: %s; trying again in %g s", exc, standby_s)
             except Exception as exc:  # the broker is down: the batch is sent again later
