@@ -21,6 +21,7 @@ from typing import IO
 
 from store import embedded, migrate
 from store.settings import Settings
+from trajstore.launch import child_environment
 
 __all__ = ["Child", "child_env", "default_children", "supervise"]
 
@@ -48,8 +49,9 @@ def default_children(*, with_api: bool) -> list[Child]:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment of a child process: the parent's, with the database and Redis URLs
-    it resolved (starting the embedded servers when the settings name none)."""
-    env = dict(os.environ)
+    it resolved (starting the embedded servers when the settings name none), and the
+    child running the parent's code (``trajstore.launch.child_environment``)."""
+    env = child_environment()
     env["TRAJSTORE_DATABASE_URL"] = embedded.database_url(settings)
     env["TRAJSTORE_REDIS_URL"] = embedded.redis_url(settings)
     env["TRAJSTORE_DATA_DIR"] = str(settings.data_dir)
