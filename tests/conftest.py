@@ -31,6 +31,11 @@ from store import migrate  # noqa: E402
 from store.db import Database  # noqa: E402
 from store.eventlog import EventStore  # noqa: E402
 from store.settings import Settings  # noqa: E402
+from tests.isolation import (  # noqa: E402, F401  (the isolated marker's hooks)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_protocol,
+)
 
 
 def _with_dbname(url: str, name: str) -> str:
