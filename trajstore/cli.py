@@ -18,11 +18,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from store import errors
-from store.settings import Settings, get_settings
-from trajstore import analytics_cli, api_cli, export_cli, train_cli
-from trajstore.processes import register
-from trajstore.store_access import open_store
+from trajstore.launch import check_own_packages
+
+# Before the first import of a sibling package: one that is not trajstore's own is refused
+# with its folder named (trajstore.launch).
+check_own_packages()
+
+from store import errors  # noqa: E402
+from store.settings import Settings, get_settings  # noqa: E402
+from trajstore import analytics_cli, api_cli, export_cli, train_cli  # noqa: E402
+from trajstore.processes import register  # noqa: E402
+from trajstore.store_access import open_store  # noqa: E402
 
 __all__ = ["app"]
 

@@ -129,6 +129,7 @@ def _train_distributed(store: Any, run: str, config: Any, *, nproc: int, steps: 
     import subprocess
     import sys
 
+    from trajstore.launch import child_environment
     from workers.trainer.distributed import check_setup
 
     found = store.get_run(run)
@@ -141,4 +142,4 @@ def _train_distributed(store: Any, run: str, config: Any, *, nproc: int, steps: 
                f"--nproc-per-node={nproc}", "-m", "workers.trainer.distributed",
                json.dumps({"run": run, "steps": steps, "wait": wait, "model": model,
                            "config": config.to_dict()})]
-    return subprocess.call(command)
+    return subprocess.call(command, env=child_environment())

@@ -31,6 +31,7 @@ import psutil
 
 from store import embedded, migrate, preflight
 from store.settings import Settings
+from trajstore.launch import child_environment
 from trajstore.processes import die_with_parent, register
 
 __all__ = ["Child", "child_env", "default_children", "supervise"]
@@ -60,9 +61,10 @@ def default_children(*, with_api: bool) -> list[Child]:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment of a child process: the parent's, with the database and Redis URLs
-    it resolved (starting the embedded servers when the settings name none). A server that
+    it resolved (starting the embedded servers when the settings name none), and the
+    child running the parent's code (``trajstore.launch.child_environment``). A server that
     does not answer is a ``ConfigurationError`` naming its setting."""
-    env = dict(os.environ)
+    env = child_environment()
     env["TRAJSTORE_DATABASE_URL"] = preflight.database_url(settings)
     env["TRAJSTORE_REDIS_URL"] = preflight.broker_url(settings)
     env["TRAJSTORE_DATA_DIR"] = str(settings.data_dir)

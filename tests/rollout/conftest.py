@@ -1,7 +1,9 @@
-"""Fixtures of the rollout tests: the tiny model, built once per test session."""
+"""Fixtures of the rollout tests: the tiny model, built once per test session, and vLLM's
+OpenAI-compatible server over it, started once for the rollout tests."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +32,16 @@ def registry() -> ToolRegistry:
     """Calculator plus a Python sandbox with short limits."""
     return default_tool_registry(sandbox=PythonSandbox(timeout_s=3.0))
 
+
+
+@pytest.fixture(scope="package")
+def vllm_server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[str]:
+    """The URL of vLLM's OpenAI-compatible server over the tiny model, one for all the rollout
+    tests that only generate (starting one took a minute or more on two cores, and three
+    modules each started their own). Not in development mode: nothing can change its
+    weights (a test that does starts a server of its own)."""
+    from tests.servers import vllm_server
+
+    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server")) as url:
+        yield url

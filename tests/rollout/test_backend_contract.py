@@ -11,8 +11,9 @@ anything that is not a request. Where a backend differs by design the subject sa
 (``samples``: the replay backend forces recorded output instead of sampling, so greedy
 decoding, seeds and stop strings do not apply to it).
 
-The vLLM subjects are marked and skipped as the other vLLM tests are; each starts one engine
-(or server) for the whole module, stopped before the next subject starts.
+The vLLM subjects are marked and skipped as the other vLLM tests are; each engine is started
+for the whole module and stopped before the next subject starts; the server is the one the
+rollout tests share (``tests/rollout/conftest.py``).
 """
 
 from __future__ import annotations
@@ -116,16 +117,13 @@ def subject(request: pytest.FixtureRequest, hf_backend: TransformersBackend,
         finally:
             async_engine.close()
     else:
-        from tests.servers import vllm_server
         from workers.engines.backend_openai import OpenAIServerBackend
 
-        with vllm_server(tiny_model_dir, request.getfixturevalue("tmp_path_factory")
-                         .mktemp("vllm-contract-server")) as url:
-            client = OpenAIServerBackend(url, model="tiny")
-            try:
-                yield Subject(kind, lambda: client)
-            finally:
-                client.close()
+        client = OpenAIServerBackend(request.getfixturevalue("vllm_server_url"), model="tiny")
+        try:
+            yield Subject(kind, lambda: client)
+        finally:
+            client.close()
 
 
 def test_result_has_the_documented_shapes_and_types(subject: Subject) -> None:

@@ -124,12 +124,20 @@ def test_offline_bad_arguments(tmp_path: Path, engine: VLLMBackend) -> None:
         engine.generate(GenerationRequest(sampling=SamplingParams(), prompt_ids=(5,) * 2048))
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[str]:
-    # Development mode: the weight-update routes (test_server_reloads_a_checkpoint...).
-    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server"),
-                     env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
+@pytest.fixture
+def server(vllm_server_url: str) -> str:
+    """The rollout tests' vLLM server (``tests/rollout/conftest.py``)."""
+    return vllm_server_url
+
+
+@pytest.fixture
+def dev_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
+    """A vLLM server of the test's own in development mode (the weight-update routes): a
+    reload from a missing folder leaves the server unable to load weights again, so no other
+    test may share it."""
+    folder = tmp_path / "vllm-server"
+    folder.mkdir()
+    with vllm_server(tiny_model_dir, folder, env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url
 
 
@@ -159,7 +167,7 @@ def test_server_chat_and_completions_return_engine_tokens(
 
 @pytest.mark.slow
 def test_server_reloads_a_checkpoint_and_reports_the_version(
-        server: str, tiny_model_dir: Path, tmp_path: Path, store: Any) -> None:
+        dev_server: str, tiny_model_dir: Path, tmp_path: Path, store: Any) -> None:
     """A remote server wrapped as a rollout engine loads the checkpoint ``policy_updated``
     names through its weight-update route, serves the new weights, and reports the version
     under its own address; back to the base weights for another run."""
@@ -183,7 +191,7 @@ def test_server_reloads_a_checkpoint_and_reports_the_version(
     store.append(run_stream_id(run_id), [RunCreated(run_id=run_id)], NO_STREAM)
     store.append(run_stream_id(run_id), [PolicyUpdated(version=1, step=1,
                                                        checkpoint=str(checkpoint))])
-    client = OpenAIServerBackend(server, model="tiny")
+    client = OpenAIServerBackend(dev_server, model="tiny")
     request = GenerationRequest(sampling=SamplingParams(temperature=0.0, max_tokens=12),
                                 prompt_ids=tuple(reference.prompt_ids(_request())))
     try:
@@ -199,7 +207,7 @@ def test_server_reloads_a_checkpoint_and_reports_the_version(
         (version,) = policy_takeup(store, run_id)
         (took,) = version.engines
         assert (took.engine, took.backend, took.source) == (
-            server, "OpenAIServerBackend", str(checkpoint))
+            dev_server, "OpenAIServerBackend", str(checkpoint))
         assert took.lag_seconds is not None and took.lag_seconds >= 0
 
         engine.ensure("another-run", PolicyState(0))  # the base weights, from its folder

@@ -84,6 +84,7 @@ def test_two_processes_train_the_weights_of_one(tmp_path: Path) -> None:
     assert moved > 1e-3  # the steps did change the weights
 
 
+@pytest.mark.isolated  # bit for bit needs torch's threads as a fresh process has them
 def test_one_process_plays_both_ranks_where_none_can_be_spawned(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """From a daemonic process or a script that is not on disk no child can be spawned: the
