@@ -380,6 +380,10 @@ def demo(
         options.check()
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    if settings.redis_url is not None:
+        from store import preflight
+
+        preflight.broker_url(settings)  # a broker that does not answer: one line, status 2
     store = _open_store(settings)
     progress = Progress(TextColumn("{task.description:<16}"), BarColumn(),
                         MofNCompleteColumn(), console=console)
