@@ -167,8 +167,9 @@ def prepare(
     matching = " matching the filters" if group_id or kind or status else ""
     episodes = f" with reward >= {min_reward:g}" if min_reward is not None else ""
     if fmt == "samples":
-        batches = (verl_columns.record_batch([verl_columns.from_row(r) for r in rows])
-                   for rows in queries.iter_samples(store, filters, chunk=rows_per_group))
+        batches: Iterator[Any] = (
+            verl_columns.record_batch([verl_columns.from_row(r) for r in rows])
+            for rows in queries.iter_samples(store, filters, chunk=rows_per_group))
         batches = _some(batches, f"run {run_id!r} has no samples{matching}")
         chunks = stream_parquet(batches, verl_columns.ARROW_SCHEMA)
         media, name = PARQUET_MEDIA_TYPE, f"{run_id}.parquet"

@@ -15,7 +15,10 @@ def run_migrations_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:
+        raise RuntimeError("no database: set sqlalchemy.url (store.migrate does)")
+    engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as conn:
         context.configure(connection=conn, transactional_ddl=True)
         with context.begin_transaction():

@@ -128,8 +128,8 @@ def _record_tokenized(store: EventStore, *, seed: int, run_id: str, tokenizer: A
         return str(tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
                                                  add_generation_prompt=generation))
 
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def encode(text: str) -> np.ndarray:
+        return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": f"What is {a} * {b}? Use the calculator."}

@@ -79,7 +79,7 @@ def leader_present(store: EventStore, name: str) -> bool:
             " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             " AND classid = 0 AND objid = %s::bigint::oid AND objsubid = 1)",
             (_lock_key(name),)).fetchone()
-    return bool(row[0])
+    return row is not None and bool(row[0])
 
 
 @contextmanager
@@ -92,7 +92,8 @@ def leadership(store: EventStore, name: str) -> Iterator[bool]:
         conn = psycopg.connect(store.db.url, autocommit=True)
     try:
         with translate_errors():
-            held = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0])
+            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+            held = row is not None and bool(row[0])
         yield held
     finally:
         conn.close()

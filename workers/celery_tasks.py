@@ -27,7 +27,7 @@ def _start_replay_dispatcher(sender: Any = None, **_: Any) -> None:
         return
     from workers.replay.jobs.dispatch import start_dispatcher
 
-    _, _dispatcher = start_dispatcher(
+    _thread, _dispatcher = start_dispatcher(
         lambda: EventStore.open(get_settings()),
         poll_interval=get_settings().sweep_interval_s)
 

@@ -135,7 +135,7 @@ def reward_episode(episode_id: str, body: RewardIn, key: IngestKey, ctx: Ctx) ->
     Nothing is stored then."""
     ctx.access.check_episode(key, episode_id)
     event = RewardAssigned(value=body.value, components=body.components, source=body.source,
-                           **({"event_id": body.event_id} if body.event_id else {}))
+                           event_id=body.event_id or None)
     result = ctx.store.append(episode_id, [event])
     return AppendResult(stream_id=episode_id, version=result.version,
                         positions=list(result.positions), duplicate=result.duplicate)

@@ -37,6 +37,15 @@ __all__ = ["router", "run_out"]
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
 
 
+def run_summary(ctx: ApiContext, run_id: str) -> RunOut:
+    """What the API and the web page show of one run that ``check_run`` has let through
+    (its exclusions counted too)."""
+    record = queries.run_record(ctx.store, run_id)
+    if record is None:  # pragma: no cover - check_run found it a moment ago
+        raise ApiError(404, "not_found", f"no run {run_id!r}")
+    return run_out(ctx, record, excluded=True)
+
+
 def run_out(ctx: ApiContext, record: dict[str, Any], *, excluded: bool = False) -> RunOut:
     """A run record (``queries.run_record`` / ``list_runs``) with its episode and sample
     counts and policy version: what the API and the web page show of a run. With
@@ -102,10 +111,7 @@ def list_runs(key: ReadKey, ctx: Ctx) -> RunList:
 def get_run(run_id: str, key: ReadKey, ctx: Ctx) -> RunOut:
     """A run: configuration, episode counts, sample counts by lease status, policy version."""
     ctx.access.check_run(key, run_id)
-    record = queries.run_record(ctx.store, run_id)
-    if record is None:  # pragma: no cover - check_run found it a moment ago
-        raise ApiError(404, "not_found", f"no run {run_id!r}")
-    return run_out(ctx, record, excluded=True)
+    return run_summary(ctx, run_id)
 
 
 @router.post("/{run_id}/events", response_model=AppendResult,

@@ -55,8 +55,8 @@ def dashboard(store: EventStore, run_id: str) -> dict[str, Any]:
     outcomes = analytics.episode_outcomes(store.db, only)
     tools = analytics.tool_error_rates(store.db, only)
     signatures = analytics.error_signatures(store.db, only, limit=20)
-    versions = sorted({r.policy_version for r in [*failures, *rollbacks, *outcomes, *tools]
-                       if r.policy_version is not None})
+    versions = sorted({v for rows in (failures, rollbacks, outcomes, tools) for r in rows
+                       if (v := r.policy_version) is not None})
 
     rewarded: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for o in outcomes:

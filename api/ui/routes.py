@@ -36,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import Ctx
 from api.errors import ApiError
 from api.keys import SESSION_PREFIX, ApiKey, KeyFailureBudgetExceeded
-from api.routers.runs import run_out
+from api.routers.runs import run_out, run_summary
 from api.schemas.runs import RunOut
 from api.ui import data
 from store import queries
@@ -239,8 +239,7 @@ async def run_page(request: Request, run_id: str, key: PageKey, ctx: Ctx) -> HTM
     await _guard(ctx.access.check_run, key, run_id)
 
     def load() -> dict[str, Any]:
-        record = queries.run_record(ctx.store, run_id)
-        return {"run": run_out(ctx, record, excluded=True),
+        return {"run": run_summary(ctx, run_id),
                 "dashboard": data.dashboard(ctx.store, run_id),
                 "groups": queries.run_groups(ctx.store, run_id)}
 

@@ -74,10 +74,10 @@ class OpenAIServerBackend:
         self.engine_id = base_url.rstrip("/")
         self.client = httpx.Client(base_url=base_url.rstrip("/") + "/v1", timeout=timeout_s,
                                    headers=headers)
-        self._async_settings = {"base_url": base_url.rstrip("/") + "/v1", "timeout": timeout_s,
-                                "headers": headers,
-                                "limits": httpx.Limits(max_connections=max_connections,
-                                                       max_keepalive_connections=max_connections)}
+        self._async_settings: dict[str, Any] = {
+            "base_url": base_url.rstrip("/") + "/v1", "timeout": timeout_s, "headers": headers,
+            "limits": httpx.Limits(max_connections=max_connections,
+                                   max_keepalive_connections=max_connections)}
         self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary())
 

@@ -143,6 +143,8 @@ class VLLMBackend:
         for prompt, output in zip(prompts, outputs, strict=True):
             completion = output.outputs[0]
             token_ids = [int(t) for t in completion.token_ids]
+            if completion.logprobs is None:  # _sampling always asks for them
+                raise RuntimeError("vLLM returned no log-probs for a request that asked for them")
             logprobs = [float(completion.logprobs[i][token].logprob)
                         for i, token in enumerate(token_ids)]
             finish: FinishReason = ("length" if completion.finish_reason == "length"

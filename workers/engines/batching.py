@@ -106,7 +106,10 @@ class BatchScheduler:
             if idle and len(self._waiting) < self.max_batch and self.gather_s > 0:
                 self._gather()
             first = self.key(self._waiting[0][0])
-            taken, kept = [], deque()
+            taken: list[tuple[GenerationRequest, asyncio.AbstractEventLoop,
+                              asyncio.Future[GenerationResult]]] = []
+            kept: deque[tuple[GenerationRequest, asyncio.AbstractEventLoop,
+                              asyncio.Future[GenerationResult]]] = deque()
             while self._waiting:
                 item = self._waiting.popleft()
                 if len(taken) < self.max_batch and self.key(item[0]) == first:

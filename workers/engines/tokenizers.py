@@ -88,6 +88,7 @@ def load_tokenizer(name: str | None) -> Any:
     with _lock:  # every spelling of one tokenizer shares one instance
         if canonical in _cache:
             return _cache[canonical]
+    tokenizer: Any
     if canonical == "tiny":
         from workers.engines.tinymodel import build_tiny_tokenizer
 

@@ -145,8 +145,8 @@ _Verdict = tuple[EpisodeStatus, str | None]
 class _Episode:
     """State of one episode while it is played; see :func:`run_episode`."""
 
-    def __init__(self, *, task: Task, backend: GenerationBackend, tools: ToolRegistry,
-                 sink: EventSink, run_id: str, group_id: str, episode_id: str,
+    def __init__(self, *, task: Task, backend: GenerationBackend | AsyncGenerationBackend,
+                 tools: ToolRegistry, sink: EventSink, run_id: str, group_id: str, episode_id: str,
                  sampling: SamplingParams, rollback: RollbackConfig, max_turns: int,
                  max_total_tokens: int, agent: str, policy_version: int,
                  tool_runner: ToolRunner, prompt: RunPrompt | None,
@@ -181,8 +181,10 @@ class _Episode:
         writing = self.writing
         if writing is not None and writing.done() and not writing.cancelled():
             error = writing.exception()
-            if error is not None:
+            if isinstance(error, Exception):
                 raise _SinkFailure(error)
+            if error is not None:  # KeyboardInterrupt, SystemExit: not the sink's refusal
+                raise error
 
     def flush(self) -> None:
         """Start appending the queued events as one batch, after the batches before it,

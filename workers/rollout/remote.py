@@ -232,8 +232,9 @@ def post_rollout_completed(server_url: str, response: Mapping[str, Any], *,
 
     with httpx.Client(timeout=timeout_s, follow_redirects=False) as client:
         def post() -> int:
-            last[0] = client.post(url, json=dict(response), headers=headers).status_code
-            return last[0]
+            status = client.post(url, json=dict(response), headers=headers).status_code
+            last[0] = status
+            return status
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(attempts),

@@ -161,7 +161,7 @@ def checkpoint_activations(lm: Any) -> int:
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
-        layer._trajstore_checkpointed = True
+        setattr(layer, "_trajstore_checkpointed", True)  # noqa: B010 (Module's typed __setattr__)
         wrapped += 1
     return wrapped
 
@@ -417,7 +417,8 @@ class DistributedTrainer(Trainer):
                                               rank, world)
         run_config: RunConfig = plan["run_config"]
         tokenizer = load_tokenizer(run_config.tokenizer_name or plan["initial"])
-        trainer = cls(store=store if rank == 0 else cast(EventStore, _Offline()),
+        trainer = cls(store=store if rank == 0 and store is not None
+                      else cast(EventStore, _Offline()),
                       run_id=run_id, run_config=run_config, model=lm, tokenizer=tokenizer,
                       config=config, data_dir=Path(plan["data_dir"]), device=device,
                       step=plan["step"], name=name)
@@ -559,7 +560,8 @@ class DistributedTrainer(Trainer):
 
         state = get_model_state_dict(self.root, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
-        return {name.removeprefix("lm."): tensor for name, tensor in state.items()}
+        return {name.removeprefix("lm."): cast(torch.Tensor, tensor)
+                for name, tensor in state.items()}
 
     def _save_optimizer(self, *, tag: str) -> Path:
         """Collective: every rank writes its optimizer shard with

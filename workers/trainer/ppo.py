@@ -246,7 +246,7 @@ them, and each micro-batch's loss :func:`workers.trainer.correction.bypass_polic
                     assert old_log_probs is not None and advantages is not None
                     old = old_log_probs[part_rows, :width]
                     adv = advantages[part_rows, :width]
-                clip = {"clip_ratio_low": config.clip_ratio_low,
+                clip: dict[str, Any] = {"clip_ratio_low": config.clip_ratio_low,
                         "clip_ratio_high": config.clip_ratio_high,
                         "clip_ratio_c": config.clip_ratio_c,
                         "loss_agg_mode": config.loss_agg_mode, "global_batch": info}
