@@ -40,7 +40,7 @@ class ApiContext:
         if self._gateway is None:
             from api.gateway.service import Gateway
 
-            self._gateway = Gateway(self)
+            self._gateway = Gateway(self.settings, self.store, self.access)
         return self._gateway
 
     def close(self) -> None:

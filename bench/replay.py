@@ -5,7 +5,7 @@ Records ``episodes`` episodes of ``turns`` tool-calling turns each (Qwen3's chat
 tokenizer, prompts rendered and tokenized as an engine would), then times, in alternating
 rounds: (a) reading every episode's events one stream at a time (``read_stream``, token
 payloads decoded) and (b) projecting the same episodes the way the sweep and a rebuild do
-(``project_episodes`` in batches of ``workers.replay.jobs.sweep.BATCH``: one read of the batch's
+(``project_episodes`` in batches of ``workers.replay.jobs.project.BATCH``: one read of the batch's
 events, then per episode segmentation + merge + samples, then one transaction writing the
 batch's rows and checkpoints). Target: (b) >= 0.5x the plain read rate. For reference it also
 times (c) the per-episode path of the replay task (``project_episode``: read, replay, one
@@ -55,8 +55,11 @@ from store.events import (  # noqa: E402
 from store.settings import Settings  # noqa: E402
 from workers.engines.tokenizers import load_tokenizer  # noqa: E402
 from workers.replay.jobs.parallel import ProjectionPool  # noqa: E402
-from workers.replay.jobs.project import project_episode, project_episodes  # noqa: E402
-from workers.replay.jobs.sweep import BATCH  # noqa: E402
+from workers.replay.jobs.project import (  # noqa: E402
+    BATCH,  # noqa: E402
+    project_episode,
+    project_episodes,
+)
 
 TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",

@@ -197,3 +197,64 @@ def test_the_committed_picture_is_the_codes(found: list[depgraph.Import]) -> Non
     """docs/img/dependencies.mmd is what ``python tools/depgraph.py`` draws from the code."""
     assert depgraph.PICTURE.read_text(encoding="utf-8") == depgraph.mermaid(
         depgraph.part_edges(found)), "stale picture: run python tools/depgraph.py"
+
+
+def _module_cycles(found: list[depgraph.Import]) -> list[list[str]]:
+    """The import circles between modules (files), lazy and TYPE_CHECKING imports included;
+    a package's ``__init__`` is left out (it hands names on; importing a submodule runs it
+    without depending on it)."""
+    modules = {imp.importer for imp in found}
+    packages = {m for imp in found if imp.path.name == "__init__.py" for m in (imp.importer,)}
+    graph: dict[str, set[str]] = {m: set() for m in modules - packages}
+    for imp in found:
+        if imp.importer in graph and imp.imported in graph and imp.imported != imp.importer:
+            graph[imp.importer].add(imp.imported)
+    # Tarjan's strongly connected components; a component of two or more is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others(found: list[depgraph.Import]) -> None:
+    """No circle of imports between the project's modules: each room stands above what it
+    imports (a circle is two rooms that cannot be understood, or tested, one without the
+    other)."""
+    assert _module_cycles(found) == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("from pkg.a import A\n")
+    (tmp_path / "pkg" / "a.py").write_text("A = 1\ndef f():\n    from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("from typing import TYPE_CHECKING\n"
+                                           "if TYPE_CHECKING:\n    from pkg.a import A\n")
+    (tmp_path / "pkg" / "c.py").write_text("from pkg.a import A\n")
+    assert _module_cycles(depgraph.imports(tmp_path, ["pkg"])) == [["pkg.a", "pkg.b"]]

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response
@@ -39,6 +39,7 @@ from httpx_sse import EventSource, SSEError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
+from api.access import Access
 from api.errors import ApiError, error_body, error_response, refuse_unstorable
 from api.gateway.capture import Capture, EpisodeTarget, NewEpisode
 from api.gateway.local_engine import LocalEngine, engine_model_dir
@@ -64,13 +65,12 @@ from api.keys import ApiKey
 from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from store import errors as store_errors
 from store import queries
+from store.eventlog import EventStore
 from store.events import Event
+from store.settings import Settings
 from workers.engines.backend import GenerationRequest, GenerationResult, SamplingParams
 from workers.engines.prompt import decode_response
 from workers.engines.render import prompt_ids
-
-if TYPE_CHECKING:
-    from api.context import ApiContext
 
 __all__ = ["Gateway"]
 
@@ -216,11 +216,10 @@ _COMPLETION = _CompletionForm()
 class Gateway:
     """The capture gateway of one API process (engine and upstream made on first use)."""
 
-    def __init__(self, ctx: ApiContext) -> None:
-        self.ctx = ctx
-        self.settings = ctx.settings
-        self.capture = Capture(ctx.store, ctx.access)
-        self.buffers = RolloutBuffers(ctx.store)
+    def __init__(self, settings: Settings, store: EventStore, access: Access) -> None:
+        self.settings, self.store, self.access = settings, store, access
+        self.capture = Capture(store, access)
+        self.buffers = RolloutBuffers(store)
         self._engine: LocalEngine | None = None
         self._engine_refused: str | None = None
         self._engine_lock = threading.Lock()
@@ -399,13 +398,13 @@ class Gateway:
         call takes the engine's own tokenizer and needs no check."""
         from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 
-        store = self.ctx.store
+        store = self.store
         run_id = queries.episode_run(store, episode) or (new.run_id if new else None)
         if run_id is None or run_id in self._engine_runs:
             return
         if queries.run_record(store, run_id) is None:
             return
-        self.ctx.access.check_run(key, run_id)
+        self.access.check_run(key, run_id)
         config = store.get_run(run_id).config
         name = config.tokenizer_name
         if not name:
@@ -448,7 +447,7 @@ class Gateway:
             raise ApiError(422, "invalid_request", "an abandoned attempt needs the episode it "
                            "belongs to (X-Trajstore-Episode, or the path's episode)",
                            field=_ABANDONED)
-        if await run_in_threadpool(queries.episode_run, self.ctx.store, episode) is None:
+        if await run_in_threadpool(queries.episode_run, self.store, episode) is None:
             raise ApiError(422, "invalid_request", f"episode {episode!r} has no call to "
                            "abandon yet", field=_ABANDONED)
 
@@ -465,7 +464,7 @@ class Gateway:
         in the episode."""
         events: list[Event] = []
         if abandoned is not None:
-            calls = [c for c in queries.episode_calls(self.ctx.store, target.episode_id)
+            calls = [c for c in queries.episode_calls(self.store, target.episode_id)
                      if c.agent == agent]
             chosen = (calls[-1] if calls else None) if abandoned == "previous" else next(
                 (c for c in calls if c.call_id == abandoned), None)

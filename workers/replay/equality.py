@@ -13,13 +13,24 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-if TYPE_CHECKING:
-    from workers.replay.timeline import Message
+
+class KeyedMessage(Protocol):
+    """What a key reads of a message (``workers.replay.timeline.Message`` has it)."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def tool_calls(self) -> Sequence[Mapping[str, Any]] | None: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
 
 __all__ = [
     "CompareLevel",
+    "KeyedMessage",
     "PrefixInterner",
     "content_text",
     "message_key",
@@ -102,17 +113,17 @@ def tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str:
     return _canonical_json(list(tools or []))
 
 
-def text_key(message: Message) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+def text_key(message: KeyedMessage) -> tuple[str, str, tuple[tuple[str, str], ...]]:
     """``(role, text, tool calls key)``: equal keys mean equal messages at text level."""
     return (message.role, message.text, tool_calls_key(message.tool_calls))
 
 
-def token_key(message: Message) -> tuple[int, ...]:
+def token_key(message: KeyedMessage) -> tuple[int, ...]:
     """The token ids as a tuple: equal keys mean equal messages at token level."""
     return tuple(message.token_ids)
 
 
-def message_key(message: Message, level: CompareLevel) -> Hashable:
+def message_key(message: KeyedMessage, level: CompareLevel) -> Hashable:
     """The key of ``message`` at compare ``level`` (``"text"`` or ``"token"``); raises
     ValueError for any other level."""
     if level == "text":

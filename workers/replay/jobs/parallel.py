@@ -5,7 +5,7 @@ share one core. ``ProjectionPool`` runs ``project_episodes`` in ``jobs`` worker 
 instead. Each process has its own connection pool and loads each tokenizer once.
 
 Processes are started with ``spawn``: a child inherits no connection, thread or lock of its
-parent. Episodes go out in batches of at most ``batch`` (``sweep.BATCH`` by default), cut
+parent. Episodes go out in batches of at most ``batch`` (``project.BATCH`` by default), cut
 small enough that every process gets work. Each batch is one ``project_episodes`` call: one
 read, one write transaction, idempotent. A process that dies therefore leaves whole episodes
 projected or not projected at all, and projecting the same ids again finishes the job.
@@ -21,7 +21,7 @@ from types import TracebackType
 from store.arguments import whole_number
 from store.db import Database
 from store.eventlog import EventStore
-from workers.replay.jobs.project import ProjectOutcome, project_episodes
+from workers.replay.jobs.project import BATCH, ProjectOutcome, project_episodes
 
 __all__ = ["ProjectionPool"]
 
@@ -42,14 +42,12 @@ def _project(episode_ids: list[str]) -> list[ProjectOutcome]:
 
 class ProjectionPool:
     """``jobs`` processes projecting episodes of the database at ``database_url``, at most
-    ``batch`` episodes per read and write transaction (default ``sweep.BATCH``). Use it as a
+    ``batch`` episodes per read and write transaction (default ``project.BATCH``). Use it as a
     context manager, or call ``close``. Raises ValueError when ``jobs`` or ``batch`` is not a
     positive int or ``database_url`` is empty."""
 
     def __init__(self, database_url: str, *, jobs: int, batch: int | None = None,
                  statement_timeout_ms: int = 60_000) -> None:
-        from workers.replay.jobs.sweep import BATCH
-
         batch = BATCH if batch is None else batch
         for name, value in (("jobs", jobs), ("batch", batch)):
             whole_number(name, value)

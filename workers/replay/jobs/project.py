@@ -53,7 +53,7 @@ from workers.replay.episode import (
 )
 from workers.replay.errors import ReplayError
 
-__all__ = ["ProjectOutcome", "build_projection", "project_episode", "project_episodes",
+__all__ = ["BATCH", "ProjectOutcome", "build_projection", "project_episode", "project_episodes",
            "run_row"]
 
 log = logging.getLogger(__name__)
@@ -295,6 +295,10 @@ def project_episode(
     """
     return project_episodes(store, [episode_id], tokenizer_loader=tokenizer_loader,
                             before_commit=before_commit)[0]
+
+
+#: Episodes projected together: one read of their events, one write transaction.
+BATCH = 50
 
 
 def project_episodes(

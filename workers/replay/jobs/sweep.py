@@ -12,7 +12,7 @@ from store import errors, queries
 from store.eventlog import EventStore
 from store.events import EpisodeFinished
 from store.projections import Projections
-from workers.replay.jobs.project import project_episodes
+from workers.replay.jobs.project import BATCH, project_episodes
 
 if TYPE_CHECKING:
     from workers.replay.jobs.parallel import ProjectionPool
@@ -21,10 +21,6 @@ __all__ = ["abort_stale_episodes", "finish_idle_rollouts", "sweep_unprojected",
            "sweep_forever"]
 
 log = logging.getLogger(__name__)
-
-
-#: Episodes projected together: one read of their events, one write transaction.
-BATCH = 50
 
 
 def sweep_unprojected(store: EventStore, *, limit: int = 200,
