@@ -84,6 +84,44 @@ def test_concurrent_episodes_share_one_engine_and_record_as_sequential(
             assert mine.finish_reason == theirs.finish_reason
 
 
+def test_seeded_sampling_does_not_depend_on_the_batch(
+        batching: TransformersBackend, registry: ToolRegistry) -> None:
+    """Sampled (not greedy) episodes with seeds: played one by one or concurrently in padded
+    batches, each call draws the same tokens (its row is sampled with its own seed), so a
+    worker's concurrency does not change what a seeded run generates."""
+    tasks = arithmetic_tasks(8, seed=9)
+
+    def sampling(index: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=1000 + index)
+
+    alone = ListSink()
+    for index, task in enumerate(tasks):
+        run_episode(task=task, backend=batching, tools=registry, sink=alone, run_id="r",
+                    episode_id=f"s{index}", sampling=sampling(index), max_turns=2)
+    largest = batching.scheduler().largest_batch
+    together = ListSink()
+
+    async def play_all() -> list[Any]:
+        return await asyncio.gather(*(
+            arun_episode(task=task, backend=batching, tools=registry, sink=together,
+                         run_id="r", episode_id=f"s{index}", sampling=sampling(index),
+                         max_turns=2)
+            for index, task in enumerate(tasks)))
+
+    asyncio.run(play_all())
+    assert batching.scheduler().largest_batch > 1 or largest > 1
+    differing = 0
+    for index in range(len(tasks)):
+        for mine, theirs in zip(_calls(together, f"s{index}"), _calls(alone, f"s{index}"),
+                                strict=False):
+            np.testing.assert_array_equal(mine.prompt_ids, theirs.prompt_ids)
+            np.testing.assert_array_equal(mine.response_ids, theirs.response_ids)
+            np.testing.assert_allclose(mine.logprobs, theirs.logprobs, atol=1e-4)
+        differing += not np.array_equal(_calls(alone, f"s{index}")[0].response_ids,
+                                        _calls(alone, "s0")[0].response_ids)
+    assert differing >= len(tasks) // 2  # the seeds differ, and so do the draws
+
+
 def test_padded_batch_keeps_each_request_s_own_limits(batching: TransformersBackend) -> None:
     tasks = arithmetic_tasks(3, seed=1)
     requests = [GenerationRequest(sampling=SamplingParams(temperature=0, max_tokens=4 + 6 * i),

@@ -6,6 +6,12 @@ no repetition penalty: a model's own generation defaults are not merged in). The
 each sampled token is read from the processed scores ``generate`` sampled from
 (``output_scores``), i.e. the sampling distribution of :mod:`workers.engines.logprobs`.
 
+A request with a seed is sampled row by row (:class:`_SeededRows`): its tokens depend on its
+seed and its prompt, not on the other requests of its batch nor on torch's global generator,
+so a rollout worker's concurrency, and which requests happen to share a padded batch, do not
+change what is sampled (a difference of padding in the last bits of a logit can still flip a
+near tie).
+
 :meth:`TransformersBackend.score` recomputes the same logprobs with one teacher-forced forward
 pass; it is also what the replay backend uses to score recorded responses.
 """
@@ -24,7 +30,7 @@ import torch
 from store.arguments import whole_number
 from workers.engines.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.engines.batching import BatchScheduler
-from workers.engines.logprobs import sampled_token_logprobs
+from workers.engines.logprobs import sampled_token_logprobs, sampling_log_softmax
 from workers.engines.prompt import decode_response, end_of_turn_ids, render_prompt_ids
 
 __all__ = ["TransformersBackend"]
@@ -69,6 +75,56 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+class _SeededRows:
+    """A ``generate`` logits processor that samples each row with a generator of its own.
+
+    At every step it turns the row's logits into the log-probabilities of the sampling
+    distribution (temperature and top-p, :func:`~workers.engines.logprobs.sampling_log_softmax`),
+    keeps them, and adds Gumbel noise drawn from the row's generator (seeded with the row's
+    seed); greedy decoding over the result draws each token from exactly that distribution
+    (the Gumbel-max trick), with no use of the global generator. ``logprobs(tokens)`` gives
+    the kept log-probabilities of the chosen tokens, ``(rows, steps)``."""
+
+    def __init__(self, seeds: Sequence[int], *, temperature: float, top_p: float,
+                 device: torch.device) -> None:
+        self.temperature, self.top_p = temperature, top_p
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = sampling_log_softmax(scores, temperature=self.temperature, top_p=self.top_p)
+        self.steps.append(logp)
+        uniform = torch.stack([torch.rand(logp.shape[-1], generator=g, device=logp.device)
+                               for g in self.generators])
+        tiny = torch.finfo(uniform.dtype).tiny
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny, max=1.0 - 1e-7)))
+        return logp + gumbel
+
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        steps = min(len(self.steps), tokens.shape[1])
+        if steps == 0:
+            return torch.zeros((tokens.shape[0], 0))
+        stacked = torch.stack(self.steps[:steps], dim=1)
+        return stacked.gather(-1, tokens[:, :steps].unsqueeze(-1)).squeeze(-1)
+
+
+def _seeded_rows(requests: Sequence[GenerationRequest], device: torch.device
+                 ) -> _SeededRows | None:
+    """The row-by-row sampler of ``requests`` when each is sampled (not greedy) with a
+    seed; None otherwise (``generate`` samples with torch's generator)."""
+    params = requests[0].sampling
+    if params.greedy or any(r.sampling.seed is None for r in requests):
+        return None
+    return _SeededRows([int(r.sampling.seed) for r in requests if r.sampling.seed is not None],
+                       temperature=params.temperature, top_p=params.top_p, device=device)
+
+
+def _processors(rows: _SeededRows | None) -> Any:
+    from transformers import LogitsProcessorList
+
+    return LogitsProcessorList([rows] if rows is not None else [])
 
 
 class _TokenStreamer:
@@ -169,15 +225,16 @@ class TransformersBackend:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model "
                              f"context of {self.max_positions}")
         max_new = min(params.max_tokens, room)
+        rows = _seeded_rows([request], self.device)
         sampling: dict[str, Any] = {}
-        if not params.greedy:
+        if not params.greedy and rows is None:
             sampling = {"temperature": params.temperature, "top_p": params.top_p,
                         **_NEUTRAL_WARPERS}
         # ``generate`` fills every None field from the model's own generation config; the
         # neutral values below keep processors such as a checkpoint's top_k=20 or repetition
         # penalty out, so sampling follows exactly the documented distribution.
         config = GenerationConfig(
-            do_sample=not params.greedy,
+            do_sample=not params.greedy and rows is None,
             **sampling,
             **_NEUTRAL_PROCESSING,
             max_new_tokens=max_new,
@@ -195,11 +252,15 @@ class TransformersBackend:
                 generation_config=config,
                 tokenizer=self.tokenizer if params.stop else None,
                 streamer=None if on_token is None else _TokenStreamer(on_token),
+                logits_processor=_processors(rows),
             )
         response = output.sequences[0, len(prompt):]
-        scores = torch.stack(output.scores, dim=1)[0, : response.shape[0]]  # (response_len, V)
-        logprobs = scores.float().log_softmax(dim=-1).gather(
-            -1, response.unsqueeze(-1)).squeeze(-1)
+        if rows is not None:
+            logprobs = rows.logprobs(response.unsqueeze(0))[0]
+        else:
+            scores = torch.stack(output.scores, dim=1)[0, : response.shape[0]]  # (len, V)
+            logprobs = scores.float().log_softmax(dim=-1).gather(
+                -1, response.unsqueeze(-1)).squeeze(-1)
         response_ids = response.tolist()
         text, stopped_on_string = decode_response(self.tokenizer, response_ids,
                                                    stop=params.stop)
@@ -219,9 +280,10 @@ class TransformersBackend:
         """Sample one response per request with one padded ``generate`` call (prompts padded
         on the left). The requests must share temperature and top-p and have no stop strings
         (:meth:`agenerate` groups them so); each response is cut at its own end-of-turn token
-        and its own ``max_tokens``. With seeds, the batch is seeded with the first request's:
-        a batch's rows depend on its composition, so per-request reproducibility needs one
-        request at a time (:meth:`generate`). Raises ValueError when the requests cannot share
+        and its own ``max_tokens``. When every request has a seed, each row is sampled with
+        its own (module docstring): a row's tokens do not depend on the batch it shared;
+        otherwise the batch samples with torch's generator, seeded with the first seed given.
+        Raises ValueError when the requests cannot share
         a batch or a prompt does not fit the model's context."""
         from transformers import GenerationConfig
 
@@ -250,12 +312,13 @@ class TransformersBackend:
         width = max(len(prompt) for prompt in prompts)
         max_new = min(max(caps), self.max_positions - width)
         caps = [min(cap, max_new) for cap in caps]
+        rows = _seeded_rows(requests, self.device)
         sampling: dict[str, Any] = {}
-        if not params.greedy:
+        if not params.greedy and rows is None:
             sampling = {"temperature": params.temperature, "top_p": params.top_p,
                         **_NEUTRAL_WARPERS}
         config = GenerationConfig(
-            do_sample=not params.greedy, **sampling, **_NEUTRAL_PROCESSING,
+            do_sample=not params.greedy and rows is None, **sampling, **_NEUTRAL_PROCESSING,
             max_new_tokens=max_new, eos_token_id=self.stop_token_ids,
             pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -267,11 +330,15 @@ class TransformersBackend:
         with torch.inference_mode(), _seeded(seed, self.device):
             output = self.model.generate(input_ids=input_ids.to(self.device),
                                          attention_mask=attention.to(self.device),
-                                         generation_config=config)
+                                         generation_config=config,
+                                         logits_processor=_processors(rows))
         generated = output.sequences[:, width:]
         steps = len(output.scores)
-        logprobs_all = (torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
-                        .gather(-1, generated[:, :steps].unsqueeze(-1)).squeeze(-1))
+        if rows is not None:
+            logprobs_all = rows.logprobs(generated[:, :steps])
+        else:
+            logprobs_all = (torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
+                            .gather(-1, generated[:, :steps].unsqueeze(-1)).squeeze(-1))
         results = []
         stops = set(self.stop_token_ids)
         for row, (prompt, cap) in enumerate(zip(prompts, caps, strict=True)):
