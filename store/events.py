@@ -295,6 +295,10 @@ class RolloutConfig(_Frozen):
     max_tokens: int = Field(default=256, ge=1)
     max_turns: int = Field(default=8, ge=1)
     max_total_tokens: int = Field(default=4096, ge=1)
+    #: The run's sampling seed. Set, an episode's seed derives from it and the episode's
+    #: place (task, policy version, group index, slot, attempt), not from the run id: two
+    #: runs with one seed sample alike. None: from the episode id (every run differs).
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
 
 
 RejectionMode = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",

@@ -101,16 +101,19 @@ def _newest(store: EventStore, run_id: str) -> int:
             " WHERE stream_id = %s AND type = 'policy_updated'", (run_stream_id(run_id),)))
 
 
-def newest_policy(store: EventStore, run_id: str) -> tuple[int, str | None]:
+def newest_policy(store: EventStore, run_id: str, *, at_most: int | None = None
+                  ) -> tuple[int, str | None]:
     """The version and checkpoint of the run's newest ``policy_updated`` (``(0, None)`` when
-    it has none, or when there is no such run), read without the engines' reports."""
+    it has none, or when there is no such run), read without the engines' reports. With
+    ``at_most``, the newest of the versions up to it (a policy an older batch is pinned to)."""
     data = safe_data("data")
+    below = f" AND ({data}->>'version')::int <= %s" if at_most is not None else ""
     with store.db.connection() as conn:
         row = conn.execute(
             f"SELECT ({data}->>'version')::int, {data}->>'checkpoint' FROM events"
-            " WHERE stream_id = %s AND type = 'policy_updated'"
+            f" WHERE stream_id = %s AND type = 'policy_updated'{below}"
             f" ORDER BY ({data}->>'version')::int DESC, stream_version DESC LIMIT 1",
-            (run_stream_id(run_id),)).fetchone()
+            (run_stream_id(run_id), *([at_most] if at_most is not None else []))).fetchone()
     return (int(row[0]), row[1]) if row else (0, None)
 
 

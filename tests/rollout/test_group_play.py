@@ -192,6 +192,41 @@ def test_policy_version_names_the_group(store: EventStore, hf_backend: Transform
     assert log.run_config(run_id) == RunConfig(group_size=1)
 
 
+def test_a_pinned_policy_version_is_that_version_s(store: EventStore) -> None:
+    """``policy(run, version)`` gives that version's checkpoint even after newer ones (a
+    group pinned to the policy its batch was sent for), and refuses a version the run has
+    not reached."""
+    run_id = new_run(store, group_size=1)
+    log = StoreGroupLog(store)
+    assert log.policy(run_id, 0) == PolicyState(0, None)
+    store.append(run_stream_id(run_id), [PolicyUpdated(version=1, step=1, checkpoint="/c1"),
+                                         PolicyUpdated(version=2, step=2, checkpoint="/c2")])
+    assert log.policy(run_id, 1) == PolicyState(1, "/c1")
+    assert log.policy(run_id) == log.policy(run_id, 2) == PolicyState(2, "/c2")
+    with pytest.raises(ValueError, match="has no policy version 3 \\(newest: 2\\)"):
+        log.policy(run_id, 3)
+
+
+def test_the_run_seed_makes_two_runs_sample_alike(store: EventStore,
+                                                  hf_backend: TransformersBackend,
+                                                  registry: ToolRegistry) -> None:
+    """With ``RunConfig.rollout.seed``, a group's episodes sample from that seed and their
+    place in the run, not from the run id: two runs with one seed draw the same tokens, a
+    third with another seed does not."""
+    from store.events import RolloutConfig
+
+    def tokens(seed: int) -> list[list[int]]:
+        run_id = new_run(store, group_size=2, rollout=RolloutConfig(seed=seed, max_tokens=24))
+        result = play_group(log=StoreGroupLog(store), run_id=run_id, task=TASK,
+                            backend=hf_backend, tools=registry, policy_version=0)
+        return [next(e.event.response_ids.tolist() for e in store.get_episode(s.episode_id)
+                     if e.event.type == "llm_called") for s in result.slots]
+
+    first, again, other = tokens(7), tokens(7), tokens(8)
+    assert first == again and first[0] != first[1]
+    assert other != first
+
+
 def test_rollback_config_of_the_run_is_used(store: EventStore,
                                             hf_backend: TransformersBackend,
                                             registry: ToolRegistry) -> None:

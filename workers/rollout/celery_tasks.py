@@ -13,8 +13,10 @@ __all__ = ["remote_rollout", "remote_rollout_init", "rollout_group"]
 
 @app.task(name="trajstore.rollout_group", acks_late=True, autoretry_for=(TransientError,),
           retry_backoff=True, retry_backoff_max=60, max_retries=10)
-def rollout_group(run_id: str, task_id: str, *, group_index: int = 0) -> dict[str, Any]:
-    """Roll out ``task_id``'s group in run ``run_id`` at the run's current policy version:
+def rollout_group(run_id: str, task_id: str, *, group_index: int = 0,
+                  policy_version: int | None = None) -> dict[str, Any]:
+    """Roll out ``task_id``'s group in run ``run_id`` at the run's current policy version (at
+    ``policy_version`` when given: the caller pins which policy plays it):
     the run's ``RunConfig`` says how many episodes and how they are played (see
     :mod:`workers.rollout.group`: a redelivery completes the group, it does not double it).
     ``group_index`` is keyword-only, so a message in the older form that carried the group
@@ -23,7 +25,7 @@ def rollout_group(run_id: str, task_id: str, *, group_index: int = 0) -> dict[st
     from workers.rollout.worker import run_rollout_group
 
     return run_rollout_group(run_id, task_id, settings=get_settings(),
-                             group_index=group_index).to_dict()
+                             group_index=group_index, policy_version=policy_version).to_dict()
 
 
 # Remote rollouts are acknowledged on receipt (acks_late off): one cannot be resumed half-way

@@ -84,6 +84,16 @@ def episode_seed(episode_id: str) -> int:
     return uuid.uuid5(_NAMESPACE, episode_id).int % (2**31)
 
 
+def _seed_root(config: RunConfig, group_id: str, task_id: str, policy_version: int,
+               group_index: int) -> str:
+    """What the seeds of a group's episodes derive from: with the run's sampling seed
+    (``RolloutConfig.seed``), the group's place in the run; without, its id."""
+    seed = config.rollout.seed
+    if seed is None:
+        return group_id
+    return json.dumps(["seed", seed, task_id, policy_version, group_index])
+
+
 @dataclass(frozen=True)
 class SlotOutcome:
     """What became of one slot: the episode that holds it, its status and reward
@@ -148,6 +158,7 @@ class _Plan:
     tools: ToolRegistry
     writer: EpisodeWriter
     config: RunConfig
+    seed_root: str
     sampling: SamplingParams
     policy_version: int
     max_turns: int
@@ -177,7 +188,8 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
         try:
             result = await arun_episode(
                 task=plan.task, backend=plan.backend, tools=plan.tools, sink=plan.writer,
-                run_id=plan.run_id, sampling=plan.sampling.replace(seed=episode_seed(episode_id)),
+                run_id=plan.run_id, sampling=plan.sampling.replace(
+                    seed=episode_seed(episode_id_for(plan.seed_root, slot, attempt))),
                 rollback=plan.config, group_id=plan.group_id, episode_id=episode_id,
                 max_turns=plan.max_turns, max_total_tokens=plan.max_total_tokens,
                 policy_version=plan.policy_version, tool_runner=plan.tool_runner,
@@ -220,10 +232,11 @@ async def aplay_group(
     rendering (the run's tokenizer and chat template, as replay renders them,
     :func:`~workers.engines.prompt.run_prompt`) and, unless ``sampling`` is given, the
     sampling and limits of ``RunConfig.rollout`` (which then also sets ``max_turns`` and
-    ``max_total_tokens``); each episode's seed is derived from its id. ``backend`` must
-    already hold that policy's weights. ``gate``, when given, is held by each episode while
-    it plays, up to the wait for its last events to be stored (the worker's bound on
-    episodes in flight across groups, :func:`~workers.rollout.loop.arun_episode`);
+    ``max_total_tokens``); each episode's seed is derived from its id, or from the run's
+    sampling seed and its place in the run when the run has one (``RolloutConfig.seed``).
+    ``backend`` must already hold that policy's weights. ``gate``, when given, is held by
+    each episode while it plays, up to the wait for its last events to be stored (the
+    worker's bound on episodes in flight across groups, :func:`~workers.rollout.loop.arun_episode`);
     ``tool_runner`` runs the tool calls (the process's default when None). Raises ValueError
     for a negative ``group_index`` or ``policy_version``, ``TokenizerNotFound`` when the
     run's tokenizer cannot be loaded here, and the log's errors (``NotFoundError`` for an
@@ -250,7 +263,9 @@ async def aplay_group(
     plan = _Plan(log=log, run_id=run_id, task=task, group_id=group_id, backend=backend,
                  tools=tools, writer=EpisodeWriter(log, namespace=uuid.uuid5(_NAMESPACE,
                                                                              group_id)),
-                 config=config, sampling=sampling, policy_version=policy_version,
+                 config=config, seed_root=_seed_root(config, group_id, task.task_id,
+                                                     policy_version, group_index),
+                 sampling=sampling, policy_version=policy_version,
                  max_turns=max_turns, max_total_tokens=max_total_tokens,
                  tool_runner=tool_runner, gate=gate, prompt=prompt)
     slots = await asyncio.gather(*(_play_slot(plan, slot)

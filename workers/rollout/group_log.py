@@ -77,8 +77,9 @@ class GroupLog(Protocol):
         """The run's configuration; ``NotFoundError`` for an unknown run."""
         ...
 
-    def policy(self, run_id: str) -> PolicyState:
-        """The run's newest policy version and checkpoint."""
+    def policy(self, run_id: str, version: int | None = None) -> PolicyState:
+        """The run's newest policy version and checkpoint; with ``version``, that version's
+        (ValueError when the run has not reached it, or the log cannot give it)."""
         ...
 
     def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
@@ -119,10 +120,13 @@ class StoreGroupLog:
     def run_config(self, run_id: str) -> RunConfig:
         return self.store.get_run(run_id).config
 
-    def policy(self, run_id: str) -> PolicyState:
+    def policy(self, run_id: str, version: int | None = None) -> PolicyState:
         # One row, whatever the number of engines' reports in the run's stream.
-        version, checkpoint = newest_policy(self.store, run_id)
-        return PolicyState(version, checkpoint)
+        found, checkpoint = newest_policy(self.store, run_id, at_most=version)
+        if version is not None and found != version:
+            raise ValueError(f"run {run_id!r} has no policy version {version} (newest: "
+                             f"{newest_policy(self.store, run_id)[0]})")
+        return PolicyState(found, checkpoint)
 
     def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
                       source: str | None = None, load_seconds: float | None = None) -> None:
@@ -230,9 +234,13 @@ class ApiGroupLog:
     def run_config(self, run_id: str) -> RunConfig:
         return RunConfig.model_validate(self._request("GET", f"/v1/runs/{run_id}")["config"])
 
-    def policy(self, run_id: str) -> PolicyState:
+    def policy(self, run_id: str, version: int | None = None) -> PolicyState:
         run = self._request("GET", f"/v1/runs/{run_id}")
-        return PolicyState(int(run.get("policy_version") or 0), None)
+        newest = int(run.get("policy_version") or 0)
+        if version is not None and version != newest:
+            raise ValueError(f"run {run_id!r} serves policy version {newest}, not {version} "
+                             "(through the API a rollout plays the newest version)")
+        return PolicyState(newest, None)
 
     def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
                       source: str | None = None, load_seconds: float | None = None) -> None:

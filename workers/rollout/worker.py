@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from store.arguments import whole_number
 from store.settings import Settings
 from workers.rollout.agent_tasks import resolve_task
 from workers.rollout.group import GroupResult, aplay_group
@@ -60,8 +61,10 @@ def _worker_tools() -> ToolRegistry:
 
 
 def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
-                      group_index: int = 0) -> GroupResult:
-    """Play (or complete) the group of ``task_id`` at the run's newest policy version, with
+                      group_index: int = 0, policy_version: int | None = None) -> GroupResult:
+    """Play (or complete) the group of ``task_id`` at the run's newest policy version (at
+    ``policy_version`` when given, so that which policy plays a group does not depend on
+    when the worker takes it; ValueError when the run has no such version), with
     the run's ``group_size`` episodes rendered with the run's tokenizer and chat template
     (:func:`~workers.rollout.group.aplay_group`). Raises ValueError for an unknown task, a
     bad ``group_index`` or a run whose model is not a local folder; ``TokenizerNotFound``
@@ -73,7 +76,9 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     config = log.run_config(run_id)
     tools = _worker_tools()
     task = resolve_task(task_id, tasks_dir=settings.data_dir / "tasks", registry=tools)
-    policy = log.policy(run_id)
+    if policy_version is not None:
+        whole_number("policy_version", policy_version, minimum=0)
+    policy = log.policy(run_id, policy_version)
     engine = worker_engine(config, settings=settings)
     runtime = worker_runtime(settings.rollout_concurrency)
 
