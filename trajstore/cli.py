@@ -367,7 +367,7 @@ def demo(
     from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from trajstore.demo import DemoOptions, json_summary, run_demo, summary, write_charts
+    from trajstore.demo import DemoOptions, closing_line, json_summary, run_demo, write_charts
 
     settings = get_settings()
     register(settings.data_dir, "demo")
@@ -436,11 +436,7 @@ def demo(
             console.line()  # what follows (the summary, an error) starts below the table
         out = settings.data_dir / "demo" / run_id
         reward_png, failures_png = write_charts(rows, out)
-        result = summary(rows)
-        console.print(
-            f"[bold]run {run_id}[/bold]: mean reward {result['first']:.3f} at version "
-            f"{rows[0].version} -> {result['last']:.3f} at version {rows[-1].version} "
-            f"({result['gain']:+.3f})")
+        console.print(closing_line(run_id, rows), highlight=False, soft_wrap=True)
         console.print(f"charts: {reward_png}\n        {failures_png}")
         console.print(
             f"look at it in the browser: [bold]trajstore serve[/bold], then open "

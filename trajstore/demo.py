@@ -4,12 +4,13 @@
 ``replay`` in one process, ``train`` in another) on the configured servers or the embedded
 default, and for every policy version waits until its batch of rollout groups is replayed,
 sends one training step and waits for its ``policy_updated``. With ``overlap`` (the default)
-the next batch is sent with the training step, so rollouts of the next version run while the
-trainer trains: a batch comes from the policy one version behind the one it trains (the trainer
-corrects it with the stored rollout logprobs, ``RunConfig.correction``, and leases groups at
-most 2 versions old). Without it every batch is sent once the step it follows is recorded, so
-it comes from the policy just trained. The rollout worker loads each new checkpoint before its
-next group. The task is ``calc`` by default: the ``calc-<seed>-<index>`` tool-use questions
+the next batch is sent with the training step, so rollouts run while the trainer trains: that
+batch is pinned to the policy the step starts from, one version behind the one it trains (the
+trainer corrects it with the stored rollout logprobs, ``RunConfig.correction``, and leases
+groups at most 2 versions old). Without it every batch is sent once the step it follows is
+recorded, pinned to the policy just trained. Pinning, the run's sampling seed
+(``RolloutConfig.seed`` = ``--seed``) and row-by-row seeded sampling make a run's numbers a
+function of its options: the same seed gives the same table, whatever the timing. The task is ``calc`` by default: the ``calc-<seed>-<index>`` tool-use questions
 (the ``python`` and ``calculator`` tools, EGPO's strict binary ``tool_answer`` reward) played
 from the warm-started policy of :mod:`workers.rollout.warmstart`, whose own mistakes give real
 tool errors, rollbacks and negative samples; each version's batch is trained in mini-batches
@@ -47,7 +48,7 @@ from store.events import (
 from store.settings import Settings
 from workers.engines.registry import BACKENDS
 
-__all__ = ["DemoOptions", "VersionRow", "json_summary", "run_demo", "version_rows",
+__all__ = ["DemoOptions", "VersionRow", "closing_line", "json_summary", "run_demo", "version_rows",
            "write_charts"]
 
 TASK_ID = "digits"
@@ -275,7 +276,8 @@ def _create_run(store: EventStore, settings: Settings, options: DemoOptions) -> 
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
     config = RunConfig(group_size=options.group_size, model=model, tokenizer=model,
                        rollout=RolloutConfig(max_tokens=options.generation_tokens,
-                                             max_turns=3 if options.task == "calc" else 2),
+                                             max_turns=3 if options.task == "calc" else 2,
+                                             seed=options.seed),
                        rollback=RollbackConfig(enable_tool_rollback=options.rollback),
                        negatives=NegativeConfig(
                            max_negative_samples_per_group=1 if options.negatives else 0))
@@ -329,33 +331,37 @@ def run_demo(
         target = leasing_version + options.steps
         done_before = queries.episodes_done(store, run_id)
         sent = 1
-        _send_batch(app, options, run_id, version)
+        _send_batch(app, options, run_id, version, policy=version)
         while version < target:
             _wait(lambda: queries.episodes_done(store, run_id) - done_before, sent * want,
                   procs, logs, options.timeout_s, on_progress, f"rollouts v{version}")
             app.send_task("trajstore.train_step", args=[run_id, train_config], queue="train")
             if options.overlap and version + 1 < target:
-                # Overlap: the next batch rolls out while this step trains.
-                _send_batch(app, options, run_id, version + 1)
+                # Overlap: the next batch rolls out while this step trains, on the policy
+                # that the step started from (pinned, so timing never decides which).
+                _send_batch(app, options, run_id, version + 1, policy=version)
                 sent += 1
             _wait(lambda: _policy_version(store, run_id), version + 1, procs, logs,
                   options.timeout_s, on_progress, f"training v{version}")
             version = _policy_version(store, run_id)
             if not options.overlap and version < target:
-                _send_batch(app, options, run_id, version)
+                _send_batch(app, options, run_id, version, policy=version)
                 sent += 1
             if on_version is not None:
                 on_version(version_rows(store, run_id))
     return run_id, version_rows(store, run_id)
 
 
-def _send_batch(app: Any, options: DemoOptions, run_id: str, index: int) -> None:
-    """Queue the rollout groups of batch ``index`` (the batch trained as version index+1).
-    Group indexes run on across batches: with overlap two batches can be played at the same
-    policy version, and a group's id is made of its run, task, version and index."""
+def _send_batch(app: Any, options: DemoOptions, run_id: str, index: int, *,
+                policy: int) -> None:
+    """Queue the rollout groups of batch ``index`` (the batch trained as version index+1),
+    played at policy version ``policy``. Group indexes run on across batches: with overlap
+    two batches are played at the same policy version, and a group's id is made of its run,
+    task, version and index."""
     for g in range(options.groups_per_step):
         app.send_task("trajstore.rollout_group", args=[run_id, options.task_id(index, g)],
-                      kwargs={"group_index": index * options.groups_per_step + g},
+                      kwargs={"group_index": index * options.groups_per_step + g,
+                              "policy_version": policy},
                       queue="rollout")
 
 
@@ -387,22 +393,55 @@ def _wait(value: Callable[[], int], target: int, procs: list[Any], logs: Path,
         time.sleep(0.5)
 
 
+#: How many versions the closing line averages at each end of a run.
+ENDS = 3
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def summary(rows: list[VersionRow]) -> dict[str, float]:
-    """Mean reward at the first and the last version, and the gain."""
+    """The closing line's figures: mean reward and tool error rate of the first and of the
+    last :data:`ENDS` versions (each the mean of those versions' means, with their standard
+    deviation as the spread; fewer when the run has fewer), and the gain between them."""
+    head, tail = rows[:ENDS], rows[-ENDS:]
+    reward_first, reward_first_sd = _mean_sd([r.reward_mean for r in head])
+    reward_last, reward_last_sd = _mean_sd([r.reward_mean for r in tail])
+    errors_first, errors_first_sd = _mean_sd([r.tool_error_rate for r in head])
+    errors_last, errors_last_sd = _mean_sd([r.tool_error_rate for r in tail])
+    return {"reward_first3": reward_first, "reward_first3_sd": reward_first_sd,
+            "reward_last3": reward_last, "reward_last3_sd": reward_last_sd,
+            "reward_gain": reward_last - reward_first,
+            "tool_error_rate_first3": errors_first,
+            "tool_error_rate_first3_sd": errors_first_sd,
+            "tool_error_rate_last3": errors_last, "tool_error_rate_last3_sd": errors_last_sd}
+
+
+def closing_line(run_id: str, rows: list[VersionRow]) -> str:
+    """``run <id>: mean reward <first> ± <sd> (versions a-b) -> <last> ± <sd> (versions c-d),
+    <gain>; tool error rate <first> ± <sd> -> <last> ± <sd>``."""
     if not rows:
-        return {"first": 0.0, "last": 0.0, "gain": 0.0}
-    first, last = rows[0].reward_mean, rows[-1].reward_mean
-    return {"first": first, "last": last, "gain": last - first,
-            "best": max(r.reward_mean for r in rows),
-            "mean_last_three": statistics.mean(r.reward_mean for r in rows[-3:])}
+        return f"run {run_id}: no version played"
+    s = summary(rows)
+    head, tail = rows[:ENDS], rows[-ENDS:]
+    return (f"run {run_id}: mean reward {s['reward_first3']:.3f} ± {s['reward_first3_sd']:.3f}"
+            f" (versions {head[0].version}-{head[-1].version}) -> {s['reward_last3']:.3f} ± "
+            f"{s['reward_last3_sd']:.3f} (versions {tail[0].version}-{tail[-1].version}), "
+            f"{s['reward_gain']:+.3f}; tool error rate {s['tool_error_rate_first3']:.1%} ± "
+            f"{s['tool_error_rate_first3_sd']:.1%} -> {s['tool_error_rate_last3']:.1%} ± "
+            f"{s['tool_error_rate_last3_sd']:.1%}")
 
 
 def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
     """The demo's closing summary with exactly the keys of ``--json``: run id, versions,
     reward and tool error rate at the first and last version, rollbacks and the negative
     samples a training step consumed over the run, the mean EGPO entropy bonus of the
-    training steps (0 without any), and the mean reward and tool error rate of every
-    version (the curves ``bench/learning.py`` compares)."""
+    training steps (0 without any), the closing line's figures (:func:`summary`), and the
+    mean reward and tool error rate of every version (the curves ``bench/learning.py``
+    compares)."""
     bonuses = [r.train["egpo_bonus_mean"] for r in rows if "egpo_bonus_mean" in r.train]
     first = rows[0] if rows else VersionRow(0)
     last = rows[-1] if rows else VersionRow(0)
@@ -413,5 +452,6 @@ def json_summary(run_id: str, rows: list[VersionRow]) -> dict[str, Any]:
             "rollbacks": sum(r.rollbacks for r in rows),
             "negatives_trained": sum(r.negatives_trained for r in rows),
             "egpo_bonus_mean": statistics.mean(bonuses) if bonuses else 0.0,
+            **summary(rows),
             "reward_by_version": [r.reward_mean for r in rows],
             "tool_error_rate_by_version": [r.tool_error_rate for r in rows]}

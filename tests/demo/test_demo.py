@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -29,7 +30,9 @@ from store.eventlog import EventStore
 from store.settings import Settings
 from tests.api.conftest import Server
 
-MARGIN = 0.03
+#: What the main job promises for every seed: the mean strict reward of the last three
+#: versions at least this much above the first three's.
+GAIN = 0.1
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -39,21 +42,39 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _learning_run(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], str, float,
-                                             float]:
-    """Play the demo from seed 0 in ``tmp_path``'s store, check what the store holds of it,
-    and return the command, the run id and the mean strict reward of the trained versions
-    and of version 0."""
-    done = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--seed", "0", "--json"],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=1400)
+def _demo(tmp_path: Path, *options: str) -> tuple[subprocess.CompletedProcess[str],
+                                                  dict[str, Any]]:
+    done = subprocess.run([sys.executable, "-m", "trajstore", "demo", "--seed", "0", "--json",
+                           *options], env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=1400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    match = re.search(r"run (demo-\w+): mean reward ([\d.]+) at version 0 -> ([\d.]+) at "
-                      r"version (\d+)", done.stdout)
-    assert match, done.stdout[-3000:]
-    run_id, version = match[1], int(match[4])
-    # Rollouts overlap training by default: the last batch is played while version 11
-    # trains, so it usually comes from version 10 (11 when that step ended first).
-    assert version in (10, 11)
+    summary = json.loads(next(x for x in done.stdout.splitlines() if x.startswith('{"run_id"')))
+    return done, summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
+    """The main job from seed 0: the strict reward of the last three versions stands at
+    least GAIN above the first three's and tool errors fall, in one run (no retry: the same
+    seed gives the same numbers); a shorter run of the same seed repeats its first versions
+    exactly; the store holds the failed calls, rollbacks and trained negatives."""
+    done, summary = _demo(tmp_path)
+    run_id = summary["run_id"]
+    line = next(x for x in done.stdout.splitlines() if x.startswith(f"run {run_id}: "))
+    assert re.fullmatch(
+        rf"run {run_id}: mean reward [\d.]+ ± [\d.]+ \(versions 0-2\) -> [\d.]+ ± [\d.]+ "
+        r"\(versions 8-10\), [+-][\d.]+; tool error rate [\d.]+% ± [\d.]+% -> [\d.]+% ± "
+        r"[\d.]+%", line), line
+    # Overlap pins each batch to the policy its step started from: version 0 plays two
+    # batches, 1..10 one each, and the last trained version (11) plays none.
+    assert summary["versions"] == 11
+    assert summary["reward_last3"] >= summary["reward_first3"] + GAIN, summary
+    assert summary["tool_error_rate_last3"] < summary["tool_error_rate_first3"], summary
+    # Same seed, fewer steps: the versions both runs played hold the same numbers.
+    _, short = _demo(tmp_path, "--steps", "3")
+    assert short["reward_by_version"] == summary["reward_by_version"][:2]
+    assert short["tool_error_rate_by_version"] == summary["tool_error_rate_by_version"][:2]
     # What happened, from the store.
     store = EventStore.open(Settings(data_dir=tmp_path))
     try:
@@ -64,35 +85,19 @@ def _learning_run(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], str
     assert sum(v.tool_errors for v in versions) > 0 and sum(v.rollbacks for v in versions) > 0
     # Negative samples were made, leased and acknowledged by training steps.
     assert sum(v.negatives for v in versions) > 0 and sum(negatives_trained.values()) > 0
-    warm = versions[0]
-    trained = [v for v in versions if v.version > 0]
-    assert warm.version == 0 and len(trained) >= 9
-    after = sum(v.reward_mean * v.episodes for v in trained) / sum(v.episodes for v in trained)
-    return done, run_id, after, warm.reward_mean
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
-    rises = []
-    for _ in range(3):
-        done, run_id, after, warm = _learning_run(tmp_path)
-        rises.append(round(after - warm, 3))
-        if after >= warm + MARGIN:
-            break
-    else:
-        pytest.fail(f"the strict reward rose by {rises} over version 0 in three runs, "
-                    f"not by {MARGIN} in any")
     # The --json summary (computed from the store's queries): the warm-started policy's own
     # calls reached the tools, some failed and were rolled back, some answers were right
     # (the warm start copies the operands), and EGPO's entropy bonus reached the <think>
     # tokens of the training steps.
-    summary = json.loads(next(x for x in done.stdout.splitlines() if x.startswith('{"run_id"')))
     assert list(summary) == ["run_id", "versions", "reward_first", "reward_last",
                              "tool_error_rate_first", "tool_error_rate_last", "rollbacks",
-                             "negatives_trained", "egpo_bonus_mean", "reward_by_version",
+                             "negatives_trained", "egpo_bonus_mean", "reward_first3",
+                             "reward_first3_sd", "reward_last3", "reward_last3_sd",
+                             "reward_gain", "tool_error_rate_first3",
+                             "tool_error_rate_first3_sd", "tool_error_rate_last3",
+                             "tool_error_rate_last3_sd", "reward_by_version",
                              "tool_error_rate_by_version"]
-    assert summary["run_id"] == run_id and summary["egpo_bonus_mean"] > 0
+    assert summary["egpo_bonus_mean"] > 0
     assert len(summary["reward_by_version"]) == summary["versions"]
     assert summary["tool_error_rate_first"] > 0 and summary["rollbacks"] > 0
     assert summary["reward_first"] > 0
@@ -104,7 +109,8 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
                            "--steps", "1"], env=_env(tmp_path), capture_output=True,
                           text=True, timeout=600)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
-    assert f"run {run_id}" in more.stdout and "at version 12" in more.stdout
+    # The resumed step plays version 12 (the first run trained 11 and 12 without playing them).
+    assert f"run {run_id}: " in more.stdout and "(versions 9-12)" in more.stdout
     # The closing message's key opens the run in the web page of a real server.
     key = re.search(r"sign in with the read\s+key\s+(tsk_\S+)", more.stdout)
     assert key, more.stdout[-3000:]
