@@ -18,12 +18,20 @@ arm                       ``trajstore demo`` options
 For every arm it prints the mean strict reward and tool error rate per policy version
 (averaged over the seeds), then the final values — the mean over the last three versions of
 each run — as mean ± standard deviation over the seeds, and saves one plot with all arms
-(``--plot``). The last line is
+(``--plot``). Then, for every arm beside ``grpo`` (when both ran), its effect against plain
+GRPO: the difference of final reward and of final tool error rate, paired by seed (a seed
+starts every arm from the same warm start and the same task ids), as the mean difference with
+its 95% confidence interval (Student's t over the seeds). And for every arm, in how many seeds
+it kept the main job's promise: the mean reward of the last three versions at least 0.1 above
+the first three's, and a lower tool error rate. Each run's summary is also appended to
+``--out`` as one JSON line, so that a long sweep can be read before it ends. The last line is
 
-    RESULT <arm>=<final reward> ... (arm names with ``+`` as ``_neg`` and spaces removed)
+    RESULT <arm>=<final reward> ... <arm>_vs_grpo=<effect> <arm>_ci_low=… <arm>_ci_high=…
+    <arm>_learns=<seeds that kept the promise> seeds=<n>
+    (arm names with ``+`` as ``_`` and ", no rollback" as ``_no_rollback``)
 
-    python bench/learning.py                          # 5 arms × 3 seeds × 12 versions
-    python bench/learning.py --arms grpo egpo+neg --seeds 0 --steps 4
+    python bench/learning.py                          # 5 arms × 10 seeds × 12 versions
+    python bench/learning.py --arms grpo egpo+neg --seeds 0 1 2 --steps 4
 """
 
 from __future__ import annotations
@@ -75,6 +83,32 @@ def _final(values: list[float]) -> float:
     return statistics.mean(values[-3:]) if values else 0.0
 
 
+#: Student's t quantile 0.975 by degrees of freedom (1..20); beyond, the normal's.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+
+
+def paired_effect(arm: list[float], base: list[float]) -> tuple[float, float, float]:
+    """Mean of the per-seed differences ``arm - base`` and its 95% confidence interval
+    (Student's t; the interval is the mean itself with one seed)."""
+    differences = [a - b for a, b in zip(arm, base, strict=True)]
+    mean = statistics.mean(differences)
+    if len(differences) < 2:
+        return mean, mean, mean
+    df = len(differences) - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    half = t * statistics.stdev(differences) / len(differences) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def learns(run: dict[str, Any], gain: float = 0.1) -> bool:
+    """The main job's promise for one run: the last three versions' mean reward at least
+    ``gain`` above the first three's, and their tool error rate lower."""
+    rewards, errors = run["reward_by_version"], run["tool_error_rate_by_version"]
+    return (statistics.mean(rewards[-3:]) >= statistics.mean(rewards[:3]) + gain
+            and statistics.mean(errors[-3:]) < statistics.mean(errors[:3]))
+
+
 def _spread(values: list[float]) -> str:
     if len(values) < 2:
         return f"{values[0]:.3f}" if values else "-"
@@ -111,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
                         metavar="ARM", help=f"arms to run, of {list(ARMS)}")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(range(10)))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4)
@@ -124,12 +158,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--data-dir", type=Path, default=None, help="data folder shared by "
                         "the runs (default: a fresh temporary one)")
     parser.add_argument("--plot", type=Path, default=Path("learning.png"))
+    parser.add_argument("--out", type=Path, default=Path("learning.jsonl"),
+                        help="each run's summary, one JSON line, appended as it ends")
+    parser.add_argument("--summarize", nargs="+", type=Path, default=None, metavar="JSONL",
+                        help="run nothing: report the runs recorded in these --out files "
+                             "(sweeps split over several processes)")
     args = parser.parse_args(argv)
     for name in ("steps", "group_size", "groups"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if any(seed < 0 for seed in args.seeds):
         parser.error("--seeds must be >= 0")
+    if args.summarize:
+        recorded: dict[str, dict[int, dict[str, Any]]] = {}
+        for path in args.summarize:
+            for line in path.read_text().splitlines():
+                run = json.loads(line)
+                recorded.setdefault(run["arm"], {})[run["seed"]] = run
+        seeds = sorted(set.intersection(*(set(runs) for runs in recorded.values())))
+        if not seeds:
+            parser.error("--summarize: no seed was run by every arm")
+        return _report({arm: [runs[s] for s in seeds] for arm, runs in recorded.items()},
+                       seeds, args)
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench-learning-"))
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
     # Seeds outside, arms inside: load drift over the run hits every arm alike.
@@ -137,13 +187,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for arm in args.arms:
             run = _run(arm, seed, data_dir, args)
             results[arm].append(run)
+            with args.out.open("a") as out:
+                out.write(json.dumps({"arm": arm, "seed": seed, **run}) + "\n")
             print(f"{arm:<22} seed {seed}: reward "
                   + " ".join(f"{x:.2f}" for x in run["reward_by_version"])
                   + " | tool errors " + " ".join(f"{x:.2f}" for x in
                                                   run["tool_error_rate_by_version"])
                   + f" ({run['seconds']:.0f} s)", flush=True)
-    print(f"\n{len(args.seeds)} seeds × {args.steps} versions × "
-          f"{args.groups * args.group_size} episodes; final = mean of the last 3 versions")
+    return _report(results, args.seeds, args)
+
+
+def _report(results: dict[str, list[dict[str, Any]]], seeds: list[int],
+            args: argparse.Namespace) -> dict[str, Any]:
+    print(f"\n{len(seeds)} seeds ({' '.join(map(str, seeds))}) × "
+          f"{len(next(iter(results.values()))[0]['reward_by_version'])} versions played; "
+          "final = mean of the last 3 versions")
     print(f"{'arm':<22} {'reward v0':>10} {'final reward':>16} {'tool err v0':>12} "
           f"{'final tool err':>16} {'rollbacks':>9} {'negatives':>9}")
     finals: dict[str, float] = {}
@@ -161,8 +219,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"plot: {args.plot}")
     key = {arm: arm.replace("+", "_").replace(", no rollback", "_no_rollback")
            for arm in results}
-    print("RESULT " + " ".join(f"{key[arm]}={value:.3f}" for arm, value in finals.items()))
-    return {"results": results, "finals": finals}
+    fields = [f"{key[arm]}={value:.3f}" for arm, value in finals.items()]
+    effects = _effects(results)
+    for arm, (reward, errors) in effects.items():
+        fields += [f"{key[arm]}_vs_grpo={reward[0]:+.3f}", f"{key[arm]}_ci_low={reward[1]:+.3f}",
+                   f"{key[arm]}_ci_high={reward[2]:+.3f}",
+                   f"{key[arm]}_tool_err_vs_grpo={errors[0]:+.3f}"]
+    print(f"\nthe main job's promise (last three versions >= first three + 0.1, fewer tool "
+          f"errors), seeds that kept it of {len(seeds)}:")
+    for arm, runs in results.items():
+        kept = sum(learns(run) for run in runs)
+        print(f"{arm:<22} {kept}/{len(runs)}")
+        fields.append(f"{key[arm]}_learns={kept}")
+    print("RESULT " + " ".join([*fields, f"seeds={len(seeds)}"]))
+    return {"results": results, "finals": finals, "effects": effects}
+
+
+def _effects(results: dict[str, list[dict[str, Any]]]
+             ) -> dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]]:
+    """Each arm's paired effect against ``grpo`` on final reward and final tool error rate
+    (printed as a table; empty without the grpo arm)."""
+    base = results.get("grpo")
+    if not base:
+        return {}
+    print("\neffect against plain GRPO, paired by seed: mean difference [95% CI]")
+    print(f"{'arm':<22} {'final reward':>28} {'final tool error rate':>28}")
+    effects = {}
+    for arm, runs in results.items():
+        if arm == "grpo":
+            continue
+        reward = paired_effect([_final(r["reward_by_version"]) for r in runs],
+                               [_final(r["reward_by_version"]) for r in base])
+        errors = paired_effect([_final(r["tool_error_rate_by_version"]) for r in runs],
+                               [_final(r["tool_error_rate_by_version"]) for r in base])
+        effects[arm] = (reward, errors)
+        print(f"{arm:<22} {reward[0]:>+8.3f} [{reward[1]:+.3f}, {reward[2]:+.3f}]"
+              f"{errors[0]:>+10.3f} [{errors[1]:+.3f}, {errors[2]:+.3f}]")
+    return effects
 
 
 if __name__ == "__main__":
