@@ -50,11 +50,10 @@ import torch.distributed as dist
 
 from store.eventlog import EventStore
 from store.events import PolicyUpdated, RunConfig
-from store.leasing import Lease, LeaseExpired
+from store.leasing import Lease
 from store.serving import append_policy_updated
 from workers import checkpoint_urls
-from workers.trainer.advantages import ADVANTAGE_ESTIMATORS
-from workers.trainer.batch import TrainingBatch, token_level_rewards
+from workers.trainer.batch import TrainingBatch
 from workers.trainer.checkpoint import (
     checkpoint_dir,
     load_model,
@@ -63,26 +62,17 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
-from workers.trainer.correction import compute_correction
-from workers.trainer.loop import (
-    StepHooks,
-    StepResult,
-    Trainer,
-    TrainerBroken,
-    _latest_checkpoint,
-    unit_ids,
-    unit_loss_weights,
-)
+from workers.trainer.loop import StepHooks, Taken, Trainer, _latest_checkpoint
 from workers.trainer.packing import packed_response_log_probs
 from workers.trainer.policy import response_log_probs
-from workers.trainer.ppo import PPOStats, micro_batches, ppo_update
-from workers.trainer.update import applied, bypass_of
+from workers.trainer.ppo import PPOStats, micro_batches
 
 __all__ = [
     "OPTIMIZER_DIR",
     "DistributedHooks",
     "DistributedTrainer",
     "RankSharding",
+    "Ranks",
     "balanced_split",
     "check_setup",
     "checkpoint_activations",
@@ -284,15 +274,78 @@ class _Offline:
     db = None
 
 
-@dataclass(frozen=True)
-class DistributedHooks:
-    """Optional callbacks (monitoring and fault-injection tests): ``after_lease(lease)`` on
-    rank 0 once samples are leased, ``after_batch(rank)`` on every rank once it holds the
-    batch, ``before_ack(lease)`` on rank 0 right before the acknowledgement."""
+#: The hooks of a distributed step are the step's own (``after_batch`` runs in every rank).
+DistributedHooks = StepHooks
 
-    after_lease: Callable[[Lease], None] | None = None
-    after_batch: Callable[[int], None] | None = None
-    before_ack: Callable[[Lease], None] | None = None
+
+class Ranks:
+    """The distribution strategy of a data-parallel step (module docstring): rank 0 leases
+    and broadcasts the batch, every rank scores and trains its rows of each mini-batch
+    (:class:`RankSharding`), the statistics are summed, the full state dict is gathered and
+    rank 0 records the consolidated checkpoint and acknowledges; every rank ends with the
+    same result, or the same error."""
+
+    def __init__(self, sharding: RankSharding, reference: RankSharding | None) -> None:
+        self.sharding: RankSharding = sharding
+        self.reference = reference
+        self.rank = sharding.rank
+
+    def take(self, trainer: Trainer, hooks: StepHooks) -> Taken:
+        payload: Any = None
+        taken: Taken | None = None
+        if self.rank == 0:
+            try:
+                taken = trainer.lease_and_pad(hooks)
+                payload = ("taken", dataclasses.replace(taken, lease=None))
+            except BaseException as exc:  # every rank must hear of it
+                payload = ("error", exc)
+        payload = _broadcast(payload)
+        if payload[0] == "error":
+            raise payload[1]
+        return taken if taken is not None else cast(Taken, payload[1])
+
+    def score(self, trainer: Trainer
+              ) -> tuple[Callable[[Any, TrainingBatch], tuple[torch.Tensor, torch.Tensor]],
+                         Any, Any]:
+        config = trainer.config
+
+        def score(sharding: RankSharding, batch: TrainingBatch
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+            return _score(sharding, batch, config)
+
+        return score, self.sharding, self.reference
+
+    def reduce(self, stats: PPOStats, device: torch.device) -> None:
+        _reduce_stats(stats, self.sharding.world_size, device)
+
+    def record(self, trainer: Trainer, taken: Taken, metrics: Callable[[], dict[str, float]],
+               hooks: StepHooks) -> tuple[int, Path | str, dict[str, float]]:
+        ranked = cast(DistributedTrainer, trainer)
+        full = ranked._full_state_dict()
+        optimizer_dir = ranked._save_optimizer(tag=taken.tag)
+        outcome: Any = None
+        if self.rank == 0:
+            lease = taken.lease
+            assert lease is not None
+            try:
+                values = metrics()
+                values["world_size"] = float(self.sharding.world_size)
+                version, path = ranked._record_consolidated(full, values, lease,
+                                                            optimizer_dir)
+                trainer.weights_ahead = False
+                if hooks.before_ack is not None:
+                    hooks.before_ack(lease)
+                trainer.leasing.ack(lease.lease_id, policy_version=version)
+                outcome = ("ok", version, str(path), values)
+            except BaseException as exc:
+                _broadcast(("error", exc))
+                raise
+        outcome = _broadcast(outcome)
+        if outcome[0] == "error":
+            raise outcome[1]
+        trainer.weights_ahead = False
+        _, version, path, values = outcome
+        return version, path if checkpoint_urls.is_url(path) else Path(path), values
 
 
 def _is_causal_lm(folder: Path) -> str | None:
@@ -361,7 +414,6 @@ class DistributedTrainer(Trainer):
 
     root: torch.nn.Module
     sharding: RankSharding
-    reference_sharding: RankSharding | None
 
     @classmethod
     def open(cls, store: EventStore | None, run_id: str, *,  # type: ignore[override]
@@ -424,7 +476,7 @@ class DistributedTrainer(Trainer):
                       step=plan["step"], name=name)
         trainer.root = root
         trainer.sharding = RankSharding(root, rank, world)
-        trainer.reference_sharding = reference_sharding
+        trainer.distribution = Ranks(trainer.sharding, reference_sharding)
         if plan["resume"]:
             trainer._load_optimizer(Path(plan["resume"]))
         return trainer
@@ -432,126 +484,6 @@ class DistributedTrainer(Trainer):
     @property
     def rank(self) -> int:
         return self.sharding.rank
-
-    def step(self, *, hooks: StepHooks | DistributedHooks | None = None  # type: ignore[override]
-             ) -> StepResult:
-        """Collective: lease on rank 0, train on every rank, record and acknowledge on rank 0
-        (module docstring). Returns the same result on every rank; raises TrainerBroken when
-        an earlier step left this trainer unusable, and on every rank when any rank failed
-        (rank 0 then releases the lease)."""
-        if self.broken:
-            raise TrainerBroken("a previous step failed after changing the weights; reopen "
-                                "the trainer to resume from its newest checkpoint")
-        hooks = hooks or DistributedHooks()
-        after_batch = getattr(hooks, "after_batch", None)
-        started = time.monotonic()
-        config = self.config
-        lease: Lease | None = None
-        payload: Any = None
-        current = 0
-        if self.rank == 0:
-            current = self.leasing.current_policy_version(self.run_id)
-            lease = self.leasing.lease_batch(
-                self.run_id, groups=config.groups_per_step, lease_seconds=config.lease_seconds,
-                max_staleness=config.max_staleness, current_version=current, trainer=self.name)
-            if lease is None or not lease.samples:
-                payload = ("none", lease.skipped_stale if lease else 0)
-        changed = False
-        try:
-            if self.rank == 0 and payload is None:
-                assert lease is not None
-                try:
-                    if hooks.after_lease is not None:
-                        hooks.after_lease(lease)
-                    batch, scoring = self._pad(lease)
-                    payload = ("batch", batch, lease.lease_id.hex[:8], scoring)
-                except BaseException as exc:
-                    payload = ("error", exc)
-            payload = _broadcast(payload)
-            if payload[0] == "none":
-                return StepResult(self.run_id, None, self.steps_done, skipped_stale=payload[1])
-            if payload[0] == "error":
-                raise payload[1]
-            batch = cast(TrainingBatch, payload[1]).to(self.device)
-            if after_batch is not None:
-                after_batch(self.rank)
-
-            old_log_probs, entropies = _score(self.sharding, batch, config)
-            ref_log_probs = (_score(self.reference_sharding, batch, config)[0]
-                             if self.reference_sharding is not None else None)
-            correction = compute_correction(old_log_probs, batch.rollout_log_probs,
-                                            batch.response_mask, self.correction)
-            is_weights, response_mask = applied(correction, self.correction,
-                                                batch.response_mask)
-            rewards = token_level_rewards(batch.rewards, batch.response_mask,
-                                          response_lengths=batch.response_lengths)
-            units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
-                              is_negative=batch.is_negative.tolist())
-                     if self.run_config.rollout_level else None)
-            advantages = ADVANTAGE_ESTIMATORS.get(self.estimator)(
-                rewards, batch.response_mask, batch.group_ids, entropies=entropies,
-                responses=batch.responses, settings=self.advantage_settings, units=units)
-            loss_weights = is_weights
-            if units is not None:
-                loss_weights = loss_weights * unit_loss_weights(units).to(
-                    loss_weights.device).unsqueeze(1)
-
-            changed = True
-            renewed = [started]
-
-            def keep_lease() -> None:
-                if lease is not None:
-                    renewed[0] = self._keep_lease(lease, renewed[0])
-
-            stats = ppo_update(self.model, batch, optimizer=self.optimizer,
-                               old_log_probs=old_log_probs, advantages=advantages,
-                               config=config, ref_log_probs=ref_log_probs,
-                               between_steps=keep_lease, is_weights=loss_weights,
-                               response_mask=response_mask, sharding=self.sharding,
-                               bypass=bypass_of(batch, self.correction))
-            _reduce_stats(stats, self.sharding.world_size, self.device)
-            self.steps_done += stats.optimizer_steps
-            full = self._full_state_dict()
-            optimizer_dir = self._save_optimizer(tag=payload[2])
-
-            outcome: Any = None
-            if self.rank == 0:
-                assert lease is not None
-                try:
-                    metrics = self._metrics(batch, lease, old_log_probs, entropies, advantages,
-                                            stats.metrics(), started, correction, current)
-                    metrics["world_size"] = float(self.sharding.world_size)
-                    metrics.update(payload[3])
-                    version, path = self._record_consolidated(full, metrics, lease,
-                                                              optimizer_dir)
-                    changed = False
-                    if hooks.before_ack is not None:
-                        hooks.before_ack(lease)
-                    self.leasing.ack(lease.lease_id, policy_version=version)
-                    outcome = ("ok", version, str(path), metrics)
-                except BaseException as exc:
-                    outcome = ("error", exc)
-                    _broadcast(outcome)
-                    raise
-            outcome = _broadcast(outcome)
-            if outcome[0] == "error":
-                raise outcome[1]
-            changed = False
-            _, version, path, metrics = outcome
-        except BaseException:
-            if changed:
-                self.broken = True
-            if lease is not None:
-                try:
-                    self.leasing.release(lease.lease_id)
-                except LeaseExpired:
-                    pass
-            raise
-        return StepResult(self.run_id, version, self.steps_done, samples=len(batch),
-                          groups=len(set(batch.group_ids)),
-                          skipped_stale=lease.skipped_stale if lease else 0,
-                          sample_ids=batch.sample_ids, metrics=metrics,
-                          checkpoint=path if checkpoint_urls.is_url(path) else Path(path))
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the model's full state dict on rank 0 (CPU, Hugging Face names), empty

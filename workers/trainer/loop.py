@@ -26,6 +26,12 @@ One :meth:`Trainer.step`:
 A failure before the acknowledgement releases the lease, so the samples go back to ready; a
 failure after the first optimizer step also marks the trainer unusable (its weights are ahead
 of its last checkpoint): open a new one, which resumes from the newest checkpoint.
+
+There is one step. How it is spread over processes is its distribution strategy
+(:class:`Distribution`): :class:`OneProcess` leases, trains, records and acknowledges alone;
+``workers.trainer.distributed.Ranks`` leases on rank 0 and hands every rank the batch, gives
+each rank its rows of every mini-batch, sums the ranks' statistics, and gathers the
+checkpoint on rank 0. Steps 3 to 6 are the same code either way.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -70,11 +76,14 @@ from workers.trainer.checkpoint import (
 )
 from workers.trainer.config import TrainerConfig
 from workers.trainer.correction import Correction
+from workers.trainer.optim import adamw
+from workers.trainer.ppo import PPOStats, Sharding
 from workers.trainer.temperature import scoring_temperatures
 from workers.trainer.update import update_batch
 from workers.trainer.weights import push_weights
 
-__all__ = ["StepHooks", "StepResult", "Trainer", "TrainerBroken", "default_device",
+__all__ = ["Distribution", "OneProcess", "StepHooks", "StepResult", "Taken", "Trainer",
+           "TrainerBroken", "default_device",
            "staleness_metrics", "takeup_metrics", "unit_ids", "unit_loss_weights"]
 
 
@@ -87,12 +96,99 @@ class TrainerBroken(RuntimeError):
 
 @dataclass(frozen=True)
 class StepHooks:
-    """Optional callbacks at two points of a step (monitoring and fault-injection tests):
-    ``after_lease(lease)`` once samples are leased, ``before_ack(lease)`` right before the
-    acknowledgement."""
+    """Optional callbacks at three points of a step (monitoring and fault-injection tests):
+    ``after_lease(lease)`` once samples are leased (where the lease is held),
+    ``after_batch(rank)`` in every process once it holds the batch, ``before_ack(lease)``
+    right before the acknowledgement."""
 
     after_lease: Callable[[Lease], None] | None = None
+    after_batch: Callable[[int], None] | None = None
     before_ack: Callable[[Lease], None] | None = None
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What a step trains: the lease (in the process that holds it, else None), the padded
+    batch on the CPU (None: nothing ready), the scoring-temperature metrics, the stale groups
+    skipped, the policy version the step started from, and the tag of its checkpoint."""
+
+    lease: Lease | None
+    batch: TrainingBatch | None
+    scoring: dict[str, float] = field(default_factory=dict)
+    skipped_stale: int = 0
+    current: int = 0
+    tag: str = ""
+
+
+class Distribution(Protocol):
+    """How :meth:`Trainer.step` is spread over processes (module docstring)."""
+
+    @property
+    def sharding(self) -> Sharding | None:
+        """This process's share of each mini-batch (None: all of it)."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 alone)."""
+        ...
+
+    def take(self, trainer: Trainer, hooks: StepHooks) -> Taken:
+        """Lease and pad the step's batch where the lease is taken, and hand it to every
+        process; an error there is raised in every process (the lease released)."""
+        ...
+
+    def score(self, trainer: Trainer
+              ) -> tuple[Callable[[Any, TrainingBatch], tuple[torch.Tensor, torch.Tensor]]
+                         | None, Any, Any]:
+        """``(score, scored, reference)`` for :func:`~workers.trainer.update.update_batch`:
+        how whole-batch log-probs are computed, of what policy and what reference."""
+        ...
+
+    def reduce(self, stats: PPOStats, device: torch.device) -> None:
+        """Make ``stats`` the whole batch's (summed over processes)."""
+        ...
+
+    def record(self, trainer: Trainer, taken: Taken, metrics: Callable[[], dict[str, float]],
+               hooks: StepHooks) -> tuple[int, Path | str, dict[str, float]]:
+        """Save the checkpoint, append ``policy_updated``, acknowledge the lease; returns
+        the version, the checkpoint and the metrics, the same in every process."""
+        ...
+
+
+class OneProcess:
+    """The trainer alone in its process: it leases, trains, records, pushes its weights to
+    the attached engine and acknowledges."""
+
+    sharding: Sharding | None = None
+    rank = 0
+
+    def take(self, trainer: Trainer, hooks: StepHooks) -> Taken:
+        return trainer.lease_and_pad(hooks)
+
+    def score(self, trainer: Trainer
+              ) -> tuple[Callable[[Any, TrainingBatch], tuple[torch.Tensor, torch.Tensor]]
+                         | None, Any, Any]:
+        return None, None, trainer.reference
+
+    def reduce(self, stats: PPOStats, device: torch.device) -> None:
+        return None
+
+    def record(self, trainer: Trainer, taken: Taken, metrics: Callable[[], dict[str, float]],
+               hooks: StepHooks) -> tuple[int, Path | str, dict[str, float]]:
+        lease = taken.lease
+        assert lease is not None
+        values = metrics()
+        version, path = trainer._record(values, lease)
+        trainer.weights_ahead = False  # recorded: a reopened trainer resumes from here
+        try:
+            if trainer.engine is not None:
+                trainer._push(version)
+        finally:
+            if hooks.before_ack is not None:
+                hooks.before_ack(lease)
+            trainer.leasing.ack(lease.lease_id, policy_version=version)
+        return version, path, values
 
 
 @dataclass(frozen=True)
@@ -199,16 +295,16 @@ class Trainer:
     def __init__(self, *, store: EventStore, run_id: str, run_config: RunConfig, model: Any,
                  tokenizer: Any, config: TrainerConfig, data_dir: Path, device: torch.device,
                  engine: WeightUpdatable | None = None, reference: Any | None = None,
-                 step: int = 0, name: str | None = None) -> None:
+                 step: int = 0, name: str | None = None,
+                 distribution: Distribution | None = None) -> None:
         self.store, self.run_id, self.run_config = store, run_id, run_config
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.data_dir, self.device, self.engine = data_dir, device, engine
         self.reference, self.steps_done = reference, step
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.leasing = Leasing(store)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=config.lr,
-            betas=config.betas, eps=config.adam_eps, weight_decay=config.weight_decay)
+        self.optimizer = adamw(model.parameters(), lr=config.lr, betas=config.betas,
+                               eps=config.adam_eps, weight_decay=config.weight_decay)
         self.estimator = choose_estimator(config.advantage_estimator,
                                           egpo_lam=run_config.egpo.lam)
         start, end = think_token_ids(tokenizer, start=config.cot_start_id, end=config.cot_end_id)
@@ -230,6 +326,9 @@ class Trainer:
                         "temperature is %s)", run_id, config.temperature,
                         run_config.rollout.temperature)
         self.broken = False
+        #: The weights changed since the last checkpoint (set by an optimizer step).
+        self.weights_ahead = False
+        self.distribution: Distribution = distribution or OneProcess()
 
     @classmethod
     def open(cls, store: EventStore, run_id: str, *, config: TrainerConfig | None = None,
@@ -287,82 +386,106 @@ class Trainer:
         return trainer
 
     def step(self, *, hooks: StepHooks | None = None) -> StepResult:
-        """Lease, train, record, push, acknowledge (module docstring). Returns what happened;
-        raises TrainerBroken when an earlier step left this trainer unusable."""
+        """Lease, train, record, push, acknowledge (module docstring), spread over processes
+        as :attr:`distribution` says (every process calls it). Returns what happened, the
+        same in every process; raises TrainerBroken when an earlier step left this trainer
+        unusable, and, when any process failed, the error in every one (the lease
+        released)."""
         if self.broken:
             raise TrainerBroken("a previous step failed after changing the weights; reopen "
                                 "the trainer to resume from its newest checkpoint")
         hooks = hooks or StepHooks()
         started = time.monotonic()
         config = self.config
-        current = self.leasing.current_policy_version(self.run_id)
-        lease = self.leasing.lease_batch(
-            self.run_id, groups=config.groups_per_step, lease_seconds=config.lease_seconds,
-            max_staleness=config.max_staleness, current_version=current, trainer=self.name)
-        if lease is None or not lease.samples:
+        spread = self.distribution
+        taken = spread.take(self, hooks)
+        if taken.batch is None:
             return StepResult(self.run_id, None, self.steps_done,
-                              skipped_stale=lease.skipped_stale if lease else 0)
-        changed = False
+                              skipped_stale=taken.skipped_stale)
+        lease = taken.lease
+        self.weights_ahead = False
         try:
-            if hooks.after_lease is not None:
-                hooks.after_lease(lease)
-            batch, scoring = self._pad(lease)
-            batch = batch.to(self.device)
-
+            batch = taken.batch.to(self.device)
+            if hooks.after_batch is not None:
+                hooks.after_batch(spread.rank)
             units = (unit_ids(episode_ids=batch.episode_ids, sample_ids=batch.sample_ids,
                               is_negative=batch.is_negative.tolist())
                      if self.run_config.rollout_level else None)
             renewed = [started]
 
             def keep_lease() -> None:
-                renewed[0] = self._keep_lease(lease, renewed[0])
+                if lease is not None:
+                    renewed[0] = self._keep_lease(lease, renewed[0])
 
             def stepping(*_: Any) -> None:
-                nonlocal changed
-                changed = True  # the weights change from the first optimizer step on
+                self.weights_ahead = True  # from the first optimizer step on
 
+            score, scored, reference = spread.score(self)
             hook = self.optimizer.register_step_pre_hook(stepping)
             try:
                 update = update_batch(
                     self.model, batch, optimizer=self.optimizer, config=config,
                     estimator=self.estimator, advantage_settings=self.advantage_settings,
-                    correction=self.correction, reference=self.reference, units=units,
+                    correction=self.correction, reference=reference, units=units,
                     unit_weights=unit_loss_weights(units) if units is not None else None,
-                    between_steps=keep_lease)
+                    between_steps=keep_lease, sharding=spread.sharding, score=score,
+                    scored=scored)
             finally:
                 hook.remove()
             stats = update.stats
+            spread.reduce(stats, self.device)
             self.steps_done += stats.optimizer_steps
 
-            metrics = self._metrics(batch, lease, update.old_log_probs, update.entropies,
-                                    update.advantages, stats.metrics(), started,
-                                    update.correction, current)
-            metrics["scoring_skipped"] = float(update.single_pass)
-            metrics.update(scoring)
-            if self.estimator == "egpo":
-                metrics.update(self._egpo_bonus(batch, update.advantages, update.entropies,
-                                                 units))
-            metrics.update(takeup_metrics(self.store, self.run_id, current))
-            version, path = self._record(metrics, lease)
-            changed = False  # the weights are recorded: a reopened trainer resumes from here
-            try:
-                if self.engine is not None:
-                    self._push(version)
-            finally:
-                if hooks.before_ack is not None:
-                    hooks.before_ack(lease)
-                self.leasing.ack(lease.lease_id, policy_version=version)
+            def metrics() -> dict[str, float]:
+                assert lease is not None  # built where the lease is held
+                values = self._metrics(batch, lease, update.old_log_probs, update.entropies,
+                                       update.advantages, stats.metrics(), started,
+                                       update.correction, taken.current)
+                values["scoring_skipped"] = float(update.single_pass)
+                values.update(taken.scoring)
+                if self.estimator == "egpo":
+                    values.update(self._egpo_bonus(batch, update.advantages,
+                                                   update.entropies, units))
+                values.update(takeup_metrics(self.store, self.run_id, taken.current))
+                return values
+
+            version, path, recorded = spread.record(self, taken, metrics, hooks)
         except BaseException:
-            if changed:
+            if self.weights_ahead:
                 self.broken = True
+            if lease is not None:
+                try:
+                    self.leasing.release(lease.lease_id)
+                except LeaseExpired:
+                    pass  # acknowledged or expired already: nothing to give back
+            raise
+        return StepResult(self.run_id, version, self.steps_done, samples=len(batch),
+                          groups=len(lease.groups) if lease else len(set(batch.group_ids)),
+                          skipped_stale=taken.skipped_stale, sample_ids=batch.sample_ids,
+                          metrics=recorded, checkpoint=path)
+
+    def lease_and_pad(self, hooks: StepHooks) -> Taken:
+        """Lease the step's groups (stale ones skipped) and pad them into a batch; a failure
+        once leased releases the lease."""
+        config = self.config
+        current = self.leasing.current_policy_version(self.run_id)
+        lease = self.leasing.lease_batch(
+            self.run_id, groups=config.groups_per_step, lease_seconds=config.lease_seconds,
+            max_staleness=config.max_staleness, current_version=current, trainer=self.name)
+        if lease is None or not lease.samples:
+            return Taken(None, None, skipped_stale=lease.skipped_stale if lease else 0)
+        try:
+            if hooks.after_lease is not None:
+                hooks.after_lease(lease)
+            batch, scoring = self._pad(lease)
+        except BaseException:
             try:
                 self.leasing.release(lease.lease_id)
             except LeaseExpired:
-                pass  # acknowledged or expired already: nothing to give back
+                pass
             raise
-        return StepResult(self.run_id, version, self.steps_done, samples=len(batch),
-                          groups=len(lease.groups), skipped_stale=lease.skipped_stale,
-                          sample_ids=batch.sample_ids, metrics=metrics, checkpoint=path)
+        return Taken(lease, batch, scoring, lease.skipped_stale, current,
+                     lease.lease_id.hex[:8])
 
     def train(self, steps: int, *, wait_s: float = 0.0, poll_s: float = 1.0,
               on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:

@@ -46,7 +46,7 @@ from workers.trainer.correction import (
     has_rollout_log_probs,
     needs_whole_batch,
 )
-from workers.trainer.ppo import PPOStats, ppo_update, score_batch
+from workers.trainer.ppo import PPOStats, Sharding, ppo_update, score_batch
 
 __all__ = ["ROW_LOCAL_ESTIMATORS", "BatchUpdate", "applied", "bypass_of", "single_pass",
            "update_batch"]
@@ -105,16 +105,31 @@ def update_batch(model: Any, batch: TrainingBatch, *, optimizer: torch.optim.Opt
                  correction: CorrectionConfig, reference: Any | None = None,
                  units: Sequence[str] | None = None,
                  unit_weights: torch.Tensor | None = None,
-                 between_steps: Callable[[], None] | None = None) -> BatchUpdate:
+                 between_steps: Callable[[], None] | None = None,
+                 sharding: Sharding | None = None,
+                 score: Callable[[Any, TrainingBatch], tuple[torch.Tensor, torch.Tensor]]
+                 | None = None,
+                 scored: Any | None = None) -> BatchUpdate:
     """Score (or not, module docstring), correct, compute advantages and run the PPO update
     of ``batch`` on ``model``. ``units`` are the rollout-level units of the rows (None: every
     sample counts alone) and ``unit_weights`` ``(bs,)`` their loss weights; ``reference`` is
-    the frozen model of the KL term (needed when ``config.kl_coef > 0``). Raises KeyError for
-    an unknown estimator (naming the known ones), and the errors of :func:`score_batch`,
-    :func:`compute_correction`, the estimator and :func:`ppo_update`."""
+    the frozen model of the KL term (needed when ``config.kl_coef > 0``).
+
+    Spread over processes (the trainer's distribution strategy): ``sharding`` gives this
+    process its rows of each mini-batch (:func:`ppo_update`), ``score(what, batch)`` computes
+    whole-batch log-probs and entropies of ``scored`` (the policy) and of ``reference``
+    (default: :func:`score_batch` of the model itself), and the scoring pass is always run.
+
+    Raises KeyError for an unknown estimator (naming the known ones), and the errors of
+    :func:`score_batch`, :func:`compute_correction`, the estimator and :func:`ppo_update`."""
     advantage_fn = ADVANTAGE_ESTIMATORS.get(estimator)
-    ref_log_probs = (score_batch(reference, batch, config=config)[0]
-                     if reference is not None else None)
+
+    def scoring(what: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if score is not None:
+            return score(what, batch)
+        return score_batch(what, batch, config=config)
+
+    ref_log_probs = scoring(reference)[0] if reference is not None else None
     rewards = token_level_rewards(batch.rewards, batch.response_mask,
                                   response_lengths=batch.response_lengths)
 
@@ -129,9 +144,9 @@ def update_batch(model: Any, batch: TrainingBatch, *, optimizer: torch.optim.Opt
         scale = unit_weights if rows is None else unit_weights[rows]
         return weights * scale.to(weights.device).unsqueeze(1)
 
-    if not single_pass(config, samples=len(batch), estimator=estimator,
-                       correction=correction):
-        old_log_probs, entropies = score_batch(model, batch, config=config)
+    if sharding is not None or not single_pass(config, samples=len(batch), estimator=estimator,
+                                               correction=correction):
+        old_log_probs, entropies = scoring(scored if scored is not None else model)
         corrected = compute_correction(old_log_probs, batch.rollout_log_probs,
                                        batch.response_mask, correction)
         weights, response_mask = applied(corrected, correction, batch.response_mask)
@@ -139,7 +154,8 @@ def update_batch(model: Any, batch: TrainingBatch, *, optimizer: torch.optim.Opt
         stats = ppo_update(model, batch, optimizer=optimizer, old_log_probs=old_log_probs,
                            advantages=advantages, config=config, ref_log_probs=ref_log_probs,
                            between_steps=between_steps, is_weights=weighted(weights),
-                           response_mask=response_mask, bypass=bypass_of(batch, correction))
+                           response_mask=response_mask, bypass=bypass_of(batch, correction),
+                           sharding=sharding)
         return BatchUpdate(stats, old_log_probs, entropies, advantages, corrected, False)
 
     mask = batch.response_mask.to(torch.float32)
