@@ -288,7 +288,9 @@ def _train(ranks: Sequence[int], world: int, rendezvous: str | None, path: str,
     process is busy (several times slower), where two processes meet once a step."""
     import torch
     import torch.distributed as dist
-    from transformers import Qwen3ForCausalLM
+
+    from workers.trainer.checkpoint import load_model
+    from workers.trainer.optim import adamw, clipped_step
 
     collective = len(ranks) < world
     if collective:
@@ -297,10 +299,10 @@ def _train(ranks: Sequence[int], world: int, rendezvous: str | None, path: str,
     try:
         torch.set_num_threads(1)
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = load_model(path, dtype="float32")
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.0)
+        optimizer = adamw(params, lr=options.lr)
         order = random.Random(seed)
         rows = min(16, -(-options.drills // (2 * world))) if options.drills else 16
         loss_value = 0.0
@@ -324,8 +326,7 @@ def _train(ranks: Sequence[int], world: int, rendezvous: str | None, path: str,
                 p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
             loss_value = float(flat[-1])
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
+            clipped_step(optimizer, params, 1.0)
         if 0 in ranks:
             model.eval()
             model.save_pretrained(path, safe_serialization=True)

@@ -29,6 +29,7 @@ from workers.trainer.losses import (
     masked_mean,
     ppo_policy_loss,
 )
+from workers.trainer.optim import clipped_step
 from workers.trainer.policy import response_log_probs
 
 __all__ = ["FirstPass", "PPOStats", "Sharding", "micro_batches", "ppo_update", "score_batch"]
@@ -278,11 +279,9 @@ them, and each micro-batch's loss :func:`workers.trainer.correction.bypass_polic
                 if kl_term is not None:
                     losses["kl_loss"] = float(kl_term.item())
                 stats.add_losses(losses)
-            max_norm = config.grad_clip if config.grad_clip is not None else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            grad_norm = clipped_step(optimizer, params, config.grad_clip)
             stats.optimizer_steps += 1
             if math.isfinite(grad_norm):
-                optimizer.step()
                 stats.grad_norm_sum += grad_norm
             else:
                 stats.skipped_steps += 1
