@@ -207,18 +207,13 @@ DEFAULT_ROLLBACK_ERRORS = (
 )
 
 
-def failure_order_key(occurred_at: dt.datetime | None, episode_id: str | None,
-                      index: int | None) -> tuple[Any, ...]:
+def failure_order_key(episode_id: str | None, index: int | None) -> tuple[Any, ...]:
     """The one order of failed attempts, by which a group's negative samples are chosen
-    (replay) and leased (the cap): by time (naive times count as UTC, unknown times last),
-    then episode id, then position in the episode stream."""
-    if occurred_at is None:
-        stamp: tuple[int, float] = (1, 0.0)
-    else:
-        if occurred_at.tzinfo is None:
-            occurred_at = occurred_at.replace(tzinfo=dt.UTC)
-        stamp = (0, occurred_at.timestamp())
-    return (*stamp, episode_id or "", index or 0)
+    (replay) and leased (the cap): earliest in its episode first (the failure's position in
+    the episode stream; unknown positions last), then by episode id. Each episode's own
+    clock, not the wall clock: which of a group's concurrent episodes failed first in time
+    depends on scheduling, so a run would not train the same negatives twice."""
+    return (index is None, index or 0, episode_id or "")
 
 
 # EGPO's defaults (seed ``004``), written once: the run configuration and the trainer's

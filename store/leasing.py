@@ -210,7 +210,7 @@ class Leasing:
                     continue
                 positives = [r[0] for r in rows if r[2] == "positive"]
                 negatives = sorted((r for r in rows if r[2] == "negative"),
-                                   key=lambda r: failure_order_key(r[3], r[4], r[5]))
+                                   key=lambda r: failure_order_key(r[4], r[5]))
                 leased_ids += positives + [r[0] for r in negatives[:max_negatives]]
                 skipped_ids += [r[0] for r in negatives[max_negatives:]]
                 taken.append(group_id)
@@ -234,10 +234,15 @@ class Leasing:
                 " VALUES (%s, %s, %s, %s, %s, %s)",
                 (lease_id, run_id, trainer, taken, len(leased_ids), expires_at),
             )
+            # The batch's row order is a function of what was played, not of ids drawn at
+            # random or of timing (a run with a seed trains the same mini-batches twice):
+            # by policy version and task of the episode, then group, kind, episode, index.
             leased = conn.cursor(row_factory=dict_row, binary=True).execute(
-                "SELECT sample_id, run_id, group_id, episode_id, agent, kind, reward,"
-                " policy_version, prompt_length, token_ids, loss_mask, logprobs FROM samples"
-                " WHERE lease_id = %s ORDER BY group_id, kind DESC, episode_id, timeline_index",
+                "SELECT s.sample_id, s.run_id, s.group_id, s.episode_id, s.agent, s.kind,"
+                " s.reward, s.policy_version, s.prompt_length, s.token_ids, s.loss_mask,"
+                " s.logprobs FROM samples s JOIN episodes e ON e.episode_id = s.episode_id"
+                " WHERE s.lease_id = %s ORDER BY e.policy_version, e.task_id, s.group_id,"
+                " s.kind DESC, s.episode_id, s.timeline_index",
                 (lease_id,),
             ).fetchall()
             lease = Lease(lease_id, run_id, taken, expires_at, [_sample(r) for r in leased],

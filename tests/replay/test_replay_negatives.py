@@ -46,7 +46,9 @@ def test_turn_counts_count_environment_turns_after_the_first_assistant() -> None
     assert turn_counts(tl(U, gen("x", [5]))) == (1, 0)
 
 
-def test_cap_keeps_the_earliest_failures_per_group() -> None:
+def test_cap_keeps_the_failures_earliest_in_their_episodes() -> None:
+    """By stream position, then episode id; the wall-clock time of a failure plays no part
+    (it depends on how a group's concurrent episodes were scheduled)."""
     t0 = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
     items = [
         negative("g1", episode="e2", index=5, when=t0 + dt.timedelta(seconds=3)),
@@ -56,19 +58,19 @@ def test_cap_keeps_the_earliest_failures_per_group() -> None:
         negative("g2", episode="e4", index=4, when=t0.replace(tzinfo=None)),
     ]
     chosen = select_negatives(items, max_per_group=1)
-    assert [(n.group_id, n.call_id) for n in chosen] == [("g2", "e4-4"), ("g1", "e1-9")]
+    assert [(n.group_id, n.call_id) for n in chosen] == [("g2", "e3-1"), ("g1", "e1-2")]
     chosen = select_negatives(items, max_per_group=2)
-    assert [n.call_id for n in chosen] == ["e4-4", "e1-9", "e1-2", "e3-1"]
+    assert [n.call_id for n in chosen] == ["e3-1", "e1-2", "e4-4", "e2-5"]
     assert select_negatives(list(reversed(items)), max_per_group=2) == chosen
     assert select_negatives(items, max_per_group=5, enabled=False) == []
     assert select_negatives(items, max_per_group=0) == []
 
 
-def test_same_time_orders_by_episode_then_stream_position() -> None:
-    items = [negative("g", episode="b", index=1), negative("g", episode="a", index=7),
-             negative("g", episode="a", index=3)]
-    assert [n.call_id for n in select_negatives(items, max_per_group=3)] == \
-        ["a-3", "a-7", "b-1"]
+def test_order_is_stream_position_then_episode() -> None:
+    items = [negative("g", episode="b", index=3), negative("g", episode="a", index=7),
+             negative("g", episode="a", index=3), negative("g", episode="c", index=1)]
+    assert [n.call_id for n in select_negatives(items, max_per_group=4)] == \
+        ["c-1", "a-3", "b-3", "a-7"]
 
 
 @pytest.mark.parametrize(

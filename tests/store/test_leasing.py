@@ -71,8 +71,10 @@ def test_only_complete_groups_with_capped_negatives(store: EventStore) -> None:
     kinds = sorted(s.kind for s in lease.samples)
     assert kinds == ["negative", "positive", "positive"]
     (negative,) = [s for s in lease.samples if s.is_negative]
-    # Earliest failure first: the second episode's first failure happened first.
-    assert negative.episode_id == episodes[1] and negative.reward == -1.0
+    # Earliest in its episode first, then by episode id: both first failures stand at the
+    # same stream position, so the first episode's is kept, although the second episode's
+    # happened earlier in time (wall-clock time depends on scheduling).
+    assert negative.episode_id == episodes[0] and negative.reward == -1.0
     s = lease.samples[0]
     assert s.prompt_ids.tolist() == s.token_ids[:4].tolist()
     assert s.response_mask.tolist() == [1] * 6 and s.rollout_logprobs.tolist() == [-0.5] * 6

@@ -138,9 +138,9 @@ def build_negative(
 
 
 def failure_order(negative: NegativeSample) -> tuple[Any, ...]:
-    """The default order of failures: by time (when known; naive times count as UTC, unknown
-    times last), then episode id, then position in the episode stream."""
-    return failure_order_key(negative.occurred_at, negative.episode_id, negative.failure_index)
+    """The default order of failures (``store.events.failure_order_key``): by position in
+    the episode stream (unknown positions last), then episode id."""
+    return failure_order_key(negative.episode_id, negative.failure_index)
 
 
 def select_negatives(
