@@ -10,7 +10,8 @@ trainer corrects it with the stored rollout logprobs, ``RunConfig.correction``, 
 groups at most 2 versions old). Without it every batch is sent once the step it follows is
 recorded, pinned to the policy just trained. Pinning, the run's sampling seed
 (``RolloutConfig.seed`` = ``--seed``) and row-by-row seeded sampling make a run's numbers a
-function of its options: the same seed gives the same table, whatever the timing. The task is ``calc`` by default: the ``calc-<seed>-<index>`` tool-use questions
+function of its options: the same seed gives the same table, whatever the timing. The task
+is ``calc`` by default: the ``calc-<seed>-<index>`` tool-use questions
 (the ``python`` and ``calculator`` tools, EGPO's strict binary ``tool_answer`` reward) played
 from the warm-started policy of :mod:`workers.rollout.warmstart`, whose own mistakes give real
 tool errors, rollbacks and negative samples; each version's batch is trained in mini-batches
