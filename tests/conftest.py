@@ -41,9 +41,42 @@ from store.eventlog import EventStore  # noqa: E402
 from store.settings import Settings  # noqa: E402
 from tests.isolation import (  # noqa: E402, F401  (the isolated marker's hooks)
     pytest_collection_modifyitems,
-    pytest_configure,
     pytest_runtest_protocol,
 )
+from tests.isolation import pytest_configure as _isolation_configure  # noqa: E402
+
+_OWN_BASETEMP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's temporary folders live in a folder of its own, not under pytest's
+    shared ``/tmp/pytest-of-<user>``: embedded PostgreSQL servers run as another user there
+    (pgserver opens the folders above their data for it), and every pytest session that
+    starts on the machine without ``--basetemp`` (another test run, a test's child session)
+    sets that shared folder back to 0700, which cut this session's servers off their data
+    (they stopped with "Permission denied"). Given ``--basetemp`` is used as it is; the
+    folder is removed when the session passes, and kept for a look when it fails."""
+    if config.option.basetemp is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="trajstore-tests-")
+        os.chmod(folder, 0o755)
+        config.option.basetemp = folder
+        config.stash[_OWN_BASETEMP] = folder
+
+        def remove_if_passed() -> None:  # after pgserver stops its servers (atexit, LIFO)
+            if getattr(config, "_trajstore_passed", False):
+                shutil.rmtree(folder, ignore_errors=True)
+
+        atexit.register(remove_if_passed)
+    _isolation_configure(config)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config._trajstore_passed = exitstatus == 0  # type: ignore[attr-defined]
 
 
 def _with_dbname(url: str, name: str) -> str:
