@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> list[float]:
           f"against the target 0.5: one process {verdict(statistics.median(ratios))}"
           + (f", {args.jobs} processes {verdict(statistics.median(pooled))}" if pooled else "")
           + f"; per-episode task path {statistics.median(single):.2f}")
+    print(f"RESULT replay_vs_read={statistics.median(ratios):.3f}"
+          + (f" pool_vs_read={statistics.median(pooled):.3f}" if pooled else "")
+          + f" task_path_vs_read={statistics.median(single):.3f}")
     return ratios
 
 

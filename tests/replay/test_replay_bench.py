@@ -35,3 +35,4 @@ def test_replay_benchmark_runs_at_a_tiny_size(capsys) -> None:
     out = capsys.readouterr().out
     assert "2 turns per round (tool outputs +30, replies +10 tokens)" in out
     assert "2 processes" in out  # (d): the same projection on a ProjectionPool
+    assert out.splitlines()[-1].startswith("RESULT replay_vs_read=")
