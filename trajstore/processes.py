@@ -115,11 +115,41 @@ def stop_tree(pid: int, created: float, *, grace_s: float) -> bool:
         tree = [root]
     leads_group = _leads_group(pid)
     _signal_all(tree, pid, leads_group, signal.SIGTERM)
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    alive = _outlive(tree, grace_s)
     if alive or (leads_group and _group_alive(pid)):
         _signal_all(alive, pid, leads_group, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=10)
+        _outlive(alive, 10.0)
     return True
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs. A zombie does not: it has exited and waits only for its
+    parent (a process other than this one) to collect its status."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.Error:
+        return False
+
+
+def _outlive(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` for ``procs`` to exit (collecting those that are this
+    process's children); returns those still running. psutil's own wait counts a zombie as
+    running until its parent collects it, so stopping the processes another program started
+    (and has not collected yet) took the whole grace period."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        psutil.wait_procs(procs, timeout=0)  # collects this process's children that exited
+        alive = [p for p in procs if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def _leads_group(pid: int) -> bool:
@@ -177,10 +207,10 @@ def die_with_parent(parent_pid: int | None = None) -> None:
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> bool:
-    """Whether every one of ``pids`` has exited within ``timeout_s``."""
+    """Whether every one of ``pids`` has exited within ``timeout_s`` (a zombie has)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) for p in pids):
+        if not any(_pid_running(p) for p in pids):
             return True
         time.sleep(0.1)
     return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -143,7 +144,7 @@ def test_sweep_projects_episodes_whose_message_was_lost(worker_store, start_work
 
 @pytest.mark.timeout(400)
 def test_sigkill_mid_replay_then_redelivery_projects_exactly_once(
-    worker_store, start_worker, qwen3
+    worker_store, worker_settings, start_worker, qwen3
 ) -> None:
     slow = start_worker("--queues", "replay", TRAJSTORE_FAULT_REPLAY_DELAY_S="60")
     slow.wait_ready()
@@ -163,8 +164,13 @@ def test_sigkill_mid_replay_then_redelivery_projects_exactly_once(
 
     wait_for(replay_in_flight, what="the replay to be mid-transaction")
     slow.kill()
+    killed = time.monotonic()
     projections = Projections(worker_store)
     assert projections.projected_version(episode) is None, "a killed replay left rows"
+    # The broker gives an unacknowledged task back once it is older than the visibility
+    # timeout, when a worker looks: at its start, then only every 100 s (kombu restores on
+    # every tenth of its 10-second polls). Start the fresh worker once the task is due.
+    time.sleep(max(0.0, worker_settings.visibility_timeout_s + 1 - (time.monotonic() - killed)))
     fresh = start_worker("--queues", "replay")
     fresh.wait_ready()
     wait_for(lambda: projections.projected_version(episode), timeout=180,
