@@ -34,6 +34,7 @@ class Project:
     ingest: str
     read: str
     admin: str
+    train: str
 
     def headers(self, role: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {getattr(self, role)}"}
@@ -42,7 +43,7 @@ class Project:
 def make_project(keys: KeyStore, name: str | None = None) -> Project:
     name = name or f"proj-{uuid.uuid4().hex[:8]}"
     tokens = {role: keys.create(project=name, role=role).token
-              for role in ("ingest", "read", "admin")}
+              for role in ("ingest", "read", "admin", "train")}
     return Project(name=name, **tokens)
 
 
