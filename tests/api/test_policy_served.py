@@ -1,6 +1,7 @@
 """Engines report through the API the policy version they serve (``POST /v1/runs/{id}/served``,
-a train key) and anyone with a read key sees each version's take-up (``GET /v1/runs/{id}/policies``); bad
-reports are refused with 422 naming the field, unknown runs with 404, and nothing is stored."""
+a train key) and anyone with a read key sees each version's take-up
+(``GET /v1/runs/{id}/policies``); bad reports are refused with 422 naming the field, unknown
+runs with 404, and nothing is stored."""
 
 from __future__ import annotations
 
