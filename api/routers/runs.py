@@ -35,7 +35,7 @@ from store.eventlog import AppendResult as StoreAppendResult
 from store.events import RunCreated as RunCreatedEvent
 from store.training_steps import exclusion_counts
 from store.validation import check_text
-from workers.engines.tokenizers import tokenizer_problem
+from workers.engines.tokenizers import allowed_roots, tokenizer_problem
 
 __all__ = ["router", "run_out"]
 
@@ -80,16 +80,18 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
     an out-of-range value, a non-finite number, a chat template that does not parse, or
     settings that contradict each other (EGPO's sign conditions, the off-policy
     correction's) are refused with 422 naming the field, e.g. ``body.config.egpo.alpha``. A
-    tokenizer replay could not load (``config.tokenizer``, else ``config.model``) is refused
-    with 422 naming the accepted names (``workers.engines.tokenizers``), before anything is
-    stored. A run that names neither is accepted: its episodes are stored and analysed,
+    tokenizer replay could not load (``config.tokenizer``, else ``config.model``), or a
+    folder outside the tokenizer roots (setting ``tokenizer_roots``), is refused with 422
+    naming the accepted names or the roots (``workers.engines.tokenizers``), before anything
+    is stored. A run that names neither is accepted: its episodes are stored and analysed,
     and replay records them as untrainable until a tokenizer is known."""
     project = body.project or key.project
     if project != key.project:
         raise ApiError(403, "forbidden", f"this key may create runs in project "
                                          f"{key.project!r} only, not {project!r}")
     named = body.config.tokenizer_name
-    problem = tokenizer_problem(named) if named and check_text(named) is None else None
+    problem = tokenizer_problem(named, roots=allowed_roots(ctx.settings)) \
+        if named and check_text(named) is None else None
     if problem is not None:
         raise ApiError(422, "invalid", problem,
                        field="body.config.tokenizer" if body.config.tokenizer or not
