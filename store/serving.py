@@ -255,6 +255,14 @@ def _local_path(location: str) -> str | None:
     return unquote(parts.path)
 
 
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate names no file
+        return False
+    return True
+
+
 def checkpoint_problem(location: object, root: str) -> str | None:
     """Why ``location`` (a ``policy_updated``'s checkpoint) may not be recorded, or None
     when it may: it must lie strictly under ``root``.
@@ -268,7 +276,8 @@ def checkpoint_problem(location: object, root: str) -> str | None:
     if location is None:
         return None
     where = f"the checkpoint root {root!r} (setting checkpoint_root)"
-    if not isinstance(location, str) or not location.strip() or "\x00" in location:
+    if (not isinstance(location, str) or not location.strip() or "\x00" in location
+            or not _encodes(location)):
         return f"checkpoint must be a path or URL under {where}, got {location!r:.80}"
     outside = f"checkpoint {location!r:.200} is not under {where}"
     local_root = _local_path(root)

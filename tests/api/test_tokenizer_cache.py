@@ -26,11 +26,13 @@ from tests.api.conftest import Project, Server
 from tests.api.episodes import create_run, record_group
 from workers.engines import tokenizers
 from workers.engines.tokenizers import (
+    TokenizerNotFound,
     allowed_roots,
     cached_tokenizers,
     load_tokenizer,
     qwen3_tokenizer_dir,
     tokenizer_problem,
+    tokenizer_root_problem,
 )
 
 
@@ -97,6 +99,10 @@ def test_folders_outside_the_roots_are_refused(
             error["message"], error
         assert queries.run_record(api_store, run_id) is None
     assert str(outside.resolve()) not in cached_tokenizers()
+    for hostile in (f"{tiny_model_dir}/\ud800", f"{tiny_model_dir}/a\x00"):
+        assert tokenizer_root_problem(hostile, roots) is not None
+        with pytest.raises(TokenizerNotFound):
+            load_tokenizer(hostile)
     r = client.post("/v1/runs", json={"run_id": f"tok-{uuid.uuid4().hex[:8]}",
                                       "config": {"model": str(tiny_model_dir)}},
                     headers=project.headers("ingest"))

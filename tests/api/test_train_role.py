@@ -5,6 +5,7 @@ read key that tries is refused, and the run's trainer keeps its samples."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import uuid
@@ -46,8 +47,10 @@ def _update(version: Any, checkpoint: str | None = None, **extra: Any) -> dict[s
 
 def _append(client: TestClient, project: Project, run_id: str, *events: dict[str, Any],
             role: str = "train", expected: Any = "any") -> Any:
-    return client.post(f"/v1/runs/{run_id}/events", headers=project.headers(role),
-                       json={"expected_version": expected, "events": list(events)})
+    # Serialised here, ASCII: a lone surrogate travels as its JSON escape.
+    body = json.dumps({"expected_version": expected, "events": list(events)})
+    return client.post(f"/v1/runs/{run_id}/events", content=body,
+                       headers={**project.headers(role), "Content-Type": "application/json"})
 
 
 def test_ingest_and_read_keys_change_no_training_state(
@@ -147,7 +150,8 @@ def _bad_checkpoints(root: Path, tmp_path: Path) -> list[str]:
             f"{root}/../outside", f"{root}/run/../../outside",
             str(root), f"{root}/", f"{root}x/v1", "ckpt/v1", "", "   ",
             f"file://{root}/../etc", f"file://other-host{root}/v1", str(linked),
-            f"{escape}/v1", f"{root}/run/linked/passwd"]
+            f"{escape}/v1", f"{root}/run/linked/passwd", f"{root}/run/\ud800",
+            f"{root}/run/a\x00b", "s3://b/p/\ud800"]
 
 
 def test_checkpoints_lie_under_the_checkpoint_root(

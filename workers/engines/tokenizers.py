@@ -128,8 +128,11 @@ def tokenizer_root_problem(name: str, roots: tuple[str, ...] | None) -> str | No
     beyond resolving the path."""
     if roots is None or canonical_tokenizer(name) in ("qwen3", "tiny"):
         return None
-    real = _folder_key(name)
-    for root in roots:
+    try:
+        real = _folder_key(name)
+    except (ValueError, OSError):  # a NUL, a lone surrogate: no path on this machine
+        real = ""
+    for root in roots if real else ():
         if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
             return None
     return (f"tokenizer {name!r:.200} is not a known name, and as a folder it is not under a "
@@ -182,7 +185,11 @@ def load_tokenizer(name: str | None, *, roots: tuple[str, ...] | None = None) ->
         outside = tokenizer_root_problem(name, roots)
         if outside is not None:
             raise TokenizerNotFound(outside)
-    key = _folder_key(name) if folder_name else canonical
+    try:
+        key = _folder_key(name) if folder_name else canonical
+    except (ValueError, OSError):  # a NUL, a lone surrogate: no path on this machine
+        raise TokenizerNotFound(f"tokenizer {name!r:.200} is not a known name nor a local "
+                                f"folder; give one of {ACCEPTED_TOKENIZERS}") from None
     tokenizer = _cached(key)
     if tokenizer is not None:
         return tokenizer
