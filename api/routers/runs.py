@@ -82,8 +82,8 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
     correction's) are refused with 422 naming the field, e.g. ``body.config.egpo.alpha``. A
     tokenizer replay could not load (``config.tokenizer``, else ``config.model``), or a
     folder outside the tokenizer roots (setting ``tokenizer_roots``), is refused with 422
-    naming the accepted names or the roots (``workers.engines.tokenizers``), before anything
-    is stored. A run that names neither is accepted: its episodes are stored and analysed,
+    naming the accepted names and the setting (``workers.engines.tokenizers``), before
+    anything is stored. A run that names neither is accepted: its episodes are stored and analysed,
     and replay records them as untrainable until a tokenizer is known."""
     project = body.project or key.project
     if project != key.project:
@@ -161,14 +161,16 @@ def _append_policy_updates(ctx: ApiContext, run_id: str, body: AppendRequest
             raise ApiError(422, "invalid_event", f"event {index}, field 'checkpoint': {problem}",
                            event_index=index, field="checkpoint")
     ids = [e.get("event_id") for _, e in updates]
-    retry = bool(ids) and all(isinstance(i, str) for i in ids) and _all_stored(ctx, ids)
+    if ids and all(isinstance(i, str) for i in ids) and _all_stored(ctx, ids):
+        # A retry: the store answers it as one (or refuses other content under those ids).
+        return append_batch(ctx.store, stream, body.events,
+                            expected_version=body.expected_version, allowed={"policy_updated"})
     while True:
         current = ctx.store.stream_version(stream)
         if isinstance(body.expected_version, int) and body.expected_version != current:
             raise store_errors.ConflictError(stream, expected=body.expected_version,
                                              actual=current)
-        if not retry:
-            _check_versions(updates, serving.newest_policy_version(ctx.store, run_id))
+        _check_versions(updates, serving.newest_policy_version(ctx.store, run_id))
         try:
             return append_batch(ctx.store, stream, body.events,
                                 expected_version=current if body.expected_version == "any"

@@ -98,11 +98,18 @@ def test_a_policy_version_is_the_newest_plus_one(
         assert error["expected_policy_version"] == 1 and "expected 1" in error["message"]
         assert api_store.stream_version(stream) == before
     event_id = str(uuid.uuid4())
-    first = _append(client, project, run, _update(1, event_id=event_id))
+    expected = api_store.stream_version(stream)
+    first = _append(client, project, run, _update(1, event_id=event_id), expected=expected)
     assert first.status_code == 200, first.text
-    # A faithful retry is a retry, not a stale version.
-    again = _append(client, project, run, _update(1, event_id=event_id))
-    assert again.status_code == 200 and again.json()["duplicate"] is True, again.text
+    # A faithful retry is a retry, not a stale version (nor a stale expected version).
+    for retry_expected in ("any", expected):
+        again = _append(client, project, run, _update(1, event_id=event_id),
+                        expected=retry_expected)
+        assert again.status_code == 200 and again.json()["duplicate"] is True, again.text
+    clash = _append(client, project, run, _update(1, "/etc", event_id=event_id))
+    assert clash.status_code == 422 and clash.json()["error"]["field"] == "checkpoint"
+    other = _append(client, project, run, {**_update(1, event_id=event_id), "step": 9})
+    assert other.status_code == 409, other.text  # another event under a stored id
     r = _append(client, project, run, _update(1))
     assert r.status_code == 422 and r.json()["error"]["expected_policy_version"] == 2
     # A batch counts on: 2, 3 is right; 4, 6 names the second event and 5.
