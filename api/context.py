@@ -32,6 +32,9 @@ class ApiContext:
 
     @classmethod
     def build(cls, settings: Settings, store: EventStore, *, owns_store: bool) -> ApiContext:
+        from workers.engines.tokenizers import configure
+
+        configure(cache_size=settings.tokenizer_cache_size)
         return cls(settings=settings, store=store, keys=KeyStore(store.db, settings),
                    access=Access(store), leasing=Leasing(store), owns_store=owns_store)
 

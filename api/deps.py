@@ -1,10 +1,11 @@
 """Dependencies of the routes, as ``Annotated`` types (the one place they are defined).
 
-``Ctx`` is the process's :class:`~api.context.ApiContext`. ``AnyKey``, ``IngestKey`` and
-``ReadKey`` authenticate the request (``Authorization: Bearer <key>`` or ``X-API-Key: <key>``)
-and answer 401 without a valid key (429 with Retry-After while a key id has spent its budget
-of wrong secrets), 403 when the key lacks the role (``admin`` has every
-role). Project checks need the resource and happen in the routes, through ``ctx.access``.
+``Ctx`` is the process's :class:`~api.context.ApiContext`. ``AnyKey``, ``IngestKey``,
+``ReadKey``, ``TrainKey`` and ``AdminKey`` authenticate the request (``Authorization: Bearer
+<key>`` or ``X-API-Key: <key>``) and answer 401 without a valid key (429 with Retry-After
+while a key id has spent its budget of wrong secrets), 403 naming the role needed when the
+key lacks it (``admin`` has every role, ``train`` also ``read``: ``api.keys``). Project
+checks need the resource and happen in the routes, through ``ctx.access``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.keys import ApiKey, KeyFailureBudgetExceeded
 
-__all__ = ["AdminKey", "AnyKey", "Ctx", "IngestKey", "ReadKey", "authenticate", "get_context"]
+__all__ = ["AdminKey", "AnyKey", "Ctx", "IngestKey", "ReadKey", "TrainKey", "authenticate",
+           "get_context"]
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer tsk_…`")
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="`X-API-Key: tsk_…`")
@@ -80,4 +82,5 @@ def _role(role: str):  # type: ignore[no-untyped-def]
 
 IngestKey = Annotated[ApiKey, Depends(_role("ingest"))]
 ReadKey = Annotated[ApiKey, Depends(_role("read"))]
+TrainKey = Annotated[ApiKey, Depends(_role("train"))]
 AdminKey = Annotated[ApiKey, Depends(_role("admin"))]

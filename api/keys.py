@@ -4,9 +4,11 @@ A key looks like ``tsk_<key_id>_<secret>``: ``key_id`` (16 hex digits) is public
 the stored row; ``secret`` (43 URL-safe characters, 256 bits) is checked against
 ``scrypt(secret, salt, n, r, p)``. Every key belongs to one project and has one role:
 
-- ``ingest``: create runs and episodes, append events, use the capture gateway;
-- ``read``: query episodes, timelines and samples, export, lease batches;
-- ``admin``: everything the other two may do.
+- ``ingest``: create runs and episodes, append their events, use the capture gateway;
+- ``read``: query runs, episodes, timelines and samples, export (nothing that changes state);
+- ``train``: what ``read`` may, and what a trainer changes: lease batches and acknowledge,
+  release or renew leases, append ``policy_updated``, report ``policy_served``;
+- ``admin``: everything the others may do.
 
 Checking scrypt on every request would cost tens of milliseconds, so a key whose secret
 passed once is remembered by the SHA-256 of the presented key. For ``api_key_cache_s``
@@ -63,7 +65,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ROLES = ("ingest", "read", "admin")
+ROLES = ("ingest", "read", "train", "admin")
+#: Roles that hold another role's rights besides their own (``admin`` holds every role).
+IMPLIED = {"train": frozenset({"read"})}
 #: The notification channel revocations are announced on.
 REVOKED_CHANNEL = "trajstore_api_keys_revoked"
 KEY_PREFIX = "tsk_"
@@ -103,8 +107,9 @@ class ApiKey:
     revoked_at: dt.datetime | None = None
 
     def allows(self, role: str) -> bool:
-        """Whether this key may act in ``role`` (``admin`` may act in any)."""
-        return self.role == "admin" or self.role == role
+        """Whether this key may act in ``role`` (``admin`` may act in any, ``train`` also
+        as ``read``)."""
+        return self.role in ("admin", role) or role in IMPLIED.get(self.role, ())
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,20 @@ times (one clock, whatever the engines' clocks say).
 Policy updates and engine reports share the run's stream. :func:`append_policy_updated`
 appends a new version and retries past the engines' reports that land meanwhile (the
 version check stays exact: two trainers never record one version).
+
+A checkpoint a ``policy_updated`` names is loaded by every rollout engine of the run, so one
+received from a client must lie under the configured checkpoint root
+(:func:`checkpoint_problem`, :func:`checkpoint_root`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+import os
+import re
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 from psycopg.rows import dict_row
 
@@ -28,11 +35,14 @@ from store.db import scalar
 from store.eventlog import AppendResult, EventStore, run_stream_id
 from store.events import PolicyServed, PolicyUpdated
 from store.rows import safe_data
+from store.settings import Settings
 
 __all__ = [
     "EngineTakeup",
     "VersionTakeup",
     "append_policy_updated",
+    "checkpoint_problem",
+    "checkpoint_root",
     "newest_policy",
     "newest_policy_version",
     "policy_takeup",
@@ -223,3 +233,75 @@ def policy_takeup(store: EventStore, run_id: str, *, version: int | None = None
                                  checkpoint=checkpoint,
                                  engines=tuple(served.get(number, {}).values())))
     return out
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def checkpoint_root(settings: Settings) -> str:
+    """Where the run's checkpoints live: the ``checkpoint_root`` setting (a folder or an
+    fsspec URL), else ``<data_dir>/checkpoints`` (where a trainer writes them then)."""
+    return settings.checkpoint_root or str(settings.data_dir / "checkpoints")
+
+
+def _local_path(location: str) -> str | None:
+    """The path of a ``file://`` URL on this host (None for another host), or ``location``
+    itself when it is no URL."""
+    if not location.lower().startswith("file://"):
+        return location
+    parts = urlsplit(location)
+    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+        return None
+    return unquote(parts.path)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate names no file
+        return False
+    return True
+
+
+def checkpoint_problem(location: object, root: str) -> str | None:
+    """Why ``location`` (a ``policy_updated``'s checkpoint) may not be recorded, or None
+    when it may: it must lie strictly under ``root``.
+
+    A local ``root`` (a folder, or a ``file://`` URL) takes absolute paths and ``file://``
+    URLs of this host; both sides are resolved (symbolic links, ``..``) before comparing,
+    so no spelling escapes it. A URL ``root`` (``s3://bucket/prefix``) takes URLs of the
+    same scheme and host whose path continues the root's, without ``.`` or ``..``
+    segments (also percent-encoded), query or fragment. None (no checkpoint) is accepted;
+    anything that is not a non-blank string is refused."""
+    if location is None:
+        return None
+    where = f"the checkpoint root {root!r} (setting checkpoint_root)"
+    if (not isinstance(location, str) or not location.strip() or "\x00" in location
+            or not _encodes(location)):
+        return f"checkpoint must be a path or URL under {where}, got {location!r:.80}"
+    outside = f"checkpoint {location!r:.200} is not under {where}"
+    local_root = _local_path(root)
+    if local_root is not None and not _URL.match(local_root):
+        path = _local_path(location)
+        if path is None or _URL.match(path):
+            return outside
+        if not os.path.isabs(path):
+            return f"checkpoint {location!r:.200} must be an absolute path under {where}"
+        base = os.path.realpath(os.path.expanduser(local_root))
+        real = os.path.realpath(path)
+        if real == base or not real.startswith(base.rstrip(os.sep) + os.sep):
+            return outside
+        return None
+    parts, base_parts = urlsplit(location), urlsplit(root)
+    if (not _URL.match(location) or parts.scheme.lower() != base_parts.scheme.lower()
+            or parts.netloc.lower() != base_parts.netloc.lower()
+            or parts.query or parts.fragment):
+        return outside
+    segments = unquote(parts.path).split("/")
+    if any(s in (".", "..") for s in segments) or "\\" in parts.path:
+        return f"checkpoint {location!r:.200} must not hold '.' or '..' segments"
+    wanted = [s for s in base_parts.path.split("/") if s]
+    given = [s for s in segments if s]
+    if len(given) <= len(wanted) or given[:len(wanted)] != wanted:
+        return outside
+    return None

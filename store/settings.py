@@ -321,6 +321,36 @@ class Settings(BaseSettings):
     gateway_max_tokens: int = Field(
         default=4096, ge=1, description="Largest max_tokens the gateway accepts per call."
     )
+    gateway_max_stop: int = Field(
+        default=16, ge=0, le=10_000,
+        description="Most stop strings one gateway call may give; more: 422 naming it.",
+    )
+    gateway_max_stop_bytes: int = Field(
+        default=256, ge=1, le=1_048_576,
+        description="Longest stop string (UTF-8 bytes) a gateway call may give.",
+    )
+    gateway_max_tools: int = Field(
+        default=128, ge=0, le=100_000,
+        description="Most tools one gateway call may declare; more: 422 naming it.",
+    )
+    gateway_max_tool_bytes: int = Field(
+        default=65_536, ge=64, le=16 * 1024 * 1024,
+        description="Largest tool declaration (its JSON, UTF-8 bytes) a gateway call may give.",
+    )
+
+    # Tokenizers.
+    tokenizer_roots: str = Field(
+        default="",
+        description="Folders (comma separated) a tokenizer folder named by a client (a run's "
+        "tokenizer or model, a remote rollout's tokenizer_name, a model name through the "
+        "gateway) must lie under, compared after resolving links; empty: the data directory "
+        "and a local checkpoint_root; '*': any folder.",
+    )
+    tokenizer_cache_size: int = Field(
+        default=8, ge=1, le=1024,
+        description="Tokenizers one process keeps loaded (least recently used dropped first); "
+        "every spelling of one folder is one entry.",
+    )
 
     # Training.
     checkpoint_root: str | None = Field(

@@ -72,6 +72,11 @@ def pytest_configure(config: pytest.Config) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
         atexit.register(remove_if_passed)
+    # The tests' tokenizer folders (tiny models, saved tokenizers) are made under the
+    # session's folder: it is where a client may name one (TRAJSTORE_TOKENIZER_ROOTS), for
+    # this process and the servers and workers it starts.
+    os.environ.setdefault("TRAJSTORE_TOKENIZER_ROOTS",
+                          os.path.realpath(str(config.option.basetemp)))
     _isolation_configure(config)
 
 

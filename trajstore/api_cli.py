@@ -119,8 +119,10 @@ def _key_store():  # type: ignore[no-untyped-def]
 
 def create_key(
     project: Annotated[str, typer.Option(help="Project the key may see.")],
-    role: Annotated[Role, typer.Option(help="What the key may do: ingest, read, or admin "
-                                    "(everything the other two may).")],
+    role: Annotated[Role, typer.Option(help="What the key may do: ingest (record), read "
+                                    "(query, export), train (read, lease and acknowledge "
+                                    "batches, record policy versions), or admin "
+                                    "(everything the others may).")],
     name: Annotated[str | None, typer.Option(help="A note saying what the key is for.")]
     = None,
 ) -> None:

@@ -110,7 +110,10 @@ def ensure_configured() -> Celery:
 @setup_logging.connect
 def _logging(**_: Any) -> None:
     """Workers log like every other trajstore process (TRAJSTORE_LOG_FORMAT text or json);
-    a receiver here also stops Celery from installing its own handlers."""
+    a receiver here also stops Celery from installing its own handlers. The tokenizer cache
+    takes its size (tokenizer_cache_size) here too: the worker's first setting read."""
     from store.logs import configure_logging
+    from workers.engines.tokenizers import configure as configure_tokenizers
 
     configure_logging(get_settings())
+    configure_tokenizers(cache_size=get_settings().tokenizer_cache_size)

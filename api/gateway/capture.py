@@ -74,9 +74,14 @@ class EpisodeTarget:
 class Capture:
     """Looks up target episodes and appends captured calls to them."""
 
-    def __init__(self, store: EventStore, access: Access) -> None:
+    def __init__(self, store: EventStore, access: Access, *,
+                 tokenizer_roots: tuple[str, ...] | None = None) -> None:
+        """``tokenizer_roots``: the folders a model name that is a folder must lie under to
+        become a new run's tokenizer (``workers.engines.tokenizers.allowed_roots``); None
+        when model names are the server's own (the in-process engine's folder)."""
         self.store = store
         self.access = access
+        self.tokenizer_roots = tokenizer_roots
         self._targets: OrderedDict[str, EpisodeTarget] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -129,7 +134,7 @@ class Capture:
         from workers.engines.tokenizers import canonical_tokenizer, tokenizer_problem
 
         tokenizer = None
-        if new.model and tokenizer_problem(new.model) is None:
+        if new.model and tokenizer_problem(new.model, roots=self.tokenizer_roots) is None:
             tokenizer = canonical_tokenizer(new.model)
         event = RunCreated(run_id=new.run_id, project=key.project,
                            config=RunConfig(tokenizer=tokenizer))

@@ -218,7 +218,12 @@ class Gateway:
 
     def __init__(self, settings: Settings, store: EventStore, access: Access) -> None:
         self.settings, self.store, self.access = settings, store, access
-        self.capture = Capture(store, access)
+        from workers.engines.tokenizers import allowed_roots
+
+        # A model name reaches a new run's tokenizer from the client only through an
+        # upstream server; the in-process engine names its own folder.
+        self.capture = Capture(store, access, tokenizer_roots=allowed_roots(settings)
+                               if settings.gateway_upstream_url else None)
         self.buffers = RolloutBuffers(store)
         self._engine: LocalEngine | None = None
         self._engine_refused: str | None = None
@@ -512,6 +517,7 @@ class Gateway:
                      group: str | None, abandoned: str | None) -> Response:
         """The one capture path of both endpoints; ``form`` holds what differs."""
         refuse_unstorable(body)
+        self._check_limits(body)
         if body.rollout_id is not None:
             self._no_abandon_for_remote(abandoned)
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
@@ -554,6 +560,36 @@ class Gateway:
             response_ids=captured.response_ids, logprobs=captured.logprobs,
             return_token_ids=bool(body.return_token_ids),
             token_text=engine.token_text if want_logprobs else None))
+
+    def _check_limits(self, body: Any) -> None:
+        """Refuse, before anything is created or generated, a call whose ``stop`` list or
+        ``tools`` pass the gateway's limits: more than ``gateway_max_stop`` stop strings or
+        one longer than ``gateway_max_stop_bytes`` (UTF-8), more than ``gateway_max_tools``
+        tools or one whose JSON is over ``gateway_max_tool_bytes``. ApiError 422
+        ``limit_exceeded`` naming the field, the limit and its setting."""
+        settings = self.settings
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        tools = list(body.tools or [])
+        checks: list[tuple[int, int, str, str, str]] = [
+            (len(stops), settings.gateway_max_stop, "gateway_max_stop", "body.stop",
+             "stop strings"),
+            (len(tools), settings.gateway_max_tools, "gateway_max_tools", "body.tools", "tools"),
+        ]
+        for index, text in enumerate(stops[:settings.gateway_max_stop]):
+            checks.append((len(text.encode("utf-8", "surrogatepass")),
+                           settings.gateway_max_stop_bytes, "gateway_max_stop_bytes",
+                           f"body.stop[{index}]" if isinstance(body.stop, list)
+                           else "body.stop", "bytes in one stop string"))
+        for index, tool in enumerate(tools[:settings.gateway_max_tools]):
+            checks.append((len(json.dumps(tool, ensure_ascii=False).encode(
+                "utf-8", "surrogatepass")), settings.gateway_max_tool_bytes,
+                "gateway_max_tool_bytes", f"body.tools[{index}]", "bytes of JSON in one tool"))
+        for found, limit, setting, field, what in checks:
+            if found > limit:
+                raise ApiError(422, "limit_exceeded",
+                               f"{field}: {found} {what}, over this gateway's limit of {limit} "
+                               f"(setting {setting})", field=field, limit=limit,
+                               setting=setting)
 
     @staticmethod
     def _captured(result: GenerationResult, message: dict[str, Any]) -> Captured:

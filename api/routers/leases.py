@@ -1,5 +1,6 @@
 """Batches over HTTP, for trainers that cannot reach the database: lease complete groups,
 acknowledge them after the optimizer step, release them untrained, renew a long step.
+Leasing changes what other trainers get, so every route needs a ``train`` (or ``admin``) key.
 Leases and their expiry are the store's (``store.leasing``)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
 from api import verl_columns
-from api.deps import Ctx, ReadKey
+from api.deps import Ctx, TrainKey
 from api.errors import ERROR_RESPONSES
 from api.parquet import PARQUET_MEDIA_TYPE, parquet_bytes
 from api.schemas.samples import (
@@ -38,7 +39,7 @@ _ENDED = ERROR_RESPONSES[422] | {"description": "The lease ended before this cal
                       "description": "The batch (JSON, or Parquet with the lease in "
                                      "X-Trajstore-Lease-* headers)."},
                204: {"description": "No complete group is ready."}})
-def lease_batch(run_id: str, body: LeaseRequest, key: ReadKey, ctx: Ctx) -> Response:
+def lease_batch(run_id: str, body: LeaseRequest, key: TrainKey, ctx: Ctx) -> Response:
     """Lease up to ``groups`` complete groups (every episode of the group replayed, with its
     negatives up to the run's cap) for ``lease_seconds``."""
     ctx.access.check_run(key, run_id)
@@ -79,7 +80,7 @@ def _lease_response(lease: Lease, body: LeaseRequest) -> Response:
 
 
 @router.post("/v1/leases/{lease_id}/ack", response_model=AckOut, responses={409: _ENDED})
-def ack_lease(lease_id: uuid.UUID, body: AckRequest, key: ReadKey, ctx: Ctx) -> AckOut:
+def ack_lease(lease_id: uuid.UUID, body: AckRequest, key: TrainKey, ctx: Ctx) -> AckOut:
     """Mark the lease's samples consumed by ``policy_version`` (acknowledging twice is
     harmless); 409 when the lease expired or was released first."""
     ctx.access.check_lease(key, lease_id)
@@ -89,14 +90,14 @@ def ack_lease(lease_id: uuid.UUID, body: AckRequest, key: ReadKey, ctx: Ctx) -> 
 
 @router.post("/v1/leases/{lease_id}/release", response_model=ReleaseOut,
              responses={409: _ENDED})
-def release_lease(lease_id: uuid.UUID, key: ReadKey, ctx: Ctx) -> ReleaseOut:
+def release_lease(lease_id: uuid.UUID, key: TrainKey, ctx: Ctx) -> ReleaseOut:
     """Give the lease's samples back untrained."""
     ctx.access.check_lease(key, lease_id)
     return ReleaseOut(lease_id=lease_id, released=ctx.leasing.release(lease_id))
 
 
 @router.post("/v1/leases/{lease_id}/renew", response_model=RenewOut, responses={409: _ENDED})
-def renew_lease(lease_id: uuid.UUID, body: RenewRequest, key: ReadKey, ctx: Ctx) -> RenewOut:
+def renew_lease(lease_id: uuid.UUID, body: RenewRequest, key: TrainKey, ctx: Ctx) -> RenewOut:
     """Extend a live lease to ``lease_seconds`` from now."""
     ctx.access.check_lease(key, lease_id)
     return RenewOut(lease_id=lease_id,

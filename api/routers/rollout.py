@@ -42,6 +42,7 @@ from store import errors as store_errors
 from store import queries
 from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
+from workers.engines.tokenizers import allowed_roots, tokenizer_root_problem
 from workers.rollout.remote_dispatch import (
     claim_rollout,
     release_rollout,
@@ -183,6 +184,9 @@ def _check(request: dict[str, Any], ctx: Ctx, *, run_id: str, fields: Any,
     try:
         parsed = parse_rollout_request(request)
         check_trainer_host(parsed.server_url, ctx.settings)
+        outside = tokenizer_root_problem(parsed.tokenizer_name, allowed_roots(ctx.settings))
+        if outside is not None:  # nothing outside the roots is looked at, let alone loaded
+            raise ValueError(f"rollout request field 'tokenizer_name': {outside}")
         resolve_tokenizer(parsed.tokenizer_name, settings=ctx.settings)
         check_run_tokenizer(run_id, run_tokenizer, parsed.tokenizer_name)
     except ValueError as exc:

@@ -1,15 +1,19 @@
 """Runs: create one (its configuration), list and read them, append to a run's own stream
 (``policy_updated``), report and read which rollout engines serve which policy version
-(``policy_served``, ``store.serving``)."""
+(``policy_served``, ``store.serving``). Appending ``policy_updated`` and reporting
+``policy_served`` change what every trainer and engine of the run does: they need a
+``train`` (or ``admin``) key."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Response
 
 from api.context import ApiContext
-from api.deps import Ctx, IngestKey, ReadKey
+from api.deps import Ctx, IngestKey, ReadKey, TrainKey
 from api.errors import ERROR_RESPONSES, ApiError
 from api.ingest import append_batch
 from api.schemas.episodes import AppendRequest, AppendResult
@@ -27,10 +31,11 @@ from api.schemas.runs import (
 from store import errors as store_errors
 from store import queries, serving
 from store.eventlog import NO_STREAM, run_stream_id
+from store.eventlog import AppendResult as StoreAppendResult
 from store.events import RunCreated as RunCreatedEvent
 from store.training_steps import exclusion_counts
 from store.validation import check_text
-from workers.engines.tokenizers import tokenizer_problem
+from workers.engines.tokenizers import allowed_roots, tokenizer_problem
 
 __all__ = ["router", "run_out"]
 
@@ -75,16 +80,18 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
     an out-of-range value, a non-finite number, a chat template that does not parse, or
     settings that contradict each other (EGPO's sign conditions, the off-policy
     correction's) are refused with 422 naming the field, e.g. ``body.config.egpo.alpha``. A
-    tokenizer replay could not load (``config.tokenizer``, else ``config.model``) is refused
-    with 422 naming the accepted names (``workers.engines.tokenizers``), before anything is
-    stored. A run that names neither is accepted: its episodes are stored and analysed, and replay
-    records them as untrainable until a tokenizer is known."""
+    tokenizer replay could not load (``config.tokenizer``, else ``config.model``), or a
+    folder outside the tokenizer roots (setting ``tokenizer_roots``), is refused with 422
+    naming the accepted names and the setting (``workers.engines.tokenizers``), before
+    anything is stored. A run that names neither is accepted: its episodes are stored and analysed,
+    and replay records them as untrainable until a tokenizer is known."""
     project = body.project or key.project
     if project != key.project:
         raise ApiError(403, "forbidden", f"this key may create runs in project "
                                          f"{key.project!r} only, not {project!r}")
     named = body.config.tokenizer_name
-    problem = tokenizer_problem(named) if named and check_text(named) is None else None
+    problem = tokenizer_problem(named, roots=allowed_roots(ctx.settings)) \
+        if named and check_text(named) is None else None
     if problem is not None:
         raise ApiError(422, "invalid", problem,
                        field="body.config.tokenizer" if body.config.tokenizer or not
@@ -116,24 +123,94 @@ def get_run(run_id: str, key: ReadKey, ctx: Ctx) -> RunOut:
 
 @router.post("/{run_id}/events", response_model=AppendResult,
              responses={409: ERROR_RESPONSES[422] | {"description": "Stale expected_version."}})
-def append_run_events(run_id: str, body: AppendRequest, key: IngestKey, ctx: Ctx
+def append_run_events(run_id: str, body: AppendRequest, key: TrainKey, ctx: Ctx
                       ) -> AppendResult:
-    """Append to the run's own stream (``policy_updated`` events)."""
+    """Append to the run's own stream (``policy_updated`` events; a ``train`` or ``admin``
+    key). Each ``policy_updated`` must carry the run's newest policy version + 1 (the next
+    in the batch one more), else 422 ``invalid_event`` naming ``version`` with
+    ``expected_policy_version``; a faithful retry of a stored batch (same event ids) is
+    answered as a retry. Its ``checkpoint``, when given, must lie under the checkpoint root
+    (setting ``checkpoint_root``, else ``<data_dir>/checkpoints``; paths resolved before
+    comparing, ``store.serving.checkpoint_problem``), else 422 naming ``checkpoint``.
+    Nothing is stored then."""
     ctx.access.check_run(key, run_id)
     stream = run_stream_id(run_id)
-    result = append_batch(ctx.store, stream, body.events,
-                          expected_version=body.expected_version, allowed={"policy_updated"})
+    result = _append_policy_updates(ctx, run_id, body)
     return AppendResult(stream_id=stream, version=result.version,
                         positions=list(result.positions), duplicate=result.duplicate)
 
 
+def _policy_updates(events: Sequence[Any]) -> list[tuple[int, Mapping[str, Any]]]:
+    return [(i, e) for i, e in enumerate(events)
+            if isinstance(e, Mapping) and e.get("type") == "policy_updated"]
+
+
+def _append_policy_updates(ctx: ApiContext, run_id: str, body: AppendRequest
+                           ) -> StoreAppendResult:
+    """Check the batch's ``policy_updated`` events (``append_run_events``) and append it.
+    The versions are checked against the newest read after the stream's version, and the
+    batch appended at that stream version: an update that lands in between makes the
+    append conflict, and the check runs again (for ``expected_version`` ``"any"``; a
+    client's own expected version is the client's to retry)."""
+    stream = run_stream_id(run_id)
+    updates = _policy_updates(body.events)
+    root = serving.checkpoint_root(ctx.settings)
+    for index, event in updates:
+        problem = serving.checkpoint_problem(event.get("checkpoint"), root)
+        if problem is not None:
+            raise ApiError(422, "invalid_event", f"event {index}, field 'checkpoint': {problem}",
+                           event_index=index, field="checkpoint")
+    ids = [e.get("event_id") for _, e in updates]
+    if ids and all(isinstance(i, str) for i in ids) and _all_stored(ctx, ids):
+        # A retry: the store answers it as one (or refuses other content under those ids).
+        return append_batch(ctx.store, stream, body.events,
+                            expected_version=body.expected_version, allowed={"policy_updated"})
+    while True:
+        current = ctx.store.stream_version(stream)
+        if isinstance(body.expected_version, int) and body.expected_version != current:
+            raise store_errors.ConflictError(stream, expected=body.expected_version,
+                                             actual=current)
+        _check_versions(updates, serving.newest_policy_version(ctx.store, run_id))
+        try:
+            return append_batch(ctx.store, stream, body.events,
+                                expected_version=current if body.expected_version == "any"
+                                else body.expected_version, allowed={"policy_updated"})
+        except store_errors.ConflictError:
+            if body.expected_version != "any":
+                raise
+
+
+def _all_stored(ctx: ApiContext, ids: list[Any]) -> bool:
+    """Whether every one of ``ids`` (texts) is a stored event id (a retried batch)."""
+    try:
+        wanted = {uuid.UUID(i) for i in ids}
+    except ValueError:
+        return False  # the store names the malformed id
+    return queries.stored_event_ids(ctx.store, list(wanted)) == wanted
+
+
+def _check_versions(updates: list[tuple[int, Mapping[str, Any]]], newest: int) -> None:
+    """ApiError 422 naming ``version`` (and the version expected) unless the updates carry
+    ``newest + 1``, ``newest + 2``, … in order."""
+    expected = newest + 1
+    for index, event in updates:
+        version = event.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version != expected:
+            raise ApiError(
+                422, "invalid_event",
+                f"event {index}, field 'version': a policy_updated must carry the run's "
+                f"newest policy version + 1: expected {expected}, got {version!r:.60}",
+                event_index=index, field="version", expected_policy_version=expected)
+        expected += 1
+
+
 @router.post("/{run_id}/served", status_code=201, response_model=PolicyServedOut)
-def report_policy_served(run_id: str, body: PolicyServedIn, key: IngestKey, ctx: Ctx
+def report_policy_served(run_id: str, body: PolicyServedIn, key: TrainKey, ctx: Ctx
                          ) -> PolicyServedOut:
     """A rollout engine reports that it now serves ``version`` of the run (appends
-    ``policy_served`` to the run's stream). 404 for an unknown run; 422 naming the field for
-    a wrong type, a negative version, a version the run never recorded, a blank engine or
-    backend, or a negative ``load_seconds``."""
+    ``policy_served`` to the run's stream; a ``train`` or ``admin`` key). 404 for an
+    unknown run; 422 naming the field for a wrong type, a negative version, a version the
+    run never recorded, a blank engine or backend, or a negative ``load_seconds``."""
     ctx.access.check_run(key, run_id)
     result = serving.record_policy_served(
         ctx.store, run_id, version=body.version, engine=body.engine, backend=body.backend,

@@ -34,6 +34,7 @@ class Project:
     ingest: str
     read: str
     admin: str
+    train: str
 
     def headers(self, role: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {getattr(self, role)}"}
@@ -42,15 +43,18 @@ class Project:
 def make_project(keys: KeyStore, name: str | None = None) -> Project:
     name = name or f"proj-{uuid.uuid4().hex[:8]}"
     tokens = {role: keys.create(project=name, role=role).token
-              for role in ("ingest", "read", "admin")}
+              for role in ("ingest", "read", "admin", "train")}
     return Project(name=name, **tokens)
 
 
 @pytest.fixture
-def api_settings(tmp_path: Path, pg_url: str) -> Settings:
-    # Small scrypt cost keeps key creation quick; the default cost has its own test.
+def api_settings(tmp_path: Path, pg_url: str, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Settings:
+    # Small scrypt cost keeps key creation quick; the default cost has its own test. The
+    # tests' tokenizer folders (tiny models) live under the session's temporary folder.
     return Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024,
-                    api_max_request_bytes=2 * 1024 * 1024, api_page_size=50)
+                    api_max_request_bytes=2 * 1024 * 1024, api_page_size=50,
+                    tokenizer_roots=str(tmp_path_factory.getbasetemp()))
 
 
 @pytest.fixture
@@ -96,6 +100,7 @@ class Server(ServerProcess):
             "TRAJSTORE_DATABASE_URL": settings.database_url or "",
             "TRAJSTORE_DATA_DIR": str(settings.data_dir),
             "TRAJSTORE_API_KEY_SCRYPT_N": str(settings.api_key_scrypt_n),
+            "TRAJSTORE_TOKENIZER_ROOTS": settings.tokenizer_roots,
             "TRAJSTORE_LOG_LEVEL": "WARNING",
         })
         environ.update(env)

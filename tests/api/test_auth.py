@@ -35,10 +35,10 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("POST", "/v1/runs", "ingest", lambda: {"run_id": f"r-{uuid.uuid4().hex[:8]}"}),
         ("GET", "/v1/runs", "read", lambda: None),
         ("GET", f"/v1/runs/{run}", "read", lambda: None),
-        ("POST", f"/v1/runs/{run}/events", "ingest", lambda: {
+        ("POST", f"/v1/runs/{run}/events", "train", lambda: {
             "expected_version": "any",
             "events": [{"type": "policy_updated", "version": 1, "step": 1}]}),
-        ("POST", f"/v1/runs/{run}/served", "ingest", lambda: {
+        ("POST", f"/v1/runs/{run}/served", "train", lambda: {
             "version": 0, "engine": "host:1/TransformersBackend", "backend": "transformers"}),
         ("GET", f"/v1/runs/{run}/policies", "read", lambda: None),
         ("POST", f"/v1/runs/{run}/episodes", "ingest", lambda: {"group_id": "gx"}),
@@ -50,10 +50,10 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("GET", f"/v1/runs/{run}/samples", "read", lambda: None),
         ("GET", f"/v1/runs/{run}/export.parquet", "read", lambda: None),
         ("GET", f"/v1/runs/{run}/export?format=atif", "read", lambda: None),
-        ("POST", f"/v1/runs/{run}/leases", "read", lambda: {"groups": 1}),
-        ("POST", f"/v1/leases/{lease}/renew", "read", lambda: {"lease_seconds": 60}),
-        ("POST", f"/v1/leases/{lease}/ack", "read", lambda: {"policy_version": 1}),
-        ("POST", f"/v1/leases/{lease}/release", "read", lambda: None),
+        ("POST", f"/v1/runs/{run}/leases", "train", lambda: {"groups": 1}),
+        ("POST", f"/v1/leases/{lease}/renew", "train", lambda: {"lease_seconds": 60}),
+        ("POST", f"/v1/leases/{lease}/ack", "train", lambda: {"policy_version": 1}),
+        ("POST", f"/v1/leases/{lease}/release", "train", lambda: None),
         ("POST", "/v1/chat/completions", "ingest", lambda: {
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "rollout_id": episode}),
@@ -137,10 +137,18 @@ def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
             r = _send(client, method, path, body(), {"Authorization": bad})
             assert r.status_code == 401, (where, bad)
         if role != "any":
-            wrong = "read" if role == "ingest" else "ingest"
-            r = _send(client, method, path, body(), project.headers(wrong))
-            assert r.status_code == 403, where
-            assert r.json()["error"]["code"] == "forbidden", where
+            # Reading never changes state: a read key only reads; train also reads.
+            wrongs = {"ingest": ["read", "train"], "read": ["ingest"],
+                      "train": ["read", "ingest"], "admin": ["ingest", "read", "train"]}[role]
+            for wrong in wrongs:
+                r = _send(client, method, path, body(), project.headers(wrong))
+                assert r.status_code == 403, (where, wrong)
+                error = r.json()["error"]
+                assert error["code"] == "forbidden", where
+                assert f"needs {role!r}" in error["message"], (where, error)
+            if role == "read":
+                r = _send(client, method, path, body(), project.headers("train"))
+                assert r.status_code not in (401, 403), (where, r.text)
         if any(path.startswith(s) for s in _SCOPED) and role != "any":
             r = _send(client, method, path, body(), other_project.headers(role))
             assert r.status_code == 403, (where, r.text)

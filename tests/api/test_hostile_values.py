@@ -237,7 +237,7 @@ def test_a_lease_whose_answer_cannot_be_built_leaves_nothing_leased(
         bad[-1] = -np.inf
         conn.execute("UPDATE samples SET logprobs = %s WHERE sample_id = %s",
                      (bad.astype("<f4").tobytes(), sample_id))
-    headers = project.headers("read")
+    headers = project.headers("train")
     with TestClient(create_app(api_settings, store=api_store),
                     raise_server_exceptions=False) as c:
         failed = c.post(f"/v1/runs/{run_id}/leases", json={"groups": 1}, headers=headers)
@@ -321,5 +321,5 @@ def test_the_gateway_and_remote_rollout_refuse_before_generating(
 def test_lease_numbers_are_integers_in_range(client: TestClient, project: Project, path: str,
                                              body: dict[str, Any], field: str) -> None:
     run_id = create_run(client, project)
-    r = client.post(path.format(run=run_id), json=body, headers=project.headers("read"))
+    r = client.post(path.format(run=run_id), json=body, headers=project.headers("train"))
     assert_422(r, field)

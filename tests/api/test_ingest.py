@@ -239,14 +239,14 @@ def test_new_stream_opened_by_its_episode_started(client: TestClient, project: P
 def test_policy_updated_goes_to_the_run_stream(client: TestClient, project: Project) -> None:
     run_id = create_run(client, project)
     r = client.post(f"/v1/runs/{run_id}/events", json={
-        "expected_version": 1, "events": [{"type": "policy_updated", "version": 3, "step": 10}]},
-        headers=project.headers("ingest"))
+        "expected_version": 1, "events": [{"type": "policy_updated", "version": 1, "step": 10}]},
+        headers=project.headers("train"))
     assert r.status_code == 200, r.text
     assert client.get(f"/v1/runs/{run_id}",
-                      headers=project.headers("read")).json()["policy_version"] == 3
+                      headers=project.headers("read")).json()["policy_version"] == 1
     r = client.post(f"/v1/runs/{run_id}/events", json={
         "expected_version": "any", "events": [{"type": "reward_assigned", "value": 1}]},
-        headers=project.headers("ingest"))
+        headers=project.headers("train"))
     assert r.status_code == 422 and r.json()["error"]["field"] == "type"
 
 

@@ -59,7 +59,7 @@ def test_list_and_revoke(key_store: KeyStore) -> None:
 @pytest.mark.parametrize("project, role, message", [
     ("", "read", "project must be a non-empty string"),
     ("x" * 201, "read", "at most 200 characters"),
-    ("p", "owner", "role must be one of ingest, read, admin, got 'owner'"),
+    ("p", "owner", "role must be one of ingest, read, train, admin, got 'owner'"),
 ])
 def test_create_refuses_bad_input(key_store: KeyStore, project: str, role: str,
                                   message: str) -> None:
@@ -115,6 +115,11 @@ def test_cli_creates_lists_and_revokes_keys(cli_env: None, key_store: KeyStore) 
     assert key.key_id in runner.invoke(app, ["keys", "list", "--revoked"]).output
     bad = runner.invoke(app, ["keys", "create", "--project", "p", "--role", "owner"])
     assert bad.exit_code == 2 and "--role" in bad.output
-    assert "'owner' is not one of 'ingest', 'read', 'admin'" in bad.output
+    assert "'owner' is not one of 'ingest', 'read', 'train', 'admin'" in bad.output
+    trainer = runner.invoke(app, ["keys", "create", "--project", "p-cli", "--role", "train"])
+    assert trainer.exit_code == 0, trainer.output
+    token = re.search(r"^(tsk_\S+)$", trainer.output, re.M).group(1)  # type: ignore[union-attr]
+    key = key_store.verify(token)
+    assert key is not None and key.role == "train" and "role:    train" in trainer.output
     missing = runner.invoke(app, ["keys", "revoke", "0000000000000000"])
     assert missing.exit_code == 1 and "no API key" in missing.output

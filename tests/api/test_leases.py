@@ -38,7 +38,7 @@ def run(api_store: EventStore, project: Project, qwen3: Any) -> str:
 
 
 def test_lease_ack_release_over_http(client: TestClient, project: Project, run: str) -> None:
-    headers = project.headers("read")
+    headers = project.headers("train")
     first = client.post(f"/v1/runs/{run}/leases", json={"groups": 1, "trainer": "verl-0"},
                         headers=headers)
     assert first.status_code == 200, first.text
@@ -92,7 +92,7 @@ def test_lease_ack_release_over_http(client: TestClient, project: Project, run: 
 
 def test_expired_lease_cannot_be_acknowledged(client: TestClient, project: Project,
                                               run: str, api_store: EventStore) -> None:
-    headers = project.headers("read")
+    headers = project.headers("train")
     lease = client.post(f"/v1/runs/{run}/leases", json={"groups": 2, "lease_seconds": 60},
                         headers=headers).json()
     # Expire it as of two minutes from now instead of waiting.
@@ -106,7 +106,7 @@ def test_expired_lease_cannot_be_acknowledged(client: TestClient, project: Proje
 
 
 def test_bad_lease_requests(client: TestClient, project: Project, run: str) -> None:
-    headers = project.headers("read")
+    headers = project.headers("train")
     r = client.post("/v1/leases/not-a-uuid/ack", json={"policy_version": 1}, headers=headers)
     assert r.status_code == 422 and r.json()["error"]["field"] == "path.lease_id"
     r = client.post(f"/v1/leases/{uuid.uuid4()}/ack", json={"policy_version": 1},

@@ -74,7 +74,7 @@ def test_a_late_reward_over_rest_until_a_sample_is_consumed(
              for c in re.findall(r"<td[^>]*>(.*?)</td>", rows.group(1), re.S)]
     assert cells[:2] == ["no_reward", "episode"]
     assert client.post(f"/v1/runs/{run_id}/leases", json={"groups": 1},
-                       headers=project.headers("read")).status_code == 204
+                       headers=project.headers("train")).status_code == 204
 
     version = api_store.stream_version(episode)
     late = client.post(f"/v1/episodes/{episode}/reward", json={"value": 0.5},
@@ -85,13 +85,13 @@ def test_a_late_reward_over_rest_until_a_sample_is_consumed(
     assert [(s["status"], s["reward"]) for s in listing(client, project, run_id)] == [
         ("ready", 0.5), ("ready", -1.0)]
     lease = client.post(f"/v1/runs/{run_id}/leases", json={"groups": 1},
-                        headers=project.headers("read")).json()
+                        headers=project.headers("train")).json()
     assert sorted(s["reward"] for s in lease["samples"]) == [-1.0, 0.5]
     leased = client.post(f"/v1/episodes/{episode}/reward", json={"value": 1.0},
                          headers=project.headers("ingest"))
     assert leased.status_code == 409 and leased.json()["error"]["code"] == "samples_leased"
     assert client.post(f"/v1/leases/{lease['lease_id']}/ack", json={"policy_version": 1},
-                       headers=project.headers("read")).status_code == 200
+                       headers=project.headers("train")).status_code == 200
 
     refused = client.post(f"/v1/episodes/{episode}/reward", json={"value": 1.0},
                           headers=project.headers("ingest"))

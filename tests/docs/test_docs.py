@@ -3,8 +3,8 @@ docs/ runs here, as written, against a real ``trajstore serve`` on a database of
 (one per page), or says (``<!-- illustration: why -->``, ``tests/docs/blocks.py``) why it
 cannot and where it is tested instead. The blocks of one page run in order, in one folder, with:
 
-- ``API``: the server's URL; ``KEY``, ``INGEST_KEY``, ``READ_KEY``: an admin, an ingest and
-  a read key of project ``gsm8k``;
+- ``API``: the server's URL; ``KEY``, ``INGEST_KEY``, ``READ_KEY``, ``TRAIN_KEY``: an admin,
+  an ingest, a read and a train key of project ``gsm8k``;
 - ``TRAJSTORE_DATABASE_URL`` and ``TRAJSTORE_DATA_DIR``: the server's, so the command line
   sees what the server sees;
 - ``RUN`` and ``EPISODE``: a run with one replayed episode (Qwen3's chat template, real token
@@ -71,7 +71,7 @@ def doc_env(migrated_db: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     store = EventStore(db, settings)
     keys = KeyStore(db, settings)
     tokens = {role: keys.create(project="gsm8k", role=role).token
-              for role in ("admin", "ingest", "read")}
+              for role in ("admin", "ingest", "read", "train")}
     keys.close()
     run_id, episode = _replayed_run(store)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
@@ -79,6 +79,7 @@ def doc_env(migrated_db: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
                TRAJSTORE_API_KEY_SCRYPT_N="1024", TRAJSTORE_LOG_LEVEL="WARNING",
                TRAJSTORE_GATEWAY_ENGINE_MODEL="tiny", TRAJSTORE_GATEWAY_MAX_TOKENS="16",
                KEY=tokens["admin"], INGEST_KEY=tokens["ingest"], READ_KEY=tokens["read"],
+               TRAIN_KEY=tokens["train"],
                RUN=run_id, EPISODE=episode,
                PATH=os.pathsep.join([str(Path(sys.executable).parent),
                                      env.get("PATH", "")]))
