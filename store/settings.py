@@ -7,6 +7,7 @@ the working directory). With no ``database_url`` the store runs an embedded Post
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -296,6 +297,13 @@ class Settings(BaseSettings):
         "trainer (server_url), comma "
         "separated; empty: loopback only (127.0.0.0/8, ::1, localhost); '*': any host.",
     )
+    remote_default_run: str | None = Field(
+        default=None,
+        description="Run a remote-rollout call's unseen rollout_id is created in when the "
+        "request names none (X-Trajstore-Run, or the /v1/runs/{run}/episodes/{id}/ path) and "
+        "its key is not scoped to a run; created in the key's project when missing. Unset: "
+        "such a call is 404 naming what is missing.",
+    )
     gateway_upstream_url: str | None = Field(
         default=None,
         description="OpenAI-compatible server (vLLM) the capture gateway forwards to, "
@@ -337,6 +345,7 @@ class Settings(BaseSettings):
         "gateway_upstream_model",
         "gateway_engine_model",
         "checkpoint_root",
+        "remote_default_run",
         mode="before",
     )
     @classmethod
@@ -348,6 +357,13 @@ class Settings(BaseSettings):
     def _upstream_url(cls, value: str | None) -> str | None:
         return None if value is None else check_url(
             value, ("http", "https"), "an HTTP URL (http://gpu-node:8000, no /v1)")
+
+    @field_validator("remote_default_run")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,200}", value):
+            raise ValueError(f"not a run id (1 to 200 letters, digits or _.:-): {value[:60]!r}")
+        return value
 
     @field_validator("api_key_scrypt_n")
     @classmethod
