@@ -2,9 +2,11 @@
 
 ``Ctx`` is the process's :class:`~api.context.ApiContext`. ``AnyKey``, ``IngestKey`` and
 ``ReadKey`` authenticate the request (``Authorization: Bearer <key>`` or ``X-API-Key: <key>``)
-and answer 401 without a valid key (429 with Retry-After while a key id has spent its budget
-of wrong secrets), 403 when the key lacks the role (``admin`` has every
-role). Project checks need the resource and happen in the routes, through ``ctx.access``.
+and answer 401 without a valid key (429 with Retry-After while a key id has spent its
+budget of wrong secrets), 403 when the key lacks the role (``admin`` has every role). In
+``local_mode`` a request with no key at all acts as the admin of ``local_project``; a key it
+does carry is checked as always. Project checks need the resource and happen in the
+routes, through ``ctx.access``.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ async def authenticate(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     header: Annotated[str | None, Security(_header)],
 ) -> ApiKey:
-    """The live key the request carries; ApiError 401 when it carries none, or an unknown,
+    """The live key the request carries (in local mode, the local key when it carries
+    none); ApiError 401 when it carries none, or an unknown,
     malformed or revoked one, or a wrong secret; 429 with Retry-After when its key id had too
     many wrong secrets lately and this secret was not checked (``api.keys``). A key this
     process trusts is accepted without leaving the event loop; any other is checked against
     the database in a worker thread."""
     token = bearer.credentials if bearer is not None else header
+    if not token and ctx.local_key is not None:
+        return ctx.local_key
     if not token:
         raise ApiError(401, "unauthorized",
                        "an API key is required: Authorization: Bearer <key> or X-API-Key",

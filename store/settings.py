@@ -109,6 +109,16 @@ class Settings(BaseSettings):
     api_host: str = Field(default="127.0.0.1", description="Interface the API listens on.")
     api_port: int = Field(default=8600, ge=1, le=65535, description="Port of the API.")
     api_workers: int = Field(default=1, ge=1, description="API server processes.")
+    local_mode: bool = Field(
+        default=False,
+        description="Local mode, for a developer's machine and harnesses that send no key: "
+        "a request without an API key acts as the admin of local_project. trajstore serve "
+        "refuses it on any address but loopback; /health and the web page say it is on.",
+    )
+    local_project: str = Field(
+        default="local", min_length=1, max_length=200,
+        description="The project keyless requests act in under local_mode.",
+    )
 
     log_level: str = Field(default="INFO", description="Log level of every process.")
     log_format: Literal["text", "json"] = Field(
