@@ -17,6 +17,8 @@ Three ways a call goes, decided per request:
   the prompt itself with the run's tokenizer, checks the ``response_mask`` against its token
   buffer (``rollout_buffer``), generates from the prompt ids, records the call with the
   check's outcome, and answers with ``token_ids``, ``logprobs`` and ``prompt_token_ids``.
+  A rollout id not seen before is created on its first call, as the capture path creates
+  episodes, in the run the request or its key names, else ``remote_default_run``.
 - **Plain serving**: no episode and no rollout id: generate and answer, record nothing.
 """
 
@@ -742,8 +744,8 @@ class Gateway:
         return run_id is not None and self.access.run_project(run_id) != key.project
 
     def _refuse_taken(self, key: ApiKey, rollout_id: str) -> None:
-        """409 when the rollout id is another project's episode. The answer is the same as
-        for any id that cannot be taken, naming neither that project nor its run."""
+        """409 when the rollout id is another project's episode; the answer names neither
+        that project nor its run (nor says that it is another project's)."""
         if self._taken(key, rollout_id):
             raise ApiError(409, "rollout_id_taken", f"rollout id {rollout_id[:60]!r} is "
                            "already in use; give the rollout another id",
