@@ -2,12 +2,14 @@
 
 One process serves ingest (events, and OpenTelemetry spans on ``/v1/traces``), queries,
 exports, batches over HTTP, the capture gateway and the remote-rollout endpoints. Every
-route except ``/health`` and ``/ready`` needs an API key; every error is
+route except ``/health`` and ``/ready`` needs an API key (in local mode a request without
+one acts as the local project's admin, said in a log line at start); every error is
 ``{"error": {"code", "message", ...}}``. Run it with ``trajstore serve``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -36,6 +38,8 @@ from store.settings import Settings, get_settings
 
 __all__ = ["app_factory", "create_app"]
 
+log = logging.getLogger(__name__)
+
 DESCRIPTION = """\
 The REST face of trajstore, an event-sourced trajectory store for agentic RL.
 
@@ -58,6 +62,10 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
         assert opened is not None
         ctx = ApiContext.build(settings, opened, owns_store=own)
         app.state.ctx = ctx
+        if settings.local_mode:
+            log.warning("LOCAL MODE: requests without an API key act as the admin of project "
+                        "%r (TRAJSTORE_LOCAL_MODE); serve it on loopback only",
+                        settings.local_project)
         if settings.gateway_engine_model and not settings.gateway_upstream_url:
             # Load the in-process engine now: a bad model folder fails the start, and the
             # first call does not wait for the model.

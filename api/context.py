@@ -3,11 +3,12 @@ checks, leasing and the capture gateway. Built once per process by ``api.app.cre
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from api.access import Access
-from api.keys import KeyStore
+from api.keys import ApiKey, KeyStore
 from store.eventlog import EventStore
 from store.leasing import Leasing
 from store.settings import Settings
@@ -28,6 +29,9 @@ class ApiContext:
     access: Access
     leasing: Leasing
     owns_store: bool = False
+    #: Under ``local_mode``: the key a request without one acts with (the admin of
+    #: ``local_project``); None otherwise.
+    local_key: ApiKey | None = None
     _gateway: Gateway | None = field(default=None, repr=False)
 
     @classmethod
@@ -35,8 +39,12 @@ class ApiContext:
         from workers.engines.tokenizers import configure
 
         configure(cache_size=settings.tokenizer_cache_size)
+        local = ApiKey(key_id="local", project=settings.local_project, role="admin",
+                       name="local mode", created_at=dt.datetime.now(dt.UTC)) \
+            if settings.local_mode else None
         return cls(settings=settings, store=store, keys=KeyStore(store.db, settings),
-                   access=Access(store), leasing=Leasing(store), owns_store=owns_store)
+                   access=Access(store), leasing=Leasing(store), owns_store=owns_store,
+                   local_key=local)
 
     @property
     def gateway(self) -> Gateway:

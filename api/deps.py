@@ -4,8 +4,10 @@
 ``ReadKey``, ``TrainKey`` and ``AdminKey`` authenticate the request (``Authorization: Bearer
 <key>`` or ``X-API-Key: <key>``) and answer 401 without a valid key (429 with Retry-After
 while a key id has spent its budget of wrong secrets), 403 naming the role needed when the
-key lacks it (``admin`` has every role, ``train`` also ``read``: ``api.keys``). Project
-checks need the resource and happen in the routes, through ``ctx.access``.
+key lacks it (``admin`` has every role, ``train`` also ``read``: ``api.keys``). In
+``local_mode`` a request with no key at all acts as the admin of ``local_project``; a key it
+does carry is checked as always. Project checks need the resource and happen in the
+routes, through ``ctx.access``.
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ async def authenticate(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     header: Annotated[str | None, Security(_header)],
 ) -> ApiKey:
-    """The live key the request carries; ApiError 401 when it carries none, or an unknown,
+    """The live key the request carries (in local mode, the local key when it carries
+    none); ApiError 401 when it carries none, or an unknown,
     malformed or revoked one, or a wrong secret; 429 with Retry-After when its key id had too
     many wrong secrets lately and this secret was not checked (``api.keys``). A key this
     process trusts is accepted without leaving the event loop; any other is checked against
     the database in a worker thread."""
     token = bearer.credentials if bearer is not None else header
+    if not token and ctx.local_key is not None:
+        return ctx.local_key
     if not token:
         raise ApiError(401, "unauthorized",
                        "an API key is required: Authorization: Bearer <key> or X-API-Key",

@@ -97,7 +97,10 @@ class KeyFailureBudgetExceeded(Exception):
 
 @dataclass(frozen=True)
 class ApiKey:
-    """A stored key (never its secret)."""
+    """A stored key (never its secret). ``run_id``: the one run a credential is scoped to
+    (a remote-rollout call's unseen rollout id is created there when the request names no
+    run, and a request naming another run is refused); None for a key of the whole
+    project."""
 
     key_id: str
     project: str
@@ -105,6 +108,7 @@ class ApiKey:
     name: str | None
     created_at: dt.datetime
     revoked_at: dt.datetime | None = None
+    run_id: str | None = None
 
     def allows(self, role: str) -> bool:
         """Whether this key may act in ``role`` (``admin`` may act in any, ``train`` also

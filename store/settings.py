@@ -7,6 +7,7 @@ the working directory). With no ``database_url`` the store runs an embedded Post
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -108,6 +109,16 @@ class Settings(BaseSettings):
     api_host: str = Field(default="127.0.0.1", description="Interface the API listens on.")
     api_port: int = Field(default=8600, ge=1, le=65535, description="Port of the API.")
     api_workers: int = Field(default=1, ge=1, description="API server processes.")
+    local_mode: bool = Field(
+        default=False,
+        description="Local mode, for a developer's machine and harnesses that send no key: "
+        "a request without an API key acts as the admin of local_project. trajstore serve "
+        "refuses it on any address but loopback; /health and the web page say it is on.",
+    )
+    local_project: str = Field(
+        default="local", min_length=1, max_length=200,
+        description="The project keyless requests act in under local_mode.",
+    )
 
     log_level: str = Field(default="INFO", description="Log level of every process.")
     log_format: Literal["text", "json"] = Field(
@@ -296,6 +307,13 @@ class Settings(BaseSettings):
         "trainer (server_url), comma "
         "separated; empty: loopback only (127.0.0.0/8, ::1, localhost); '*': any host.",
     )
+    remote_default_run: str | None = Field(
+        default=None,
+        description="Run a remote-rollout call's unseen rollout_id is created in when the "
+        "request names none (X-Trajstore-Run, or the /v1/runs/{run}/episodes/{id}/ path) and "
+        "its key is not scoped to a run; created in the key's project when missing. Unset: "
+        "such a call is 404 naming what is missing.",
+    )
     gateway_upstream_url: str | None = Field(
         default=None,
         description="OpenAI-compatible server (vLLM) the capture gateway forwards to, "
@@ -367,6 +385,7 @@ class Settings(BaseSettings):
         "gateway_upstream_model",
         "gateway_engine_model",
         "checkpoint_root",
+        "remote_default_run",
         mode="before",
     )
     @classmethod
@@ -378,6 +397,13 @@ class Settings(BaseSettings):
     def _upstream_url(cls, value: str | None) -> str | None:
         return None if value is None else check_url(
             value, ("http", "https"), "an HTTP URL (http://gpu-node:8000, no /v1)")
+
+    @field_validator("remote_default_run")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,200}", value):
+            raise ValueError(f"not a run id (1 to 200 letters, digits or _.:-): {value[:60]!r}")
+        return value
 
     @field_validator("api_key_scrypt_n")
     @classmethod

@@ -29,20 +29,38 @@ def serve(
         "--replay/--no-replay", help="Replay finished episodes in this process when no "
         "replay worker does (--no-replay: leave it to replay workers, as trajstore up and "
         "the deployment files do).")] = True,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Local mode (TRAJSTORE_LOCAL_MODE): requests without an API key act "
+        "as the admin of TRAJSTORE_LOCAL_PROJECT (default 'local'). Loopback addresses "
+        "only.")] = False,
 ) -> None:
     """Serve the REST API (uvicorn): ingest, queries, batches, the capture gateway, OTLP
     traces, the web page. Alone it also replays the episodes it ingests (one copy of the
     replay follower: a replay worker that leads the log takes precedence); with
-    ``--no-replay`` it says at start, and ``/ready`` says, when no process replays."""
+    ``--no-replay`` it says at start, and ``/ready`` says, when no process replays. In local
+    mode (``--local`` or ``TRAJSTORE_LOCAL_MODE``) an address that is not loopback is
+    refused before anything starts, naming it."""
+    import os
+
     import uvicorn
 
     from store.settings import get_settings
     from trajstore.processes import register
     from trajstore.store_access import open_store
 
+    if local:
+        # The app reads its settings in uvicorn's process(es): they learn it from here.
+        os.environ["TRAJSTORE_LOCAL_MODE"] = "true"
+        get_settings.cache_clear()
     settings = get_settings()
     named = "--host/--port" if host or port else "TRAJSTORE_API_HOST/TRAJSTORE_API_PORT"
+    host_named = "--host" if host else "TRAJSTORE_API_HOST"
     host, port = host or settings.api_host, port or settings.api_port
+    if settings.local_mode:
+        _check_loopback(host, setting=host_named)
+        typer.secho(f"LOCAL MODE: requests without an API key act as the admin of project "
+                    f"{settings.local_project!r}; listening on {host} only", err=True,
+                    fg="yellow")
     # What the app needs answers before the server starts: a wrong setting is one line.
     open_store(settings).close()
     _check_listen(host, port, setting=named)
@@ -87,6 +105,39 @@ def _say_who_replays(settings: Any) -> None:
         typer.echo("replay: left to the replay workers (one follows the log)", err=True)
     else:
         typer.secho(f"WARNING: {NO_REPLAY}", err=True, fg="yellow")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1) or a name that resolves
+    only to such addresses (``localhost``); an empty host, ``0.0.0.0``, ``::`` or a name
+    that does not resolve is not."""
+    import ipaddress
+    import socket
+
+    name = host.strip().strip("[]")
+    if not name:
+        return False
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def _check_loopback(host: str, *, setting: str) -> None:
+    """Local mode answers requests without a key: a ``ConfigurationError`` naming
+    ``setting`` and the address when ``host`` is not loopback."""
+    from store.errors import ConfigurationError
+
+    if not is_loopback(host):
+        raise ConfigurationError(setting, f"local mode (TRAJSTORE_LOCAL_MODE / --local) takes "
+                                 f"requests without a key, so it serves on loopback only "
+                                 f"(127.0.0.1, ::1, localhost), not on {host!r}")
 
 
 def _check_listen(host: str, port: int, *, setting: str) -> None:

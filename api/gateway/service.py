@@ -17,6 +17,8 @@ Three ways a call goes, decided per request:
   the prompt itself with the run's tokenizer, checks the ``response_mask`` against its token
   buffer (``rollout_buffer``), generates from the prompt ids, records the call with the
   check's outcome, and answers with ``token_ids``, ``logprobs`` and ``prompt_token_ids``.
+  A rollout id not seen before is created on its first call, as the capture path creates
+  episodes, in the run the request or its key names, else ``remote_default_run``.
 - **Plain serving**: no episode and no rollout id: generate and answer, record nothing.
 """
 
@@ -520,7 +522,8 @@ class Gateway:
         self._check_limits(body)
         if body.rollout_id is not None:
             self._no_abandon_for_remote(abandoned)
-            return await self.remote(body, key=key, agent=agent, policy_version=policy_version)
+            return await self.remote(body, key=key, agent=agent, policy_version=policy_version,
+                                     run=run, episode=episode, group=group)
         form.check(body)
         messages, tools = form.conversation(body)
         new = NewEpisode(run_id=run, group_id=group, messages=messages, tools=tools or [],
@@ -677,8 +680,13 @@ class Gateway:
     # --- remote rollout (TrainGate) --------------------------------------------------------
 
     async def remote(self, body: ChatCompletionRequest | CompletionRequest, *, key: ApiKey,
-                     agent: str, policy_version: int | None) -> JSONResponse:
-        """A remote-rollout call (module docstring)."""
+                     agent: str, policy_version: int | None, run: str | None = None,
+                     episode: str | None = None, group: str | None = None) -> JSONResponse:
+        """A remote-rollout call (module docstring). The rollout is the episode
+        ``rollout_id``; one not seen yet is created on this first call (``remote_run``).
+        ``run``/``episode``/``group``: what the ``X-Trajstore-*`` headers or the
+        ``/v1/runs/{run}/episodes/{episode}/`` path name; an episode other than the rollout
+        id is 422 naming ``body.rollout_id``."""
         from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 
         if body.stream:
@@ -688,9 +696,14 @@ class Gateway:
             raise ApiError(422, "invalid_request", "a remote-rollout call carries the full "
                            "messages", field="body.messages")
         rollout_id = body.rollout_id or ""
-        target = await self._target(key, rollout_id)
-        assert target is not None
+        if episode is not None and episode != rollout_id:
+            raise ApiError(422, "invalid_request", f"the request names episode "
+                           f"{episode[:60]!r} (X-Trajstore-Episode, or the path) but its "
+                           f"rollout_id is {rollout_id[:60]!r}: a rollout is recorded as the "
+                           "episode of its rollout id", field="body.rollout_id")
         messages = normalize_messages(body.messages)
+        target = await self._remote_target(key, body, rollout_id, run=run, group=group,
+                                           messages=messages)
         tools = body.tools or target.tools or None
         config = target.config
         try:
@@ -743,6 +756,69 @@ class Gateway:
             "token_ids": response_ids, "logprobs": logprobs, "prompt_token_ids": prompt,
             "usage": captured.usage, "mask_check": check.to_dict(),
         })
+
+    def remote_run(self, key: ApiKey, run: str | None) -> tuple[str, str] | None:
+        """The run an unseen rollout id is created in, and where that came from (for
+        errors): the run the request names (``run``: its header or path), else the key's
+        own run (a credential scoped to one run), else ``remote_default_run``; None when
+        nothing names one. A key scoped to a run that names another is 403."""
+        if run is not None:
+            if key.run_id is not None and run != key.run_id:
+                raise ApiError(403, "forbidden", f"this key may record only into run "
+                               f"{key.run_id!r}, not {run[:60]!r}",
+                               field="header.X-Trajstore-Run")
+            return run, "header.X-Trajstore-Run"
+        if key.run_id is not None:
+            return key.run_id, "the key's run"
+        if self.settings.remote_default_run is not None:
+            return self.settings.remote_default_run, "TRAJSTORE_REMOTE_DEFAULT_RUN"
+        return None
+
+    def _taken(self, key: ApiKey, episode_id: str) -> bool:
+        """Whether ``episode_id`` exists in another project than the key's."""
+        run_id = queries.episode_run(self.store, episode_id)
+        return run_id is not None and self.access.run_project(run_id) != key.project
+
+    def _refuse_taken(self, key: ApiKey, rollout_id: str) -> None:
+        """409 when the rollout id is another project's episode; the answer names neither
+        that project nor its run (nor says that it is another project's)."""
+        if self._taken(key, rollout_id):
+            raise ApiError(409, "rollout_id_taken", f"rollout id {rollout_id[:60]!r} is "
+                           "already in use; give the rollout another id",
+                           field="body.rollout_id")
+
+    async def _remote_target(self, key: ApiKey, body: Any, rollout_id: str, *,
+                             run: str | None, group: str | None,
+                             messages: list[dict[str, Any]]) -> EpisodeTarget:
+        """The rollout's episode, created on its first call as the gateway creates one
+        (``Capture.target_or_create``: the run too when missing, in the key's project, with
+        the tools of this call) in the run ``remote_run`` names. 404 naming the header and
+        the setting when the rollout is unseen and nothing names a run; 409 when the id is
+        another project's episode (before or after a concurrent first call); 403 for a run
+        of another project; 409 for a finished rollout."""
+        await run_in_threadpool(self._refuse_taken, key, rollout_id)
+        named = self.remote_run(key, run)
+        new = None
+        if named is not None:
+            run_id, where = named
+            model = (self.settings.gateway_upstream_model or body.model) \
+                if self.has_upstream else None
+            new = NewEpisode(run_id=run_id, group_id=group, messages=messages,
+                             tools=body.tools or [], model=model, where=where)
+        elif await run_in_threadpool(queries.episode_run, self.store, rollout_id) is None:
+            raise ApiError(404, "not_found", f"no rollout {rollout_id[:60]!r}, and no run to "
+                           "create it in: name one with the X-Trajstore-Run header (or call "
+                           "/v1/runs/{run}/episodes/{rollout_id}/chat/completions), use a key "
+                           "scoped to a run, or set TRAJSTORE_REMOTE_DEFAULT_RUN",
+                           field="header.X-Trajstore-Run")
+        try:
+            target = await self._target(key, rollout_id, new)
+        except ApiError as exc:
+            if exc.status == 403:  # a concurrent first call of another project won
+                await run_in_threadpool(self._refuse_taken, key, rollout_id)
+            raise
+        assert target is not None
+        return target
 
     async def _remote_generate(self, prompt: list[int], sampling: SamplingParams
                                ) -> tuple[list[int], list[float], str, str, str]:

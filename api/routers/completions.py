@@ -12,7 +12,9 @@ needs only a base URL. ``GET /v1/models`` lists the model the gateway serves.
 better than the episode does. Tool results in a chat history become ``tool_returned``
 facts, and ``X-Trajstore-Abandoned`` marks an earlier call abandoned
 (``api.gateway.tool_facts``). A body with ``rollout_id`` is a remote-rollout call
-(TrainGate): see ``api.gateway.service``.
+(TrainGate): see ``api.gateway.service``. Its rollout is the episode of that id, created on
+its first call when unseen, in the run the header or path names, else the key's run, else
+``TRAJSTORE_REMOTE_DEFAULT_RUN``; an id another project uses is 409, naming nothing of it.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["gateway"], responses={
     **ERROR_RESPONSES,
-    404: {"model": ErrorBody, "description": "The episode (or rollout) does not exist."},
-    409: {"model": ErrorBody, "description": "The episode is finished, or a concurrent "
-                                             "call of the same rollout was recorded first."},
+    404: {"model": ErrorBody, "description": "The episode does not exist, or the rollout "
+                                             "does not and no run is named to create it "
+                                             "in."},
+    409: {"model": ErrorBody, "description": "The episode is finished, a concurrent call "
+                                             "of the same rollout was recorded first, or "
+                                             "the rollout id is taken."},
     502: {"model": ErrorBody, "description": "The upstream server failed or answered "
                                              "without token ids."},
     503: {"model": ErrorBody, "description": "No generation backend is configured."},

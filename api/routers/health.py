@@ -1,6 +1,7 @@
 """Liveness (``/health``: the process answers) and readiness (``/ready``: the database is
 reachable and at the schema revision this code needs; it also says whether any process
-replays finished episodes). Neither needs a key."""
+replays finished episodes). Neither needs a key. ``/health`` also says whether the server
+runs in local mode (requests without a key taken)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ __all__ = ["router"]
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health", response_model=Health)
-async def health() -> Health:
+@router.get("/health", response_model=Health, response_model_exclude_none=True)
+async def health(ctx: Ctx) -> Health:
     """The process is up: ``{"status": "healthy"}``, the form the remote-rollout protocol's
-    harness checks for."""
-    return Health(status="healthy")
+    harness checks for; in local mode also ``"local_mode": true`` (requests without a key
+    are taken)."""
+    return Health(status="healthy", local_mode=True if ctx.local_key is not None else None)
 
 
 @router.get("/ready", response_model=Readiness,

@@ -9,6 +9,9 @@ __all__ = ["Health", "Readiness", "WhoAmI"]
 
 class Health(BaseModel):
     status: str
+    #: True when requests without an API key act as the local project's admin; left out
+    #: of the answer otherwise (a server without local mode answers as it always did).
+    local_mode: bool | None = None
 
 
 class Readiness(BaseModel):

@@ -18,7 +18,9 @@ refused. Every page is sent with a Content-Security-Policy that allows only this
 scripts, and with frame, sniffing and referrer headers. A request may also carry the key as
 the REST API takes it. Without a
 valid key a page redirects to the login form; a key of the wrong role is refused there;
-another project's run or episode is a 403 page, an unknown one a 404 page. The page loads
+another project's run or episode is a 403 page, an unknown one a 404 page. In local mode
+(``TRAJSTORE_LOCAL_MODE``) a request without a key sees the local project's pages, and every
+page carries a banner saying that no key is asked for. The page loads
 nothing from outside the server: the chart library is vendored under ``/ui/static``.
 """
 
@@ -127,8 +129,12 @@ def _same_origin(request: Request) -> bool:
 
 
 async def page_key(request: Request, ctx: Ctx) -> ApiKey:
-    """The request's key, when it is live and may read; otherwise LoginRequired."""
-    key = await _check(ctx, _token_of(request))
+    """The request's key, when it is live and may read (in local mode, the local key when
+    the request carries none); otherwise LoginRequired."""
+    token = _token_of(request)
+    if token is None and ctx.local_key is not None:
+        return ctx.local_key
+    key = await _check(ctx, token)
     if key is None or not key.allows("read"):
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise LoginRequired(path)
@@ -140,6 +146,10 @@ PageKey = Annotated[ApiKey, Depends(page_key)]
 
 def _page(request: Request, name: str, status_code: int = 200, **context: Any
           ) -> HTMLResponse:
+    """Render ``name``; every page says when the server runs in local mode (a banner)."""
+    ctx = getattr(request.app.state, "ctx", None)
+    context.setdefault("local_project", ctx.settings.local_project
+                       if ctx is not None and ctx.settings.local_mode else None)
     return templates.TemplateResponse(request, name, context, status_code=status_code)
 
 

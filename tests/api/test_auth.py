@@ -99,6 +99,8 @@ _SCOPED = {"/v1/runs/", "/v1/episodes/", "/v1/leases/", "/v1/episodes?run_id",
            "/v1/chat/completions", "/v1/completions", "/v1/rollout/completed", "/rollout",
            "/v1/rollout/init",
            "/v1/traces"}
+#: Remote-rollout calls: another project's rollout id is a conflict, not a 403.
+_ROLLOUT_IDS = {"/v1/chat/completions", "/v1/completions"}
 
 
 def _send(client: TestClient, method: str, path: str, body: Any,
@@ -149,7 +151,14 @@ def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
             if role == "read":
                 r = _send(client, method, path, body(), project.headers("train"))
                 assert r.status_code not in (401, 403), (where, r.text)
-        if any(path.startswith(s) for s in _SCOPED) and role != "any":
+        if path in _ROLLOUT_IDS:
+            # A rollout id of another project is taken, and nothing says whose (409).
+            for other in (role, "admin"):
+                r = _send(client, method, path, body(), other_project.headers(other))
+                assert r.status_code == 409, (where, r.text)
+                assert r.json()["error"]["code"] == "rollout_id_taken", where
+                assert project.name not in r.text and run not in r.text, where
+        elif any(path.startswith(s) for s in _SCOPED) and role != "any":
             r = _send(client, method, path, body(), other_project.headers(role))
             assert r.status_code == 403, (where, r.text)
             r = _send(client, method, path, body(), other_project.headers("admin"))
