@@ -12,9 +12,10 @@ Checking scrypt on every request would cost tens of milliseconds, so a key whose
 passed once is remembered by the SHA-256 of the presented key. For ``api_key_cache_s``
 seconds an API process then trusts it without reading its row, but only while it listens
 for revocations: ``revoke`` sends a PostgreSQL notification with the key id when it
-commits, and every process listening drops the key at once. A process that cannot listen
-(the connection dropped) reads the row on every request until it listens again, so a
-revoked key never keeps working.
+commits, and every process listening drops the key at once (after reading the row: a
+notice for a key that is not revoked, which any database role can send, is ignored). A
+process that cannot listen (the connection dropped) reads the row on every request until it
+listens again, so a revoked key never keeps working.
 
 Wrong secrets cost a full scrypt each, so a flood of them would starve every other request.
 Two guards keep that cost bounded, per API process:
@@ -443,7 +444,11 @@ class KeyStore:
                     self._listening = True
                 while not self._stop.is_set():
                     for key_id in listener.payloads(timeout_s=1.0):
-                        self._forget(key_id)
+                        # Any role that can connect can NOTIFY (PostgreSQL has no privilege
+                        # for it, the analyst role included): a notice is believed only when
+                        # the key's row says revoked, so a forged one drops nothing.
+                        if _KEY_ID.match(key_id) and table.key_revoked(self.db, key_id):
+                            self._forget(key_id)
             except Exception as exc:  # connection lost: fall back to reading rows
                 log.warning("not hearing API key revocations (%s); checking every request",
                             exc)

@@ -18,6 +18,7 @@ __all__ = [
     "RevocationListener",
     "end_session",
     "insert_key",
+    "key_revoked",
     "key_secret_row",
     "list_keys",
     "revoke_key",
@@ -81,6 +82,15 @@ def key_secret_row(db: Database, key_id: str) -> tuple[Any, ...] | None:
             (key_id,),
         ).fetchone()
     return None if row is None else tuple(row)
+
+
+def key_revoked(db: Database, key_id: str) -> bool:
+    """Whether key ``key_id`` is revoked (or unknown): what a revocation notice is checked
+    against, since any role that can connect can send one (``NOTIFY`` has no privilege)."""
+    with db.connection() as conn:
+        row = conn.execute("SELECT revoked_at IS NOT NULL FROM api_keys WHERE key_id = %s",
+                           (key_id,)).fetchone()
+    return row is None or bool(row[0])
 
 
 def end_session(db: Database, token_hash: bytes, *, expires_at: float) -> None:
