@@ -187,3 +187,22 @@ def test_logout_ends_the_session_on_the_server(client: TestClient, project: Proj
         second.cookies.set(COOKIE, other, path="/ui")
         assert second.get("/ui", follow_redirects=False).status_code == 200
     client.cookies.clear()
+
+
+def test_an_upstream_failure_creates_no_run_and_no_episode(
+        api_settings: Settings, api_store: EventStore, project: Project) -> None:
+    from tests.servers import free_port
+
+    settings = api_settings.model_copy(update={
+        "gateway_upstream_url": f"http://127.0.0.1:{free_port()}"})
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    episode = f"ep-{uuid.uuid4().hex[:8]}"
+    before = _counts(api_store)
+    with TestClient(create_app(settings, store=api_store)) as upstream_less:
+        r = upstream_less.post("/v1/chat/completions", json={
+            "model": "m", "messages": MESSAGES, "max_tokens": 4}, headers={
+            **project.headers("ingest"), "X-Trajstore-Run": run_id,
+            "X-Trajstore-Episode": episode})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
+    assert _counts(api_store) == before
+    assert api_store.stream_version(episode) == 0
