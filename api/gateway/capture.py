@@ -2,7 +2,8 @@
 
 The episode must exist and not be finished: a call recorded after ``episode_finished`` would
 make the episode impossible to replay. A call that names its run (``NewEpisode``) creates the
-episode on first use, and the run too when it does not exist yet (in the key's project, with
+episode on first use (the gateway when the call is recorded: ``planned_target``, so a refused
+call creates nothing), and the run too when it does not exist yet (in the key's project, with
 the default configuration and the tokenizer the model name implies), the way Agent Lightning's
 proxy creates rollouts from ids in the URL; ids created so are checked against the key's
 project exactly as explicit creation is. What
