@@ -145,7 +145,7 @@ class Capture:
             if not _ID.match(value):
                 raise ApiError(422, "invalid_request", f"{value[:60]!r} is not an id: 1 to "
                                "200 letters, digits or _.:-", field=where)
-        config = RunConfig()
+        config = self._new_run_config(new)  # the run's own, when it exists
         if queries.run_record(self.store, new.run_id) is not None:
             self.access.check_run(key, new.run_id)
             run = self.store.read_stream(run_stream_id(new.run_id), to_version=1)
@@ -162,14 +162,19 @@ class Capture:
             return target
         return self.target_or_create(target.key, target.episode_id, target.pending)
 
-    def _create_run(self, key: ApiKey, new: NewEpisode) -> None:
+    @staticmethod
+    def _new_run_config(new: NewEpisode) -> RunConfig:
+        """The configuration a run created by a call takes (module docstring)."""
         from workers.engines.tokenizers import canonical_tokenizer, tokenizer_problem
 
         tokenizer = None
         if new.model and tokenizer_problem(new.model) is None:
             tokenizer = canonical_tokenizer(new.model)
+        return RunConfig(tokenizer=tokenizer)
+
+    def _create_run(self, key: ApiKey, new: NewEpisode) -> None:
         event = RunCreated(run_id=new.run_id, project=key.project,
-                           config=RunConfig(tokenizer=tokenizer))
+                           config=self._new_run_config(new))
         try:
             self.store.append(run_stream_id(new.run_id), [event], NO_STREAM)
         except store_errors.ConflictError:
