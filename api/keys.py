@@ -14,9 +14,10 @@ Checking scrypt on every request would cost tens of milliseconds, so a key whose
 passed once is remembered by the SHA-256 of the presented key. For ``api_key_cache_s``
 seconds an API process then trusts it without reading its row, but only while it listens
 for revocations: ``revoke`` sends a PostgreSQL notification with the key id when it
-commits, and every process listening drops the key at once. A process that cannot listen
-(the connection dropped) reads the row on every request until it listens again, so a
-revoked key never keeps working.
+commits, and every process listening drops the key at once (after reading the row: a
+notice for a key that is not revoked, which any database role can send, is ignored). A
+process that cannot listen (the connection dropped) reads the row on every request until it
+listens again, so a revoked key never keeps working.
 
 Wrong secrets cost a full scrypt each, so a flood of them would starve every other request.
 Two guards keep that cost bounded, per API process:
@@ -73,6 +74,8 @@ REVOKED_CHANNEL = "trajstore_api_keys_revoked"
 KEY_PREFIX = "tsk_"
 SESSION_PREFIX = "tss1."
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
+#: A session's expiry (epoch seconds) and nonce: ``<digits>-<16 hex digits>``.
+_STAMP = re.compile(r"^[0-9]{1,12}-[0-9a-f]{16}$")
 _SECRET = re.compile(r"^[A-Za-z0-9_-]{20,200}$")
 _PARAMS = re.compile(r"^scrypt\$(\d+)\$(\d+)\$(\d+)$")
 
@@ -371,26 +374,28 @@ class KeyStore:
         return False
 
     def session(self, key: ApiKey, *, ttl_s: float) -> str:
-        """A session token for the web page's cookie: ``tss1.<key id>.<expiry>.<mac>``, the
-        MAC keyed by the key's stored secret hash (which never leaves the database), so the
+        """A session token for the web page's cookie: ``tss1.<key id>.<expiry>-<nonce>.<mac>``,
+        the MAC keyed by the key's stored secret hash (which never leaves the database), so the
         cookie does not hold the key, any API process can check it, and it dies with the key
         (revocation) or at its expiry. Raises NotFoundError for an unknown key."""
         row = table.key_secret_row(self.db, key.key_id)
         if row is None:
             raise errors.NotFoundError(f"no API key {key.key_id!r}")
-        payload = f"{key.key_id}.{int(time.time() + ttl_s)}"
+        # A nonce of its own: two sign-ins in the same second are two sessions, so signing
+        # out of one (``end_session``) leaves the other.
+        payload = f"{key.key_id}.{int(time.time() + ttl_s)}-{secrets.token_hex(8)}"
         mac = hmac.new(bytes(row[6]), payload.encode(), hashlib.sha256).hexdigest()
         return f"{SESSION_PREFIX}{payload}.{mac}"
 
     def verify_session(self, token: str) -> ApiKey | None:
         """The live key of a ``session`` token, or None when it is malformed (a key id that
         is not 16 hex digits included: nothing malformed reaches the database), expired, its
-        MAC is wrong, or its key is unknown or revoked."""
+        MAC is wrong, its key is unknown or revoked, or it was ended (``end_session``)."""
         if not token.startswith(SESSION_PREFIX):
             return None
         parts = token[len(SESSION_PREFIX):].split(".")
-        if (len(parts) != 3 or not _KEY_ID.match(parts[0]) or not parts[1].isdigit()
-                or int(parts[1]) < time.time()):
+        if (len(parts) != 3 or not _KEY_ID.match(parts[0]) or not _STAMP.match(parts[1])
+                or int(parts[1].split("-")[0]) < time.time()):
             return None
         key_id, expiry, mac = parts
         row = table.key_secret_row(self.db, key_id)
@@ -398,7 +403,22 @@ class KeyStore:
             return None
         expected = hmac.new(bytes(row[6]), f"{key_id}.{expiry}".encode(),
                             hashlib.sha256).hexdigest()
-        return _key(row[:6]) if hmac.compare_digest(expected, mac) else None
+        if not hmac.compare_digest(expected, mac):
+            return None
+        if table.session_ended(self.db, hashlib.sha256(token.encode()).digest()):
+            return None
+        return _key(row[:6])
+
+    def end_session(self, token: str) -> bool:
+        """End the session of ``token`` on the server (signing out): from now on
+        ``verify_session`` refuses it in every API process, though the cookie may still be
+        sent. True when it was a live session; a malformed, expired or unknown token ends
+        nothing (False)."""
+        if self.verify_session(token) is None:
+            return False
+        expiry = int(token[len(SESSION_PREFIX):].split(".")[1].split("-")[0])
+        table.end_session(self.db, hashlib.sha256(token.encode()).digest(), expires_at=expiry)
+        return True
 
     def _forget(self, key_id: str) -> None:
         with self._lock:
@@ -433,7 +453,11 @@ class KeyStore:
                     self._listening = True
                 while not self._stop.is_set():
                     for key_id in listener.payloads(timeout_s=1.0):
-                        self._forget(key_id)
+                        # Any role that can connect can NOTIFY (PostgreSQL has no privilege
+                        # for it, the analyst role included): a notice is believed only when
+                        # the key's row says revoked, so a forged one drops nothing.
+                        if _KEY_ID.match(key_id) and table.key_revoked(self.db, key_id):
+                            self._forget(key_id)
             except Exception as exc:  # connection lost: fall back to reading rows
                 log.warning("not hearing API key revocations (%s); checking every request",
                             exc)

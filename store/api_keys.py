@@ -16,10 +16,13 @@ from store.db import Database, connect
 __all__ = [
     "KEY_COLUMNS",
     "RevocationListener",
+    "end_session",
     "insert_key",
+    "key_revoked",
     "key_secret_row",
     "list_keys",
     "revoke_key",
+    "session_ended",
 ]
 
 KEY_COLUMNS = "key_id, project, role, name, created_at, revoked_at"
@@ -79,6 +82,35 @@ def key_secret_row(db: Database, key_id: str) -> tuple[Any, ...] | None:
             (key_id,),
         ).fetchone()
     return None if row is None else tuple(row)
+
+
+def key_revoked(db: Database, key_id: str) -> bool:
+    """Whether key ``key_id`` is revoked (or unknown): what a revocation notice is checked
+    against, since any role that can connect can send one (``NOTIFY`` has no privilege)."""
+    with db.connection() as conn:
+        row = conn.execute("SELECT revoked_at IS NOT NULL FROM api_keys WHERE key_id = %s",
+                           (key_id,)).fetchone()
+    return row is None or bool(row[0])
+
+
+def end_session(db: Database, token_hash: bytes, *, expires_at: float) -> None:
+    """Record a web-page session (by the SHA-256 of its token) as ended until
+    ``expires_at`` (epoch seconds, the token's own expiry); drops rows already past their
+    expiry. Ending a session twice is harmless."""
+    with db.connection() as conn:
+        conn.execute("DELETE FROM ended_sessions WHERE expires_at < now()")
+        conn.execute(
+            "INSERT INTO ended_sessions (token_hash, expires_at)"
+            " VALUES (%s, to_timestamp(%s)) ON CONFLICT (token_hash) DO NOTHING",
+            (token_hash, expires_at))
+
+
+def session_ended(db: Database, token_hash: bytes) -> bool:
+    """Whether the session whose token hashes to ``token_hash`` was ended (``end_session``)."""
+    with db.connection() as conn:
+        row = conn.execute("SELECT 1 FROM ended_sessions WHERE token_hash = %s",
+                           (token_hash,)).fetchone()
+    return row is not None
 
 
 class RevocationListener:

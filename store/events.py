@@ -27,6 +27,8 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_core import ValidationError as _PydanticValidationError
 
+from store.arguments import RealNumber
+
 __all__ = [
     "ABANDONED_ERROR_TYPE",
     "MAX_INT",
@@ -614,8 +616,8 @@ class RolledBack(Event):
 
 
 #: A reward or one of its components: a finite number, never a boolean (refused by
-#: ``_Frozen``), nor a string that looks like one (strict).
-RewardNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+#: ``_Frozen``), nor a string that looks like one (strict): ``store.arguments.RealNumber``.
+RewardNumber = RealNumber
 
 
 @event_type

@@ -303,9 +303,10 @@ class Settings(BaseSettings):
     )
     rollout_trainer_hosts: str = Field(
         default="",
-        description="Hosts POST /rollout and POST /v1/rollout/init may call back as the "
-        "trainer (server_url), comma "
-        "separated; empty: loopback only (127.0.0.0/8, ::1, localhost); '*': any host.",
+        description="Addresses POST /rollout and POST /v1/rollout/init may call back as the "
+        "trainer (server_url): exact host:port entries ([v6]:port for IPv6), comma "
+        "separated, the port of a URL without one being its scheme's; empty: loopback hosts "
+        "only (127.0.0.0/8, ::1, localhost; any port: for one machine); '*': any address.",
     )
     remote_default_run: str | None = Field(
         default=None,

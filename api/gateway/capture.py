@@ -2,7 +2,8 @@
 
 The episode must exist and not be finished: a call recorded after ``episode_finished`` would
 make the episode impossible to replay. A call that names its run (``NewEpisode``) creates the
-episode on first use, and the run too when it does not exist yet (in the key's project, with
+episode on first use (the gateway when the call is recorded: ``planned_target``, so a refused
+call creates nothing), and the run too when it does not exist yet (in the key's project, with
 the default configuration and the tokenizer the model name implies), the way Agent Lightning's
 proxy creates rollouts from ids in the URL; ids created so are checked against the key's
 project exactly as explicit creation is. What
@@ -69,6 +70,10 @@ class EpisodeTarget:
     policy_version: int
     config: RunConfig
     tools: list[dict[str, Any]] = field(default_factory=list)
+    #: The episode (and run) this call would create, created on the first record only
+    #: (``Capture.planned_target``): a call refused before then creates nothing.
+    pending: NewEpisode | None = None
+    key: ApiKey | None = None
 
 
 class Capture:
@@ -130,14 +135,51 @@ class Capture:
             pass  # a concurrent first call created it: record into it
         return self.target(key, episode_id)
 
-    def _create_run(self, key: ApiKey, new: NewEpisode) -> None:
+    def planned_target(self, key: ApiKey, episode_id: str, new: NewEpisode | None
+                       ) -> EpisodeTarget:
+        """``target_or_create`` without writing: for an episode that does not exist yet, the
+        ids and the run's project are checked now (the same ApiErrors) and the target
+        returned carries what creates it, which ``record`` does before the call is appended.
+        A call refused after this (bad input, an engine error, an upstream failure)
+        therefore leaves no run and no episode behind."""
+        if new is None or queries.episode_run(self.store, episode_id) is not None:
+            return self.target(key, episode_id)
+        for value, where in ((episode_id, "header.X-Trajstore-Episode"),
+                             (new.run_id, new.where),
+                             (new.group_id or episode_id, "header.X-Trajstore-Group")):
+            if not _ID.match(value):
+                raise ApiError(422, "invalid_request", f"{value[:60]!r} is not an id: 1 to "
+                               "200 letters, digits or _.:-", field=where)
+        config = self._new_run_config(new)  # the run's own, when it exists
+        if queries.run_record(self.store, new.run_id) is not None:
+            self.access.check_run(key, new.run_id)
+            run = self.store.read_stream(run_stream_id(new.run_id), to_version=1)
+            if run and isinstance(run[0].event, RunCreated):
+                config = run[0].event.config
+        return EpisodeTarget(episode_id=episode_id, run_id=new.run_id,
+                             group_id=new.group_id or episode_id, policy_version=0,
+                             config=config, tools=list(new.tools), pending=new, key=key)
+
+    def _created(self, target: EpisodeTarget) -> EpisodeTarget:
+        """``target`` with its episode (and run) created when it is pending; otherwise as
+        is."""
+        if target.pending is None or target.key is None:
+            return target
+        return self.target_or_create(target.key, target.episode_id, target.pending)
+
+    @staticmethod
+    def _new_run_config(new: NewEpisode) -> RunConfig:
+        """The configuration a run created by a call takes (module docstring)."""
         from workers.engines.tokenizers import canonical_tokenizer, tokenizer_problem
 
         tokenizer = None
         if new.model and tokenizer_problem(new.model, roots=self.tokenizer_roots) is None:
             tokenizer = canonical_tokenizer(new.model)
+        return RunConfig(tokenizer=tokenizer)
+
+    def _create_run(self, key: ApiKey, new: NewEpisode) -> None:
         event = RunCreated(run_id=new.run_id, project=key.project,
-                           config=RunConfig(tokenizer=tokenizer))
+                           config=self._new_run_config(new))
         try:
             self.store.append(run_stream_id(new.run_id), [event], NO_STREAM)
         except store_errors.ConflictError:
@@ -171,7 +213,8 @@ class Capture:
         When the span came first (the log holds an ``llm_called`` from a span under that id),
         the call is not stored a second time: only the facts are appended. An id the log
         holds for anything else (an upstream server that reuses answer ids) gives the call
-        a fresh event id."""
+        a fresh event id. A pending target (``planned_target``) is created first."""
+        target = self._created(target)
         response = dict(captured.message)
         if mask_check is not None:
             response["mask_check"] = mask_check

@@ -395,7 +395,9 @@ class Gateway:
             new = replace(new, model=str(folder) if folder else None)
         if not self.has_upstream and self.settings.gateway_engine_model:
             await run_in_threadpool(self._check_engine_vocabulary, key, episode, new)
-        return await run_in_threadpool(self.capture.target_or_create, key, episode, new)
+        # Nothing is created until the call is recorded: a refused call leaves no run and no
+        # episode behind (``Capture.planned_target``).
+        return await run_in_threadpool(self.capture.planned_target, key, episode, new)
 
     def _check_engine_vocabulary(self, key: ApiKey, episode: str, new: NewEpisode | None
                                  ) -> None:

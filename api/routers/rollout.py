@@ -21,7 +21,6 @@ No agent loop runs in this process: a request is checked with
 from __future__ import annotations
 
 import contextlib
-import math
 import uuid
 from typing import Any, Literal
 
@@ -40,6 +39,7 @@ from api.schemas.remote import (
 )
 from store import errors as store_errors
 from store import queries
+from store.arguments import real_number
 from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
 from workers.engines.tokenizers import allowed_roots, tokenizer_root_problem
@@ -68,26 +68,35 @@ _NAMESPACE = uuid.UUID("6f1f3f5e-3c0e-4d5e-9a57-1c7a1b2d9e10")
 _TRUNCATED = ("max_turns", "max_tokens", "length")
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def _number(value: Any, where: str) -> float | None:
+    """A finite number (``store.arguments.real_number``) as a float; None for anything
+    else, except a boolean: ApiError 422 naming ``where`` (``true`` is not a reward of 1)."""
+    if isinstance(value, bool):
+        raise ApiError(422, "invalid_request", f"{where} must be a finite number, not a "
+                       f"boolean, got {value!r}", field=f"body.{where}")
+    try:
+        return real_number(where, value)
+    except ValueError:
         return None
-    return float(value) if math.isfinite(value) else None
 
 
 def _reward(body: RolloutCompleted) -> float | None:
     """The reward a completion report carries, wherever the protocol's revisions put it:
     ``reward``, ``reward_score``, ``extra_fields.reward``, ``extra_fields.reward_score``,
     ``extra_fields.reward_extra_info.reward``, ``metrics.reward`` (the first that is a finite
-    number)."""
+    number). A boolean in any of these places is refused (ApiError 422 naming it)."""
     if body.reward is not None:
         return float(body.reward)
     extra = body.extra_fields or {}
     info = extra.get("reward_extra_info")
-    candidates = [(body.model_extra or {}).get("reward_score"), extra.get("reward"),
-                  extra.get("reward_score"),
-                  info.get("reward") if isinstance(info, dict) else None,
-                  (body.metrics or {}).get("reward")]
-    return next((v for v in map(_number, candidates) if v is not None), None)
+    candidates = [("reward_score", (body.model_extra or {}).get("reward_score")),
+                  ("extra_fields.reward", extra.get("reward")),
+                  ("extra_fields.reward_score", extra.get("reward_score")),
+                  ("extra_fields.reward_extra_info.reward",
+                   info.get("reward") if isinstance(info, dict) else None),
+                  ("metrics.reward", (body.metrics or {}).get("reward"))]
+    numbers = [_number(value, where) for where, value in candidates]
+    return next((v for v in numbers if v is not None), None)
 
 
 def completion_events(body: RolloutCompleted) -> tuple[list[Event], str, float | None]:

@@ -1,9 +1,10 @@
 """OpenAI-compatible requests of the capture gateway, with the remote-rollout (TrainGate)
 extensions ``rollout_id`` and ``response_mask``.
 
-Every field may be sent as an explicit ``null`` (meaning "not given"), and unknown fields
-are accepted: they are forwarded to an upstream server unchanged (and ignored by the
-in-process engine). Messages keep unknown keys too.
+Numbers are strict (``store.arguments``): a boolean or a string for a number is refused
+(422 naming the field). Every field may be sent as an explicit ``null`` (meaning "not
+given"), and unknown fields are accepted: they are forwarded to an upstream server unchanged
+(and ignored by the in-process engine). Messages keep unknown keys too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from store.arguments import RealNumber, WholeNumber
 
 __all__ = [
     "ChatCompletionRequest",
@@ -37,21 +40,21 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    max_tokens: int | None = Field(default=None, ge=1)
-    n: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported.")
+    temperature: RealNumber | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: RealNumber | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    max_tokens: WholeNumber | None = Field(default=None, ge=1)
+    n: WholeNumber | None = Field(default=None, ge=1, le=1, description="Only 1 is supported.")
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: WholeNumber | None = Field(default=None, ge=0, le=2**63 - 1)
     return_token_ids: bool | None = Field(
         default=None, description="vLLM extension: include prompt_token_ids and token_ids.")
     tools: list[dict[str, Any]] | None = None
     rollout_id: str | None = Field(
         default=None, min_length=1, max_length=256,
         description="Remote rollout (TrainGate): the episode this call belongs to.")
-    response_mask: list[int] | None = Field(
+    response_mask: list[WholeNumber] | None = Field(
         default=None, max_length=1_048_576,
         description="Remote rollout: null on a rollout's first call, then one 0 per token "
                     "added since the previous generation (tool outputs, template tokens).")
@@ -71,17 +74,17 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tool_choice: str | dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: WholeNumber | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: WholeNumber | None = Field(default=None, ge=1)
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a ``prompt`` (text or token ids), or, as TrainGate's
     RolloutServer sends it, ``messages`` with a ``rollout_id``."""
 
-    prompt: str | list[int] | None = None
+    prompt: str | list[WholeNumber] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    logprobs: int | bool | None = Field(default=None)
+    logprobs: WholeNumber | bool | None = Field(default=None)
     echo: bool | None = None
 
     @field_validator("prompt")

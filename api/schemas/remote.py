@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from api.schemas.openai import ChatMessage
+from store.arguments import RealNumber, WholeNumber
 from store.events import RewardNumber
 
 __all__ = [
@@ -68,17 +69,17 @@ class RolloutCompletedAck(BaseModel):
 class RolloutSamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    temperature: RealNumber | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: RealNumber | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    max_tokens: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
+    seed: WholeNumber | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[str] | None = None
     logprobs: bool | None = None
-    top_k: int | None = None
-    min_p: float | None = Field(default=None, allow_inf_nan=False)
-    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    top_k: WholeNumber | None = None
+    min_p: RealNumber | None = Field(default=None, allow_inf_nan=False)
+    presence_penalty: RealNumber | None = Field(default=None, allow_inf_nan=False)
+    frequency_penalty: RealNumber | None = Field(default=None, allow_inf_nan=False)
+    repetition_penalty: RealNumber | None = Field(default=None, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
@@ -107,8 +108,8 @@ class RolloutRequest(BaseModel):
     tokenizer_name: Annotated[str, Field(min_length=1, max_length=500),
                               AfterValidator(_not_blank)]
     tokenizer_revision: str | None = Field(default=None, max_length=200)
-    max_turns: int | None = Field(default=None, ge=1, le=100)
-    max_tokens_total: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_turns: WholeNumber | None = Field(default=None, ge=1, le=100)
+    max_tokens_total: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     callback_api_key: str | None = Field(default=None, max_length=1000)
     run_id: str | None = Field(default=None, min_length=1, max_length=200)
     group_id: str | None = Field(default=None, min_length=1, max_length=200)
@@ -134,8 +135,8 @@ class RolloutInitRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     completion_params: RolloutSamplingParams | None = None
     api_key: str | None = Field(default=None, max_length=1000)
-    max_turns: int | None = Field(default=None, ge=1, le=100)
-    max_tokens_total: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_turns: WholeNumber | None = Field(default=None, ge=1, le=100)
+    max_tokens_total: WholeNumber | None = Field(default=None, ge=1, le=1_000_000)
     run_id: str | None = Field(default=None, min_length=1, max_length=200)
     group_id: str | None = Field(default=None, min_length=1, max_length=200)
     metadata: dict[str, Any] | None = None

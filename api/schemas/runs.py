@@ -6,8 +6,9 @@ import datetime as dt
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from store.arguments import RealNumber
 from store.events import RunConfig
 
 __all__ = ["EngineTakeupOut", "PolicyServedIn", "PolicyServedOut", "PolicyTakeup",
@@ -73,15 +74,8 @@ class PolicyServedIn(BaseModel):
     source: StrictStr | None = Field(default=None, max_length=2000,
                                      description="Where the weights came from: the "
                                                  "checkpoint folder or URL, 'push', a route.")
-    load_seconds: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+    load_seconds: RealNumber | None = Field(default=None, ge=0, allow_inf_nan=False,
                                        description="How long loading took.")
-
-    @field_validator("load_seconds", mode="before")
-    @classmethod
-    def _a_number(cls, value: Any) -> Any:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise ValueError("must be a number of seconds")
-        return value
 
 
 class PolicyServedOut(BaseModel):

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from api.schemas.common import FloatArray, IntArray
+from store.arguments import RealNumber
 
 __all__ = [
     "AckOut",
@@ -64,7 +65,7 @@ class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     groups: StrictInt = Field(default=1, ge=1, le=4096)
-    lease_seconds: float = Field(default=600.0, gt=0, le=7 * 24 * 3600)
+    lease_seconds: RealNumber = Field(default=600.0, gt=0, le=7 * 24 * 3600)
     max_staleness: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
     current_version: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
     trainer: str | None = Field(default=None, max_length=200)
@@ -101,7 +102,7 @@ class ReleaseOut(BaseModel):
 class RenewRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lease_seconds: float = Field(gt=0, le=7 * 24 * 3600)
+    lease_seconds: RealNumber = Field(gt=0, le=7 * 24 * 3600)
 
 
 class RenewOut(BaseModel):

@@ -12,7 +12,8 @@ tables scroll inside their box, so a page fits the window.
 A browser cannot send a bearer header on a link, so ``/ui/login`` takes a key once (any key
 with the ``read`` role, or ``admin``) and keeps a session in an HttpOnly, SameSite=Strict
 cookie scoped to ``/ui``: not the key, but a MAC over the key's id and an expiry keyed by its
-stored secret hash (``KeyStore.session``), good for eight hours or until the key is revoked.
+stored secret hash (``KeyStore.session``), good for eight hours, until the key is revoked or
+until signing out (which ends it on the server: ``KeyStore.end_session``).
 A sign-in or sign-out posted from another site (its Origin or Referer names another host) is
 refused. Every page is sent with a Content-Security-Policy that allows only this server's own
 scripts, and with frame, sniffing and referrer headers. A request may also carry the key as
@@ -223,10 +224,14 @@ async def login(request: Request, ctx: Ctx) -> Response:
 
 
 @router.post("/logout")
-async def logout(request: Request) -> Response:
-    """Forget the session."""
+async def logout(request: Request, ctx: Ctx) -> Response:
+    """End the session on the server (``KeyStore.end_session``: its cookie no longer signs
+    in anywhere, even if kept or copied) and clear the cookie."""
     if not _same_origin(request):
         raise PageError(403, "A sign-out posted from another site is refused.")
+    token = (request.cookies.get(COOKIE) or "").strip()
+    if token.startswith(SESSION_PREFIX):
+        await run_in_threadpool(ctx.keys.end_session, token)
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
     return response

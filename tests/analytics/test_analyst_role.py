@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -13,6 +15,7 @@ from psycopg import errors as pg_errors
 from store import analytics, errors, migrate
 from store.analyst_role import grant_read_only, read_only_violations
 from store.db import Database
+from store.settings import Settings
 from tests.analytics.conftest import RUN, Seeded
 from tests.conftest import PostgresServer
 
@@ -167,3 +170,39 @@ def test_bad_arguments(seeded: Seeded, kwargs: dict, error: type[Exception],
     with seeded.db.connection() as conn:
         assert conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'ok_name'").fetchone() \
             is None
+
+
+def test_an_analysts_notify_changes_nothing(seeded: Seeded, roles: list[str],
+                                            tmp_path: Path) -> None:
+    """PostgreSQL has no privilege for NOTIFY: the analyst role can send one on any channel.
+    A forged key-revocation notice is checked against the key's row, so the key an API
+    process trusts stays trusted (and its remembered right secret stays remembered); a real
+    revocation is still heard at once."""
+    from api.keys import REVOKED_CHANNEL, KeyStore
+
+    role = role_name()
+    roles.append(role)
+    grant_read_only(seeded.db, role=role, login=True, password="s3cret-pass")
+    keys = KeyStore(seeded.db, Settings(database_url=seeded.url, data_dir=tmp_path,
+                                        api_key_scrypt_n=1024, api_key_cache_s=60))
+    try:
+        made = keys.create(project="default", role="read")
+        deadline = time.monotonic() + 10
+        while keys.trusted(made.token) is None and time.monotonic() < deadline:
+            assert keys.verify(made.token) is not None
+            time.sleep(0.1)
+        assert keys.trusted(made.token) is not None  # listening, and trusted from memory
+        with as_role(seeded.url, role, "s3cret-pass") as conn:
+            conn.execute(f"NOTIFY {REVOKED_CHANNEL}, '{made.key.key_id}'")
+            conn.execute("SELECT pg_notify(%s, %s)", (REVOKED_CHANNEL, made.key.key_id))
+            conn.execute("NOTIFY trajstore_events")
+        time.sleep(2.5)  # the listener waits up to 1 s per round
+        assert keys.trusted(made.token) is not None
+        keys.revoke(made.key.key_id)
+        deadline = time.monotonic() + 10
+        while keys.trusted(made.token) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert keys.trusted(made.token) is None
+        assert keys.verify(made.token) is None
+    finally:
+        keys.close()

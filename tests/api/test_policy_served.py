@@ -65,8 +65,8 @@ def test_report_and_read_the_takeup(client: TestClient, project: Project) -> Non
     ({"engine": " "}, "engine", "engine must be 1 to 200 characters"),
     ({"backend": None}, "body.backend", "valid string"),
     ({"load_seconds": -1}, "body.load_seconds", "greater than or equal to 0"),
-    ({"load_seconds": "1.5"}, "body.load_seconds", "must be a number of seconds"),
-    ({"load_seconds": True}, "body.load_seconds", "must be a number of seconds"),
+    ({"load_seconds": "1.5"}, "body.load_seconds", "valid number"),
+    ({"load_seconds": True}, "body.load_seconds", "valid number"),
     ({"extra": 1}, "body.extra", "Extra inputs"),
 ])
 def test_bad_reports_are_422_and_store_nothing(client: TestClient, project: Project,

@@ -18,6 +18,7 @@ from store.events import LLMCalled, RunConfig, ToolReturned
 from store.settings import Settings
 from tests.rollout.chat_trainer import ChatTrainer
 from tests.rollout.turns import tool_call
+from workers.engines.backend_remote import unreachable_message
 from workers.engines.backend_transformers import TransformersBackend
 from workers.replay.episode import replay_episode
 from workers.rollout.remote import run_remote_rollout
@@ -151,27 +152,28 @@ def test_a_server_url_naming_the_path_is_not_probed(
     assert response["status"] == "COMPLETED", response
     assert completions_trainer.paths[before:] == ["/v1/completions"] * 3
 
-    # Named, the path is used even where it is missing: a client error, no fallback.
+    # Named, the path is used even where it is missing: no fallback, and a first call that
+    # no trainer answered reads as unreachable.
     request = request_for(chat_trainer, tiny_model_dir,
                           server_url=chat_trainer.url + "/v1/completions/")
     chat_trainer.script(request["rollout_id"], SCRIPT)
     before = len(chat_trainer.paths)
     response = run_remote_rollout(request, store=store, settings=settings)
     assert response["status"] == "ERROR"
-    assert response["error_category"] == "client_error"
-    assert "404" in response["error_message"]
+    assert response["error_category"] == "network"
+    assert "unreachable" in response["error_message"] and "404" not in response["error_message"]
     assert response["metrics"]["trainer_endpoint"] == "/v1/completions"
     assert chat_trainer.paths[before:] == ["/v1/completions"]
 
 
-def test_a_trainer_serving_neither_path_is_a_client_error_naming_both(
+def test_a_trainer_serving_neither_path_is_unreachable(
         chat_trainer: ChatTrainer, tiny_model_dir: Path, store: EventStore,
         settings: Settings) -> None:
     request = request_for(chat_trainer, tiny_model_dir,
                           server_url=chat_trainer.url + "/elsewhere")
     response = run_remote_rollout(request, store=store, settings=settings)
     assert response["status"] == "ERROR"
-    assert response["error_category"] == "client_error"
-    message = response["error_message"]
-    assert "/v1/chat/completions" in message and "/v1/completions" in message
+    assert response["error_category"] == "network"
+    assert response["error_message"] == (
+        f"network: {unreachable_message(chat_trainer.url + '/elsewhere')}")
     assert response["metrics"]["trainer_endpoint"] is None

@@ -16,6 +16,7 @@ from store.settings import Settings
 from tests.rollout.remote_trainer import TrainerServer
 from tests.rollout.turns import tool_call, turn
 from tests.servers import free_port
+from workers.engines.backend_remote import unreachable_message
 from workers.engines.backend_transformers import TransformersBackend
 from workers.rollout.remote import run_remote_rollout
 from workers.rollout.remote_request import DuplicateRolloutError, remote_episode_id
@@ -170,13 +171,13 @@ def test_token_budget_ends_with_max_tokens(
 
 
 @pytest.mark.parametrize(("kind", "on_call", "category", "status_code"), [
-    (429, 1, "rate_limited", 429),
+    (429, 2, "rate_limited", 429),
     (503, 2, "server_error", 503),
-    (500, 1, "server_error", 500),
-    (400, 1, "client_error", 400),
-    ("not_json", 1, "malformed", None),
+    (500, 2, "server_error", 500),
+    (400, 2, "client_error", 400),
+    ("not_json", 2, "malformed", None),
     ("missing_token_ids", 2, "malformed", None),
-    ("short_logprobs", 1, "malformed", None),
+    ("short_logprobs", 2, "malformed", None),
 ])
 def test_trainer_errors_end_the_rollout_with_a_category(
         trainer: TrainerServer, tiny_model_dir: Path, store: EventStore, settings: Settings,
@@ -199,27 +200,93 @@ def test_trainer_errors_end_the_rollout_with_a_category(
     assert events[-2].event.type == "reward_assigned"
 
 
-def test_wrong_key_is_a_client_error(trainer: TrainerServer, tiny_model_dir: Path,
-                                     store: EventStore, settings: Settings) -> None:
+def _unreachable(response: dict[str, Any], server_url: str) -> str:
+    assert response["status"] == "ERROR" and response["error_category"] == "network"
+    assert response["error_message"] == f"network: {unreachable_message(server_url)}"
+    assert response["metrics"]["llm_calls"] == 0
+    return str(response["error_message"]).replace(server_url, "<url>")
+
+
+@pytest.mark.parametrize(("kind", "status_code"), [
+    (429, 429), (500, 500), (400, 400), ("not_json", None), ("short_logprobs", None)])
+def test_a_first_call_failure_reads_as_unreachable(
+        trainer: TrainerServer, tiny_model_dir: Path, store: EventStore, settings: Settings,
+        kind: Any, status_code: int | None) -> None:
+    """Before the trainer answered once, its failures say nothing about what answered."""
+    request = rollout_request(trainer, tiny_model_dir)
+    trainer.script(request["rollout_id"], ["The answer is 42."])
+    trainer.fail(request["rollout_id"], kind, on_call=1)
+    response = run_remote_rollout(request, store=store, settings=settings)
+    _unreachable(response, trainer.url)
+    if status_code is not None:
+        assert str(status_code) not in response["error_message"]
+
+
+def test_a_wrong_key_reads_as_unreachable(trainer: TrainerServer, tiny_model_dir: Path,
+                                          store: EventStore, settings: Settings) -> None:
     request = rollout_request(trainer, tiny_model_dir, callback_api_key="not-the-key")
     response = run_remote_rollout(request, store=store, settings=settings)
-    assert response["status"] == "ERROR" and response["error_category"] == "client_error"
-    assert "401" in response["error_message"]
+    _unreachable(response, trainer.url)
+    assert "401" not in response["error_message"]
+
+
+def test_closed_non_http_and_http_ports_read_the_same(
+        trainer: TrainerServer, tiny_model_dir: Path, store: EventStore,
+        settings: Settings) -> None:
+    """A closed port, a port that takes connections but speaks no HTTP, and an HTTP server
+    that is not a trainer: one message, one category."""
+    import socket
+    import threading
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+
+    def babble() -> None:  # answers every connection with a non-HTTP line and closes it
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"-ERR not http\r\n")
+
+    thread = threading.Thread(target=babble, daemon=True)
+    thread.start()
+    non_http = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    not_a_trainer = f"{trainer.url}/elsewhere"
+    try:
+        messages = set()
+        for url in (closed, non_http, not_a_trainer):
+            request = rollout_request(trainer, tiny_model_dir, server_url=url)
+            response = run_remote_rollout(request, store=store, settings=settings,
+                                          timeout_s=5.0)
+            messages.add(_unreachable(response, url))
+            (finished,) = [e.event for e in store.get_episode(
+                remote_episode_id(request["rollout_id"])) if e.type == "episode_finished"]
+            assert "ConnectError" not in str(finished.reason)
+            assert "404" not in str(finished.reason)
+        assert len(messages) == 1
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
 
 
 def test_network_errors(trainer: TrainerServer, tiny_model_dir: Path, store: EventStore,
                         settings: Settings) -> None:
-    closed = rollout_request(trainer, tiny_model_dir,
-                             server_url=f"http://127.0.0.1:{free_port()}")
+    closed_url = f"http://127.0.0.1:{free_port()}"
+    closed = rollout_request(trainer, tiny_model_dir, server_url=closed_url)
     response = run_remote_rollout(closed, store=store, settings=settings)
-    assert response["status"] == "ERROR" and response["error_category"] == "network"
-    assert "ConnectError" in response["error_message"]
+    _unreachable(response, closed_url)
 
     slow = rollout_request(trainer, tiny_model_dir)
     trainer.fail(slow["rollout_id"], "slow")
     response = run_remote_rollout(slow, store=store, settings=settings, timeout_s=0.5)
-    assert response["status"] == "ERROR" and response["error_category"] == "network"
-    assert "Timeout" in response["error_message"]
+    _unreachable(response, trainer.url)
 
 
 def test_duplicate_rollout_id_is_refused(trainer: TrainerServer, tiny_model_dir: Path,

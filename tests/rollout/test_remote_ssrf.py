@@ -34,10 +34,23 @@ def test_other_hosts_need_the_setting(url: str, tmp_path: Path) -> None:
     check_trainer_host(url, Settings(data_dir=tmp_path, rollout_trainer_hosts="*"))
 
 
-def test_an_allowlist_names_hosts(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, rollout_trainer_hosts="gpu-1, GPU-2")
-    check_trainer_host("http://gpu-2:8000", settings)
-    with pytest.raises(ValueError):
-        check_trainer_host("http://127.0.0.1:8000", settings)  # the list replaces loopback
-    with pytest.raises(ValueError):
-        check_trainer_host("http://gpu-3:8000", settings)
+def test_an_allowlist_names_exact_host_and_port(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path,
+                        rollout_trainer_hosts="gpu-1:8000, GPU-2:9000, [::1]:7000, trainer:443")
+    check_trainer_host("http://gpu-2:9000", settings)
+    check_trainer_host("http://gpu-1:8000/v1/completions", settings)
+    check_trainer_host("http://[::1]:7000", settings)
+    check_trainer_host("https://trainer", settings)  # https's port
+    for url in ("http://gpu-2:9001", "http://gpu-1", "http://gpu-1:80", "http://trainer",
+                "http://127.0.0.1:8000",  # the list replaces loopback
+                "http://[::1]:7001", "http://gpu-3:8000"):
+        with pytest.raises(ValueError, match="server_url"):
+            check_trainer_host(url, settings)
+
+
+@pytest.mark.parametrize("entry", ["gpu-1", "gpu-1:", "gpu-1:x", "[::1]"])
+def test_an_entry_without_a_port_is_refused_naming_the_setting(entry: str,
+                                                               tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, rollout_trainer_hosts=entry)
+    with pytest.raises(ValueError, match="TRAJSTORE_ROLLOUT_TRAINER_HOSTS entry"):
+        check_trainer_host("http://gpu-1:8000", settings)

@@ -20,8 +20,8 @@ revision its trainer speaks. So (``endpoint="auto"``, the default):
 - otherwise the first call goes to ``/v1/chat/completions`` (the current revision) and, when
   the trainer answers it 404 or 405 (no such route: nothing was generated, the trainer's
   buffer is untouched), the same body goes once to ``/v1/completions``. The path that
-  answered is kept for the rest of the rollout (``path``); a trainer serving neither is a
-  ``client_error`` naming both paths.
+  answered is kept for the rest of the rollout (``path``); a trainer serving neither is
+  unreachable (below), the log naming both paths.
 
 ``endpoint="chat"`` or ``"completions"`` fixes the path without probing.
 
@@ -63,7 +63,12 @@ without ``finish_reason`` finished its turn (``stop``) when its ids end in the e
 token, a stop string cut it, or it carries such tool calls; otherwise it was cut by
 ``max_tokens`` (``length``).
 
-Trainer failures raise :class:`RemoteTrainerError` with a category:
+Trainer failures raise :class:`RemoteTrainerError` with a category. Until the trainer has
+answered one call as a trainer, every failure (a closed port, a port that does not speak
+HTTP, a timeout, any HTTP status, an answer that is not a completion) is category
+``network`` with one message (:func:`unreachable_message`), so that a ``server_url`` cannot
+be used to tell closed, non-HTTP and HTTP ports apart; the details go to the log. After
+that:
 
 ==================  ===========================================================
 ``rate_limited``    HTTP 429
@@ -78,6 +83,7 @@ Trainer failures raise :class:`RemoteTrainerError` with a category:
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -90,6 +96,7 @@ from workers.engines.toolcall import parse_response
 
 __all__ = [
     "TRAINER_ERROR_CATEGORIES",
+    "unreachable_message",
     "RemoteTrainerBackend",
     "RemoteTrainerError",
     "answer_tool_calls_text",
@@ -99,6 +106,15 @@ __all__ = [
 
 TRAINER_ERROR_CATEGORIES = ("rate_limited", "server_error", "client_error", "network",
                             "malformed", "response_mask")
+
+_log = logging.getLogger(__name__)
+
+
+def unreachable_message(server_url: str) -> str:
+    """The one message of a trainer that never answered as a trainer: the same for a closed
+    port, a port that does not speak HTTP, and an HTTP server that is not a trainer."""
+    return (f"the trainer at {server_url} is unreachable: no trainer answered there "
+            "(the rollout worker's log has the details)")
 
 _ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 #: ``endpoint="auto"``: the order in which the paths are tried (module docstring).
@@ -336,8 +352,14 @@ class RemoteTrainerBackend:
         try:
             return self._generate(request)
         except RemoteTrainerError as exc:
+            if self.calls == 0 and exc.category != "response_mask":
+                # Before any trainer answer, every failure reads the same (module
+                # docstring): the details stay in this process's log.
+                _log.warning("trainer at %s: first call failed (%s): %s", self.server_url,
+                             exc.category, exc)
+                exc = RemoteTrainerError("network", unreachable_message(self.server_url))
             self.error = exc
-            raise
+            raise exc from None
 
     def _generate(self, request: GenerationRequest) -> GenerationResult:
         prompt = self.prompt_ids(request)

@@ -186,14 +186,35 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
+def _host_port(entry: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) of an allowlist entry, lower-cased; ValueError
+    naming the setting for an entry without a port."""
+    parts = urllib.parse.urlsplit(f"//{entry}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
+        raise ValueError(f"TRAJSTORE_ROLLOUT_TRAINER_HOSTS entry {entry!r} must be host:port "
+                         "(the exact address a trainer is called back at), or '*'")
+    return parts.hostname.lower(), port
+
+
 def check_trainer_host(server_url: str, settings: Settings) -> None:
-    """Refuse a ``server_url`` whose host is not allowed to be called back (the setting
-    ``rollout_trainer_hosts``: empty means loopback only, ``*`` any host). ValueError naming
-    the field and the setting otherwise, so a caller cannot make this server request an
-    arbitrary address with a token of its choosing."""
-    host = (urllib.parse.urlsplit(server_url).hostname or "").lower()
+    """Refuse a ``server_url`` whose address may not be called back (the setting
+    ``rollout_trainer_hosts``: exact ``host:port`` entries, comma separated; ``*`` any
+    address; empty: loopback hosts only). The port of a URL without one is its scheme's
+    (80, 443). ValueError naming the field and the setting otherwise (or an entry that is
+    not ``host:port``), so a caller cannot make this server request an arbitrary address
+    with a token of its choosing."""
+    parts = urllib.parse.urlsplit(server_url)
+    host = (parts.hostname or "").lower()
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        port = -1
     allowed = [h.strip().lower() for h in settings.rollout_trainer_hosts.split(",") if h.strip()]
-    if "*" in allowed or host in allowed:
+    if "*" in allowed or (host, port) in {_host_port(entry) for entry in allowed}:
         return
     if not allowed:
         try:
@@ -202,9 +223,9 @@ def check_trainer_host(server_url: str, settings: Settings) -> None:
         except ValueError:
             if host in _LOOPBACK:
                 return
-    raise ValueError(f"rollout request field 'server_url': host {host!r} is not an allowed "
-                     "trainer host (TRAJSTORE_ROLLOUT_TRAINER_HOSTS; empty allows loopback "
-                     "only)")
+    raise ValueError(f"rollout request field 'server_url': {host!r} port {port} is not an "
+                     "allowed trainer address (TRAJSTORE_ROLLOUT_TRAINER_HOSTS: host:port "
+                     "entries; empty allows loopback only)")
 
 
 def resolve_tokenizer(name: str, *, settings: Settings) -> Any:
