@@ -124,8 +124,8 @@ def write_version(db: Database, *, project: str, name: str, content_hash: str,
     """Store a new version of dataset ``name`` of ``project`` with ``rows`` (in their order)
     in one transaction, and return it with True; when the name already holds a version of
     ``content_hash``, store nothing and return that version with False. Versions of a name
-    are numbered 1, 2, 3... in the order they were made (concurrent writers of one name
-    take turns). Raises ValidationError when ``rows`` is empty."""
+    are numbered 1, 2, 3... in the order they were made, a number never given twice (not
+    even after its version was deleted); concurrent writers of one name take turns. Raises ValidationError when ``rows`` is empty."""
     if not rows:
         raise errors.ValidationError("a dataset version needs at least one row",
                                      field="rows")
@@ -137,15 +137,20 @@ def write_version(db: Database, *, project: str, name: str, content_hash: str,
             " AND content_hash = %s", (project, name, content_hash)).fetchone()
         if found is not None:
             return _version(found), False
+        number = cur.execute(
+            "INSERT INTO dataset_names (project, name, last_version) VALUES (%s, %s, 1)"
+            " ON CONFLICT (project, name) DO UPDATE"
+            " SET last_version = dataset_names.last_version + 1 RETURNING last_version",
+            (project, name)).fetchone()
+        assert number is not None
         made = cur.execute(
             "INSERT INTO datasets (project, name, version, content_hash, rules, run_ids,"
             " code_version, num_rows, num_episodes, excluded)"
-            " SELECT %s, %s, coalesce(max(version), 0) + 1, %s, %s, %s, %s, %s, %s, %s"
-            " FROM datasets WHERE project = %s AND name = %s"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
             f" RETURNING {_VERSION_COLUMNS}",
-            (project, name, content_hash, json.dumps(rules, sort_keys=True), list(run_ids),
-             code_version, len(rows), num_episodes, json.dumps(excluded, sort_keys=True),
-             project, name)).fetchone()
+            (project, name, number["last_version"], content_hash,
+             json.dumps(rules, sort_keys=True), list(run_ids), code_version, len(rows),
+             num_episodes, json.dumps(excluded, sort_keys=True))).fetchone()
         assert made is not None
         dataset_id = made["dataset_id"]
         with conn.cursor().copy(

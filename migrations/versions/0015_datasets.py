@@ -3,10 +3,11 @@
 ``datasets``: one row per version of a named dataset of a project: its rules, the runs it
 was derived from, the code version that built it and the content hash (sha256) of its rows
 with the rules and code version. A name's versions are numbered 1, 2, 3...; a name never
-holds the same hash twice. ``dataset_rows``: the samples of a version (episode, kind and
-timeline index as the key; token ids, mask, rollout logprobs, reward, advantage when
-computed). ``dataset_trained_by``: the training steps that trained a version (the hook for
-lineage; nothing writes it yet).
+holds the same hash twice, and never gives a number twice (``dataset_names``).
+``dataset_rows``: the samples of a version (episode, kind and timeline index as the key;
+token ids, mask, rollout logprobs, reward, advantage when computed).
+``dataset_trained_by``: the training steps that trained a version (the hook for lineage;
+nothing writes it yet).
 
 A version is immutable: the database refuses any UPDATE of both tables and any DELETE of a
 row while its version exists; a version is deleted whole, and refused while a training step
@@ -41,6 +42,15 @@ CREATE TABLE datasets (
     created_at     timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT datasets_version_key UNIQUE (project, name, version),
     CONSTRAINT datasets_hash_key UNIQUE (project, name, content_hash)
+);
+
+-- The last version number each name gave: a number is never given twice, even after its
+-- version was deleted.
+CREATE TABLE dataset_names (
+    project        text NOT NULL,
+    name           text NOT NULL,
+    last_version   integer NOT NULL,
+    PRIMARY KEY (project, name)
 );
 
 CREATE TABLE dataset_rows (
@@ -109,6 +119,7 @@ DOWNGRADE = """
 DROP TABLE dataset_trained_by;
 DROP TABLE dataset_rows;
 DROP TABLE datasets;
+DROP TABLE dataset_names;
 DROP FUNCTION datasets_immutable();
 """
 
