@@ -16,7 +16,13 @@ from store.datasets import (
 )
 from workers.datasets.build import DatasetBuildError, EmptySelectionError, Episode
 from workers.datasets.compare import DatasetDiff, Shift, diff_datasets, diff_rows
-from workers.datasets.derive import DerivedDataset, code_version, derive_dataset, parse_rules
+from workers.datasets.derive import (
+    DerivedDataset,
+    DerivePool,
+    code_version,
+    derive_dataset,
+    parse_rules,
+)
 from workers.datasets.rules import DatasetRules
 
 __all__ = [
@@ -25,6 +31,7 @@ __all__ = [
     "DatasetRow",
     "DatasetRules",
     "DatasetVersion",
+    "DerivePool",
     "DerivedDataset",
     "EmptySelectionError",
     "Episode",

@@ -36,7 +36,7 @@ from workers.datasets.build import (
 from workers.datasets.rules import DatasetRules, canonical, check_name, load_reward_function
 from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 
-__all__ = ["BATCH", "DerivedDataset", "code_version", "derive_dataset", "parse_rules"]
+__all__ = ["BATCH", "DerivePool", "DerivedDataset", "code_version", "derive_dataset", "parse_rules"]
 
 #: Episodes read and replayed together.
 BATCH = 50
@@ -148,19 +148,57 @@ class _Builder:
         return self.tokenizers[name]
 
 
-#: The worker process's builder, made once by ``_start``.
-_builder: _Builder | None = None
+#: The worker process's store (opened once by ``_start``) and its builders, by rules.
+_store: EventStore | None = None
+_builders: dict[str, _Builder] = {}
 
 
-def _start(database_url: str, rules_json: str) -> None:
-    global _builder
-    store = EventStore(Database(database_url, min_size=1, max_size=2))
-    _builder = _Builder(store, DatasetRules.model_validate_json(rules_json), load_tokenizer)
+def _start(database_url: str) -> None:
+    global _store
+    _store = EventStore(Database(database_url, min_size=1, max_size=2))
 
 
-def _build(episode_ids: list[str]) -> list[EpisodeOutcome]:
-    assert _builder is not None, "the worker process was not started by derive_dataset"
-    return _builder.build(episode_ids)
+def _build(rules_json: str, episode_ids: list[str]) -> list[EpisodeOutcome]:
+    assert _store is not None, "the worker process was not started by a DerivePool"
+    builder = _builders.get(rules_json)
+    if builder is None:
+        builder = _builders[rules_json] = _Builder(
+            _store, DatasetRules.model_validate_json(rules_json), load_tokenizer)
+    return builder.build(episode_ids)
+
+
+class DerivePool:
+    """``jobs`` processes (started with ``spawn``) that read and replay batches of episodes
+    for ``derive_dataset`` on the database at ``database_url``; each keeps its connection
+    and tokenizers between derivations. Use it as a context manager, or call ``close``.
+    Raises ValueError when ``jobs`` is not a positive whole number."""
+
+    def __init__(self, database_url: str, *, jobs: int) -> None:
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise ValueError(f"jobs must be a positive whole number, got {jobs!r}")
+        self.jobs = jobs
+        self._executor = ProcessPoolExecutor(
+            max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start, initargs=(database_url,))
+
+    def build(self, rules: DatasetRules, batches: list[list[str]]) -> list[EpisodeOutcome]:
+        """The outcomes of ``batches`` under ``rules``, in order. An error in a process (a
+        reward function that raised, a database error) propagates."""
+        rules_json = rules.model_dump_json()
+        out: list[EpisodeOutcome] = []
+        for built in self._executor.map(_build, [rules_json] * len(batches), batches):
+            out.extend(built)
+        return out
+
+    def close(self) -> None:
+        """Stop the processes."""
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> DerivePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def derive_dataset(
@@ -172,6 +210,7 @@ def derive_dataset(
     project: str | None = None,
     jobs: int = 1,
     batch: int = BATCH,
+    pool: DerivePool | None = None,
     tokenizer_loader: Callable[[str | None], Any] = load_tokenizer,
 ) -> DerivedDataset:
     """Derive a version of dataset ``name`` from the episodes of ``run_ids`` under
@@ -179,7 +218,9 @@ def derive_dataset(
     hash (then that version is returned, ``created`` False, and nothing is written).
 
     ``project``: the project the runs must belong to (default: theirs, which must be one).
-    ``jobs`` > 1 replays on that many processes (``batch`` episodes per read).
+    ``jobs`` > 1 replays on that many new processes, ``pool`` on the processes of a
+    ``DerivePool`` (``batch`` episodes per read; at most as many as give every process
+    work).
     Raises ValidationError (``field`` naming the rule) for a bad name, rule or reward
     function; NotFoundError for an unknown run; ``DatasetBuildError`` naming the episode
     when the reward function raises or returns no finite number; ``EmptySelectionError``
@@ -218,19 +259,19 @@ def derive_dataset(
             raise errors.ValidationError(str(exc), field="rules.reward.function") from None
 
     episode_ids = tables.run_episode_ids(store, runs)
-    batches = [episode_ids[i:i + batch] for i in range(0, len(episode_ids), batch)]
+    processes = pool.jobs if pool is not None else jobs
+    size = max(1, min(batch, -(-len(episode_ids) // processes)))
+    batches = [episode_ids[i:i + size] for i in range(0, len(episode_ids), size)]
     outcomes: list[EpisodeOutcome] = []
-    if jobs == 1 or len(batches) <= 1:
+    if pool is not None:
+        outcomes = pool.build(parsed, batches)
+    elif jobs == 1 or len(batches) <= 1:
         builder = _Builder(store, parsed, tokenizer_loader)
         for ids in batches:
             outcomes.extend(builder.build(ids))
     else:
-        with ProcessPoolExecutor(max_workers=jobs,
-                                 mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_start,
-                                 initargs=(store.db.url, parsed.model_dump_json())) as pool:
-            for built in pool.map(_build, batches):
-                outcomes.extend(built)
+        with DerivePool(store.db.url, jobs=jobs) as own:
+            outcomes = own.build(parsed, batches)
 
     excluded: dict[str, int] = {}
     for o in outcomes:
