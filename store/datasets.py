@@ -125,7 +125,8 @@ def write_version(db: Database, *, project: str, name: str, content_hash: str,
     in one transaction, and return it with True; when the name already holds a version of
     ``content_hash``, store nothing and return that version with False. Versions of a name
     are numbered 1, 2, 3... in the order they were made, a number never given twice (not
-    even after its version was deleted); concurrent writers of one name take turns. Raises ValidationError when ``rows`` is empty."""
+    even after its version was deleted); concurrent writers of one name take turns. Raises
+    ValidationError when ``rows`` is empty."""
     if not rows:
         raise errors.ValidationError("a dataset version needs at least one row",
                                      field="rows")

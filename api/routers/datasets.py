@@ -48,6 +48,14 @@ def _found(ctx: ApiContext, project: str, name: str, version: int) -> DatasetVer
     return found
 
 
+def _reward_module_allowed(function: str, allowed: str) -> bool:
+    """Whether ``function``'s module is one ``allowed`` (comma separated modules or
+    packages) names, or inside one of them."""
+    module = function.partition(":")[0]
+    return any(module == a or module.startswith(a + ".")
+               for a in (part.strip() for part in allowed.split(",")) if a)
+
+
 @router.post("", status_code=201, response_model=DatasetOut,
              responses={200: {"model": DatasetOut,
                               "description": "The name already holds this content hash."},
@@ -56,12 +64,20 @@ def derive(body: DatasetDerive, key: IngestKey, ctx: Ctx, response: Response) ->
     """Derive a version of dataset ``name`` from the episodes of ``runs`` under ``rules``,
     by replaying their events (no model is called). 201 with a new version; 200 with the
     existing one when the name already holds a version of the same content hash. 404 for an
-    unknown run, 403 for another project's; 422 naming the field for a bad rule, a reward
-    function that cannot be imported, that raises or returns no finite number (naming the
-    episode), or rules that select nothing (saying how many episodes each rule left out).
-    Nothing is written on any error."""
+    unknown run, 403 for another project's or for a reward function whose module the
+    server's ``api_dataset_reward_modules`` does not name; 422 naming the field for a bad
+    rule, a reward function that cannot be imported, that raises or returns no finite
+    number (naming the episode), or rules that select nothing (saying how many episodes each
+    rule left out). Nothing is written on any error."""
     for run_id in body.runs:
         ctx.access.check_run(key, run_id)
+    function = body.rules.reward.function
+    if function is not None and not _reward_module_allowed(
+            function, ctx.settings.api_dataset_reward_modules):
+        raise ApiError(403, "forbidden", f"this server lets a derivation over REST call "
+                       f"reward functions of the modules TRAJSTORE_API_DATASET_REWARD_MODULES "
+                       f"names only, and {function!r} is not among them",
+                       field="body.rules.reward.function")
     try:
         made = derive_dataset(ctx.store, body.name, body.runs, body.rules,
                               project=key.project)

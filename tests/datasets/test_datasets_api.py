@@ -25,7 +25,8 @@ from tests.api.conftest import Project, make_project
 
 @pytest.fixture
 def api(pg_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, EventStore, KeyStore]]:
-    settings = Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024)
+    settings = Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024,
+                        api_dataset_reward_modules="dataset_rewards, other_pkg")
     store = EventStore(Database(pg_url, max_size=4), settings)
     keys = KeyStore(store.db, settings)
     with TestClient(create_app(settings, store=store)) as client:
@@ -95,6 +96,12 @@ def test_derive_read_compare_and_delete_over_rest(api, qwen3) -> None:
     empty = client.post("/v1/datasets", json={**body, "rules": {"filters": {
         "tasks": ["none-such"]}}}, headers=project.headers("ingest"))
     assert empty.status_code == 422 and "select nothing" in empty.json()["error"]["message"]
+    # A reward function runs in the server: only of the modules its settings name.
+    refused = client.post("/v1/datasets", json={**body, "rules": {"reward": {
+        "function": "os:getcwd"}}}, headers=project.headers("ingest"))
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["field"] == "body.rules.reward.function"
+    assert "TRAJSTORE_API_DATASET_REWARD_MODULES" in refused.json()["error"]["message"]
     raising = client.post("/v1/datasets", json={**body, "rules": {"reward": {
         "function": "dataset_rewards:raise_on"}}}, headers=project.headers("ingest"))
     assert raising.status_code == 201  # raise_on raises only for the episodes it is told

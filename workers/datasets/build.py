@@ -167,7 +167,7 @@ def _filtered_out(episode: Episode, rules: DatasetRules) -> str | None:
 def _call_reward(function: Callable[[Episode], Any], spec: str, episode: Episode) -> float:
     try:
         value = function(episode)
-    except Exception as exc:  # any error of the user's function fails the build
+    except (Exception, SystemExit) as exc:  # any error of the function fails the build
         raise DatasetBuildError(f"reward function {spec} raised on episode "
                                 f"{episode.episode_id!r}: {type(exc).__name__}: {exc}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
