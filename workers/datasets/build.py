@@ -86,8 +86,8 @@ class Episode:
 class EpisodeOutcome:
     """One episode's candidate rows (unhashed, advantages unset), or ``excluded``: why it
     gives none (``unfinished``, ``status``, ``task``, ``version``, ``error_types``,
-    ``no_reward``, ``invalid``, ``nothing_trained``). ``failure_keys`` orders the
-    negative candidates for the per-group cap."""
+    ``no_reward``, ``invalid``, ``nothing_trained``). Each negative candidate comes with
+    its failure's order key (``store.events.failure_order_key``) for the per-group cap."""
 
     episode_id: str
     run_id: str

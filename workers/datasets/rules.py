@@ -72,8 +72,9 @@ class NegativeRule(_Rule):
 
 class TrainRule(_Rule):
     """What is trained: ``turns`` ``all`` (every sampled token) or ``last`` (only the
-    tokens of each sample's last LLM turn; a sample whose last turn is not trainable is
-    left out); ``agents``: only the samples of these agents (None: every agent)."""
+    tokens of each sample's last trainable LLM turn; mask and logprobs are 0 elsewhere);
+    ``agents``: only the samples of these agents (None: every agent). A sample left with
+    no trainable token is left out."""
 
     turns: Literal["all", "last"] = "all"
     agents: tuple[str, ...] | None = Field(default=None, min_length=1)
