@@ -255,3 +255,17 @@ def test_a_version_cannot_be_changed_and_is_deleted_only_untrained(
     assert stored_count(store, other) == (0, 0)
     with pytest.raises(errors.NotFoundError):
         delete_version(store.db, "default", other, 1)
+
+
+def test_a_dataset_of_two_runs_holds_the_rows_of_both(store: EventStore, qwen3, run) -> None:
+    second = record_run(store, qwen3)
+    derived = derive_dataset(store, name(), [run.run_id, second.run_id])
+    rows = read_rows(store.db, derived.version.dataset_id)
+    assert {r.run_id for r in rows} == {run.run_id, second.run_id}
+    alone = [derive_dataset(store, name(), [r.run_id]).version.num_rows
+             for r in (run, second)]
+    assert derived.version.num_rows == sum(alone)
+    assert derived.version.run_ids == [run.run_id, second.run_id]
+    elsewhere = record_run(store, qwen3, project=f"p-{uuid.uuid4().hex[:6]}")
+    with pytest.raises(errors.ValidationError, match="several projects"):
+        derive_dataset(store, name(), [run.run_id, elsewhere.run_id])
