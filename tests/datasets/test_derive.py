@@ -137,16 +137,30 @@ def test_a_reward_function_changes_exactly_the_rows_of_the_episodes_it_rescores(
     assert {r.reward for r in rows if r.episode_id == run.episodes["a1"]} == {0.75}
 
 
-def test_advantages_are_grpo_over_each_group_s_episodes(store: EventStore, run) -> None:
+def test_advantages_are_the_trainer_s_rollout_level_grpo(store: EventStore, run) -> None:
+    import torch
+
+    from workers.trainer.egpo import grpo_scalar_advantages
+    from workers.trainer.loop import unit_ids
+
     derived = derive_dataset(store, name(), [run.run_id], {"advantage": {"kind": "grpo"}})
     rows = read_rows(store.db, derived.version.dataset_id)
     by_episode = {r.episode_id: r for r in rows if r.kind == "positive"}
-    std = math.sqrt(0.5)  # rewards 1 and 0, unbiased
+    std = math.sqrt(0.5)  # g0: rewards 1 and 0, unbiased
     e = run.episodes
     assert by_episode[e["a0"]].advantage == pytest.approx(0.5 / (std + 1e-6))
     assert by_episode[e["a1"]].advantage == pytest.approx(-0.5 / (std + 1e-6))
+    # g1: the two episodes (1, 0) and the negative (-1) are three units: mean 0, std 1.
     negative = next(r for r in rows if r.kind == "negative")
-    assert negative.advantage == pytest.approx((-1.0 - 0.5) / (std + 1e-6))
+    assert negative.advantage == pytest.approx(-1.0 / (1.0 + 1e-6))
+    # The trainer's function over the same samples and units gives the same advantages.
+    expected = grpo_scalar_advantages(
+        torch.tensor([[r.reward] for r in rows], dtype=torch.float64),
+        [r.group_id for r in rows],
+        units=unit_ids(episode_ids=[r.episode_id for r in rows],
+                       sample_ids=list(range(len(rows))),
+                       is_negative=[r.kind == "negative" for r in rows]))
+    assert [r.advantage for r in rows] == pytest.approx(expected.tolist())
 
 
 def test_training_only_the_last_turn_keeps_only_its_tokens(store: EventStore, run) -> None:

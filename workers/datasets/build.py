@@ -320,14 +320,16 @@ def finish_rows(outcomes: Sequence[EpisodeOutcome], rules: DatasetRules, config_
         cap = rules.negatives.cap if rules.negatives.cap is not None else config_caps[run_id]
         rows.extend(row for _, row in sorted(items, key=lambda kr: kr[0])[:cap])
     if rules.advantage is not None:
-        rewards: dict[tuple[str, str], dict[str, float]] = {}
-        for r in positives:
-            rewards.setdefault((r.run_id, r.group_id), {})[r.episode_id] = r.reward
+        # Rollout-level units, as the trainer takes them (workers.trainer.loop.unit_ids):
+        # an episode counts once, every kept negative sample is a unit of its own.
+        units: dict[tuple[str, str], dict[tuple[str, str, int], float]] = {}
+        for r in rows:
+            unit = (r.episode_id, "", 0) if r.kind == "positive" else r.key
+            units.setdefault((r.run_id, r.group_id), {})[unit] = r.reward
         stats = {g: grpo_advantages(list(v.values()), norm_by_std=rules.advantage.norm_by_std)
-                 for g, v in rewards.items()}
-        default = grpo_advantages([], norm_by_std=rules.advantage.norm_by_std)
+                 for g, v in units.items()}
         rows = [dataclasses.replace(r, advantage=(r.reward - m) / s)
-                for r in rows for m, s in [stats.get((r.run_id, r.group_id), default)]]
+                for r in rows for m, s in [stats[(r.run_id, r.group_id)]]]
     rows.sort(key=lambda r: (r.run_id, r.group_id, r.episode_id, r.kind, r.timeline_index))
     return [dataclasses.replace(r, row_hash=row_hash(r)) for r in rows]
 

@@ -103,10 +103,11 @@ class FilterRule(_Rule):
 
 
 class AdvantageRule(_Rule):
-    """Advantages computed over each GRPO group's episodes (rollout level: an episode counts
-    once): ``grpo`` is ``(r - mean) / (std + 1e-6)`` with the unbiased std (a singleton
-    group: mean 0, std 1), ``norm_by_std`` False drops the division; a negative sample gets
-    its reward's advantage against its group's episodes. None: no advantage."""
+    """Advantages over each GRPO group's rollout-level units, as the trainer computes them
+    (``workers.trainer.egpo.grpo_scalar_advantages`` with ``units``): an episode counts
+    once, every kept negative sample is a unit of its own; ``grpo`` is
+    ``(r - mean) / (std + 1e-6)`` with the unbiased std (a singleton group: mean 0, std 1),
+    ``norm_by_std`` False drops the division. None: no advantage."""
 
     kind: Literal["grpo"] = "grpo"
     norm_by_std: bool = True
