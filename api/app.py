@@ -23,6 +23,7 @@ from api.openapi import install_openapi
 from api.routers import (
     analytics,
     completions,
+    datasets,
     episodes,
     health,
     leases,
@@ -83,7 +84,7 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     app.add_middleware(NoNulInUrl)
     install_error_handlers(app)
     for module in (health, metrics, runs, episodes, samples, leases, completions, rollout,
-                   analytics, traces):
+                   analytics, traces, datasets):
         app.include_router(module.router)
     ui.install(app)
     install_openapi(app)

@@ -264,6 +264,12 @@ class Settings(BaseSettings):
         default=256, ge=1,
         description="Rows (samples, prompts) per Parquet row group of a streamed export."
     )
+    api_dataset_reward_modules: str = Field(
+        default="",
+        description="Modules (or packages) whose functions a dataset derived over REST may "
+        "call as its reward (rules.reward.function), comma separated; empty: none (the command "
+        "line and the Python API call any).",
+    )
     api_key_scrypt_n: int = Field(
         default=2**14, ge=2, description="scrypt cost N of new API key hashes (a power of 2)."
     )

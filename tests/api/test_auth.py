@@ -89,6 +89,13 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
                 {"key": "gen_ai.operation.name", "value": {"stringValue": "execute_tool"}},
                 {"key": "gen_ai.tool.name", "value": {"stringValue": "ls"}},
                 {"key": "gen_ai.conversation.id", "value": {"stringValue": episode}}]}]}]}]}),
+        ("POST", "/v1/datasets", "ingest", lambda: {"name": "matrix-ds", "runs": [run]}),
+        ("GET", "/v1/datasets", "read", lambda: None),
+        ("GET", "/v1/datasets/diff?a=matrix-ds@1&b=matrix-ds", "read", lambda: None),
+        ("GET", "/v1/datasets/matrix-ds", "read", lambda: None),
+        ("GET", "/v1/datasets/matrix-ds/versions/1", "read", lambda: None),
+        ("GET", "/v1/datasets/matrix-ds/versions/1/rows", "read", lambda: None),
+        ("DELETE", "/v1/datasets/matrix-ds/versions/1", "admin", lambda: None),
         # Last: it closes the episode the routes above write to.
         ("POST", f"/v1/episodes/{episode}/finish", "ingest", lambda: {}),
     ]
@@ -125,7 +132,10 @@ def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
     public = {("GET", "/health"), ("GET", "/ready")}
     templated = {(m, p.replace(run, "{run_id}").replace(episode, "{episode_id}")
                   .replace(str(lease.lease_id), "{lease_id}")
-                  .replace("/models/trajstore", "/models/{model_id}")) for m, p in covered}
+                  .replace("/models/trajstore", "/models/{model_id}")
+                  .replace("/matrix-ds", "/{dataset}")
+                  .replace("/versions/1", "/versions/{version}"))
+                 for m, p in covered}
     assert templated | public == documented, "the matrix must cover every route"
 
     for method, path, role, body in routes(run, episode, str(lease.lease_id)):

@@ -1,0 +1,190 @@
+"""Datasets over REST (``/v1/datasets``) and the command line (``trajstore dataset``), on the
+session's PostgreSQL database with runs recorded by the real chat template."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from episodes import record_run
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from api.app import create_app
+from api.keys import KeyStore
+from store.datasets import record_trained_by
+from store.db import Database
+from store.eventlog import EventStore
+from store.settings import Settings, get_settings
+from tests.api.conftest import Project, make_project
+
+
+@pytest.fixture
+def api(pg_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, EventStore, KeyStore]]:
+    settings = Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024,
+                        api_dataset_reward_modules="dataset_rewards, other_pkg")
+    store = EventStore(Database(pg_url, max_size=4), settings)
+    keys = KeyStore(store.db, settings)
+    with TestClient(create_app(settings, store=store)) as client:
+        yield client, store, keys
+    keys.close()
+    store.close()
+
+
+def test_derive_read_compare_and_delete_over_rest(api, qwen3) -> None:
+    client, store, keys = api
+    project: Project = make_project(keys)
+    other: Project = make_project(keys)
+    run = record_run(store, qwen3, project=project.name)
+    name = f"rest-{uuid.uuid4().hex[:6]}"
+    body: dict[str, Any] = {"name": name, "runs": [run.run_id]}
+
+    # Reading keys derive nothing; another project's run is not this key's.
+    assert client.post("/v1/datasets", json=body, headers=project.headers("read")
+                       ).status_code == 403
+    assert client.post("/v1/datasets", json=body, headers=other.headers("ingest")
+                       ).status_code == 403
+    r = client.post("/v1/datasets", json={**body, "runs": ["no-such-run"]},
+                    headers=project.headers("ingest"))
+    assert r.status_code == 404 and "no-such-run" in r.json()["error"]["message"]
+
+    first = client.post("/v1/datasets", json=body, headers=project.headers("ingest"))
+    assert first.status_code == 201, first.text
+    made = first.json()
+    assert made["version"] == 1 and made["created"] is True and made["rows"] > 0
+    again = client.post("/v1/datasets", json=body, headers=project.headers("admin"))
+    assert again.status_code == 200
+    assert again.json()["content_hash"] == made["content_hash"]
+    assert again.json()["created"] is False
+
+    second = client.post("/v1/datasets", json={**body, "rules": {
+        "negatives": {"reward": -0.25}, "advantage": {"kind": "grpo"}}},
+        headers=project.headers("ingest"))
+    assert second.status_code == 201 and second.json()["version"] == 2
+
+    listed = client.get("/v1/datasets", headers=project.headers("read")).json()["datasets"]
+    assert [(d["name"], d["version"]) for d in listed] == [(name, 1), (name, 2)]
+    assert client.get("/v1/datasets", headers=other.headers("read")).json() == {"datasets": []}
+    assert client.get(f"/v1/datasets/{name}", headers=other.headers("read")).status_code == 404
+    shown = client.get(f"/v1/datasets/{name}/versions/2", headers=project.headers("read"))
+    assert shown.json()["rules"]["negatives"]["reward"] == -0.25
+    rows = client.get(f"/v1/datasets/{name}/versions/2/rows?limit=2",
+                      headers=project.headers("read")).json()
+    assert len(rows["rows"]) == 2 and rows["next_offset"] == 2
+    row = rows["rows"][0]
+    assert len(row["token_ids"]) == len(row["loss_mask"]) == len(row["logprobs"])
+    assert row["advantage"] is not None
+
+    d = client.get(f"/v1/datasets/diff?a={name}@1&b={name}", headers=project.headers("read"))
+    assert d.status_code == 200, d.text
+    diff = d.json()
+    # A new negative reward and advantages everywhere: every row changed, none added.
+    assert diff["added"] == [] and diff["removed"] == []
+    assert len(diff["changed"]) == made["rows"] and diff["advantage"] is None
+    assert diff["by_failure_type"]["TypeError"]["reward"]["shift"] > 0
+    missing = client.get(f"/v1/datasets/diff?a={name}@1&b={name}@9",
+                         headers=project.headers("read"))
+    assert missing.status_code == 404 and "version 9" in missing.json()["error"]["message"]
+
+    bad = client.post("/v1/datasets", json={**body, "rules": {"negatives": {"cap": -2}}},
+                      headers=project.headers("ingest"))
+    assert bad.status_code == 422 and "negatives" in bad.json()["error"]["field"]
+    empty = client.post("/v1/datasets", json={**body, "rules": {"filters": {
+        "tasks": ["none-such"]}}}, headers=project.headers("ingest"))
+    assert empty.status_code == 422 and "select nothing" in empty.json()["error"]["message"]
+    # A reward function runs in the server: only of the modules its settings name.
+    refused = client.post("/v1/datasets", json={**body, "rules": {"reward": {
+        "function": "os:getcwd"}}}, headers=project.headers("ingest"))
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["field"] == "body.rules.reward.function"
+    assert "TRAJSTORE_API_DATASET_REWARD_MODULES" in refused.json()["error"]["message"]
+    raising = client.post("/v1/datasets", json={**body, "rules": {"reward": {
+        "function": "dataset_rewards:raise_on"}}}, headers=project.headers("ingest"))
+    assert raising.status_code == 201  # raise_on raises only for the episodes it is told
+    import dataset_rewards
+
+    dataset_rewards.FAIL_ON[:] = [run.episodes["a0"]]
+    failed = client.post("/v1/datasets", json={**body, "name": f"{name}-x", "rules": {
+        "reward": {"function": "dataset_rewards:raise_on"}}},
+        headers=project.headers("ingest"))
+    assert failed.status_code == 422
+    assert run.episodes["a0"] in failed.json()["error"]["message"]
+    assert failed.json()["error"]["field"] == "body.rules.reward.function"
+    assert client.get(f"/v1/datasets/{name}-x", headers=project.headers("read")
+                      ).status_code == 404
+
+    # Deleting needs an admin key, and is refused while a training step trained it.
+    assert client.delete(f"/v1/datasets/{name}/versions/1", headers=project.headers("ingest")
+                         ).status_code == 403
+    record_trained_by(store.db, made_id(store, project.name, name, 1), run_id=run.run_id,
+                      step=7)
+    refused = client.delete(f"/v1/datasets/{name}/versions/1",
+                            headers=project.headers("admin"))
+    assert refused.status_code == 409 and "step 7" in refused.json()["error"]["message"]
+    assert client.delete(f"/v1/datasets/{name}/versions/2", headers=project.headers("admin")
+                         ).status_code == 204
+    assert client.get(f"/v1/datasets/{name}/versions/2", headers=project.headers("read")
+                      ).status_code == 404
+
+
+def made_id(store: EventStore, project: str, name: str, version: int) -> int:
+    from store.datasets import get_version
+
+    found = get_version(store.db, project, name, version)
+    assert found is not None
+    return found.dataset_id
+
+
+@pytest.fixture
+def cli(pg_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
+    from trajstore.cli import app
+
+    monkeypatch.setenv("TRAJSTORE_DATABASE_URL", pg_url)
+    monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Any:
+        return runner.invoke(app, ["dataset", *args])
+
+    yield invoke
+    get_settings.cache_clear()
+
+
+def test_the_command_line_derives_lists_shows_and_compares(
+        cli, store: EventStore, qwen3, tmp_path: Path) -> None:
+    run = record_run(store, qwen3)
+    name = f"cli-{uuid.uuid4().hex[:6]}"
+    first = cli("derive", name, "--run", run.run_id)
+    assert first.exit_code == 0, first.output
+    assert f"dataset {name} version 1 (new)" in first.output
+    assert "no_reward 1, unfinished 1" in first.output
+    again = cli("derive", name, "--run", run.run_id, "--json")
+    assert json.loads(again.output)["created"] is False
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"filters": {"statuses": ["completed"]}}))
+    second = cli("derive", name, "--run", run.run_id, "--rules", str(rules), "--last-turn")
+    assert "version 2 (new)" in second.output, second.output
+    shown = json.loads(cli("show", f"{name}@2").output)
+    assert shown["rules"]["filters"]["statuses"] == ["completed"]
+    assert shown["rules"]["train"]["turns"] == "last"
+    listed = cli("list", name)
+    assert f"{name}@1" in listed.output and f"{name}@2" in listed.output
+    diff = cli("diff", f"{name}@1", f"{name}@2")
+    assert diff.exit_code == 0 and "removed" in diff.output and "TypeError" in diff.output
+    d = json.loads(cli("diff", f"{name}@1", f"{name}@2", "--json").output)
+    assert {k["episode_id"] for k in d["removed"]} == {run.episodes["err"]}
+
+    empty = cli("derive", name, "--run", run.run_id, "--task", "none-such")
+    assert empty.exit_code == 1 and "select nothing" in empty.output
+    unknown = cli("derive", name, "--run", "no-such-run")
+    assert unknown.exit_code == 1 and "no run 'no-such-run'" in unknown.output
+    assert cli("show", f"{name}@5").exit_code == 1
+    assert "deleted" in cli("delete", f"{name}@2").output
+    # Its number is not given again: the same rules make version 3.
+    assert "version 3 (new)" in cli("derive", name, "--run", run.run_id, "--status",
+                                    "completed", "--last-turn").output
