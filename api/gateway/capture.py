@@ -167,8 +167,7 @@ class Capture:
             return target
         return self.target_or_create(target.key, target.episode_id, target.pending)
 
-    @staticmethod
-    def _new_run_config(new: NewEpisode) -> RunConfig:
+    def _new_run_config(self, new: NewEpisode) -> RunConfig:
         """The configuration a run created by a call takes (module docstring)."""
         from workers.engines.tokenizers import canonical_tokenizer, tokenizer_problem
 
