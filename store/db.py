@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import re
 import struct
 import uuid
 from collections.abc import Iterator, Sequence
@@ -290,8 +291,27 @@ def connect(url: str, **kwargs: Any) -> psycopg.Connection:
         return psycopg.connect(url, **kwargs)
 
 
+#: How the server words a connection refused for good (libpq gives no SQLSTATE for a failed
+#: connection): no such database, no such role, a wrong password. Waiting changes none.
+_PERMANENT = re.compile(r'FATAL: +(database "[^"]*" does not exist|role "[^"]*" does not exist'
+                        r'|password authentication failed)')
+
+
+def _refuse_permanent(url: str, options: str) -> None:
+    """Raise StoreError at once when the server refuses ``url`` for a reason that waiting
+    does not change (:data:`_PERMANENT`); a server that is down or starting is left to the
+    pool, which keeps trying for 30 seconds."""
+    try:
+        psycopg.connect(url, options=options, connect_timeout=10).close()
+    except psycopg.OperationalError as exc:
+        if _PERMANENT.search(str(exc)):
+            raise errors.StoreError(str(exc).strip()) from exc
+
+
 class Database:
-    """A pool of connections to one PostgreSQL database."""
+    """A pool of connections to one PostgreSQL database. A database that does not exist
+    or refuses the credentials raises StoreError at once; one that cannot be reached
+    raises TransientError after 30 seconds of trying."""
 
     def __init__(
         self,
@@ -311,6 +331,7 @@ class Database:
             open=False,
             check=ConnectionPool.check_connection,
         )
+        _refuse_permanent(url, options)
         with translate_errors():
             self._pool.open(wait=True, timeout=30)
 

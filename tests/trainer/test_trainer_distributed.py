@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ import trainer_episodes
 from safetensors.torch import load_file
 from trainer_episodes import new_run, record_group
 
-from store.eventlog import run_stream_id
+from store import migrate
+from store.db import Database
+from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated
 from store.leasing import Leasing
 from store.settings import Settings
@@ -123,21 +126,45 @@ BYPASS = {"mode": "bypass", "loss_type": "reinforce", "is_level": "token", "is_t
           "rejection": [{"mode": "seq_mean_k1", "upper": 1.5}]}
 
 
-@pytest.mark.parametrize(("pack", "checkpointing", "correction"), [
-    (False, False, None), (True, False, None), (False, True, None), (False, False, BYPASS)],
-    ids=["padded", "packed", "checkpointed", "bypass"])
-def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_model: Path,
-                                      pack: bool, checkpointing: bool,
-                                      correction: dict[str, Any] | None) -> None:
-    single_run, dist_run = two_runs(trainer_store, tiny_model, correction)
-    single = Trainer.open(trainer_store, single_run, config=TrainerConfig(**CONFIG))
+#: The setups two processes must train exactly like one: (pack, checkpointing, correction).
+VARIANTS: dict[str, tuple[bool, bool, dict[str, Any] | None]] = {
+    "padded": (False, False, None), "packed": (True, False, None),
+    "checkpointed": (False, True, None), "bypass": (False, False, BYPASS)}
+
+
+@pytest.fixture(scope="module")
+def variants(pg_server: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[EventStore, dict[str, tuple[str, str]], dict[str, Any]]]:
+    """Every setup of VARIANTS trained on two processes by one ``torchrun`` (one start of the
+    ranks for all four; each setup has a trainer and a run of its own): the store, each
+    setup's (one-process run, two-process run), and rank 0's result line per run."""
+    url = pg_server.create_database()
+    migrate.upgrade(url)
+    settings = Settings(database_url=url, data_dir=tmp_path_factory.mktemp("variants") / "data")
+    store = EventStore(Database(url, max_size=4), settings)
+    runs = {name: two_runs(store, tiny_model, correction)
+            for name, (_, _, correction) in VARIANTS.items()}
+    jobs = [{"run_id": runs[name][1], "pack": pack, "checkpointing": checkpointing}
+            for name, (pack, checkpointing, _) in VARIANTS.items()]
+    proc = torchrun(settings, "", nproc=2, jobs=jobs)
+    out, err = proc.communicate(timeout=500)
+    assert proc.returncode == 0, f"{err[-3000:]}\nstdout: {out[-1000:]}"
+    results = {line["run_id"]: line for line in
+               (json.loads(text) for text in out.splitlines() if text.startswith('{"run_id"'))}
+    yield store, runs, results
+    store.close()
+    pg_server.drop_database(url)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_processes_train_like_one(variants, tiny_model: Path, variant: str) -> None:
+    store, runs, results = variants
+    single_run, dist_run = runs[variant]
+    single = Trainer.open(store, single_run, config=TrainerConfig(**CONFIG))
     expected = single.step()  # one process, right-padded micro-batches
     assert expected.trained and expected.samples == 8
 
-    proc = torchrun(trainer_settings, dist_run, nproc=2, pack=pack, checkpointing=checkpointing)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, f"{err[-3000:]}\nstdout: {out[-1000:]}"
-    result = json.loads(out.strip().splitlines()[-1])
+    result = results[dist_run]
     assert result["version"] == 1 and len(result["samples"]) == 8
 
     # Same loss and metrics, same updated weights.
@@ -154,9 +181,9 @@ def test_two_processes_train_like_one(trainer_store, trainer_settings, tiny_mode
     assert max(float((ours[k] - initial[k]).abs().max()) for k in initial) > 1e-4
 
     # Rank 0 recorded and acknowledged: the samples are consumed, the event names the folder.
-    leasing = Leasing(trainer_store)
+    leasing = Leasing(store)
     assert leasing.stats(dist_run)["consumed"] == 8
-    events = [r.event for r in trainer_store.read_stream(run_stream_id(dist_run))]
+    events = [r.event for r in store.read_stream(run_stream_id(dist_run))]
     updated = [e for e in events if isinstance(e, PolicyUpdated)]
     assert [e.version for e in updated] == [1] and updated[0].checkpoint == result["checkpoint"]
 

@@ -3,6 +3,9 @@
 Argument: a JSON object with the database URL, data folder, run id, ``TrainerConfig`` fields
 and ``steps``; with ``hold_rank`` that rank writes its pid to ``hold_file`` once it holds the
 batch and sleeps (to be SIGKILLed there). Rank 0 prints one JSON line per trained step.
+With ``jobs`` (a list of objects holding ``run_id`` and any of ``config``, ``pack``,
+``checkpointing``), the one process group trains each job's run in turn, with a trainer of
+its own: several setups for the price of one start of the ranks.
 """
 
 from __future__ import annotations
@@ -30,9 +33,6 @@ store = None
 if rank == 0:
     store = EventStore(Database(args["url"], max_size=2),
                        Settings(database_url=args["url"], data_dir=args["data_dir"]))
-trainer = DistributedTrainer.open(store, args["run_id"], config=TrainerConfig(**args["config"]),
-                                  data_dir=args["data_dir"], pack=args.get("pack", False),
-                                  activation_checkpointing=args.get("checkpointing", False))
 
 
 def hold(this_rank: int) -> None:
@@ -41,12 +41,18 @@ def hold(this_rank: int) -> None:
         time.sleep(600)
 
 
-for _ in range(args.get("steps", 1)):
-    result = trainer.step(hooks=DistributedHooks(after_batch=hold))
-    if rank == 0:
-        print(json.dumps({"version": result.version, "samples": list(result.sample_ids),
-                          "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-                          "metrics": result.metrics}), flush=True)
+for job in args.get("jobs") or [args]:
+    trainer = DistributedTrainer.open(
+        store, job["run_id"], config=TrainerConfig(**job.get("config", args.get("config", {}))),
+        data_dir=args["data_dir"], pack=job.get("pack", False),
+        activation_checkpointing=job.get("checkpointing", False))
+    for _ in range(args.get("steps", 1)):
+        result = trainer.step(hooks=DistributedHooks(after_batch=hold))
+        if rank == 0:
+            print(json.dumps({"run_id": job["run_id"], "version": result.version,
+                              "samples": list(result.sample_ids),
+                              "checkpoint": str(result.checkpoint) if result.checkpoint
+                              else None, "metrics": result.metrics}), flush=True)
 dist.barrier()
 if store is not None:
     store.close()
