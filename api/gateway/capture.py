@@ -212,7 +212,12 @@ class Capture:
         When the span came first (the log holds an ``llm_called`` from a span under that id),
         the call is not stored a second time: only the facts are appended. An id the log
         holds for anything else (an upstream server that reuses answer ids) gives the call
-        a fresh event id. A pending target (``planned_target``) is created first."""
+        a fresh event id. A pending target (``planned_target``) is created first; an
+        ``expected_version`` that says the episode did not exist yet (0 or NO_STREAM, as the
+        caller saw it before the creation) then means the version the creation left (its
+        ``episode_started``), so a first call is not refused for the episode it opened."""
+        if target.pending is not None and expected_version in (0, NO_STREAM):
+            expected_version = 1
         target = self._created(target)
         response = dict(captured.message)
         if mask_check is not None:

@@ -71,7 +71,6 @@ def test_sampling_params_defaults_and_limit() -> None:
     ({"status": "COMPLETED", "finish_reason": "max_turns"}, "truncated", None),
     ({"status": "ERROR", "error_message": "boom", "extra_fields": {"reward": -1}}, "error",
      -1.0),
-    ({"status": "COMPLETED", "extra_fields": {"reward": True}}, "completed", None),
 ])
 def test_completion_report_events(report: dict, status: str, reward: float | None) -> None:
     body = RolloutCompleted.model_validate({"rollout_id": "r1", **report})
@@ -81,6 +80,14 @@ def test_completion_report_events(report: dict, status: str, reward: float | Non
     assert [e.type for e in events[:-1]] == (["reward_assigned"] if reward is not None else [])
     again, _, _ = completion_events(body)
     assert [e.event_id for e in again] == [e.event_id for e in events]  # retries dedupe
+
+
+def test_a_boolean_reward_in_a_completion_report_is_refused_naming_the_field() -> None:
+    body = RolloutCompleted.model_validate({"rollout_id": "r1", "status": "COMPLETED",
+                                            "extra_fields": {"reward": True}})
+    with pytest.raises(ApiError) as exc:
+        completion_events(body)
+    assert exc.value.status == 422 and "extra_fields.reward" in exc.value.message
 
 
 def test_engine_and_upstream_configuration_errors(tmp_path: Path) -> None:
