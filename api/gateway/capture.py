@@ -118,12 +118,7 @@ class Capture:
         malformed id, 403 for a run of another project, 409 for a finished episode."""
         if new is None or queries.episode_run(self.store, episode_id) is not None:
             return self.target(key, episode_id)
-        for value, where in ((episode_id, "header.X-Trajstore-Episode"),
-                             (new.run_id, new.where),
-                             (new.group_id or episode_id, "header.X-Trajstore-Group")):
-            if not _ID.match(value):
-                raise ApiError(422, "invalid_request", f"{value[:60]!r} is not an id: 1 to "
-                               "200 letters, digits or _.:-", field=where)
+        _check_ids(episode_id, new)
         if queries.run_record(self.store, new.run_id) is None:
             self._create_run(key, new)
         self.access.check_run(key, new.run_id)
@@ -144,12 +139,7 @@ class Capture:
         therefore leaves no run and no episode behind."""
         if new is None or queries.episode_run(self.store, episode_id) is not None:
             return self.target(key, episode_id)
-        for value, where in ((episode_id, "header.X-Trajstore-Episode"),
-                             (new.run_id, new.where),
-                             (new.group_id or episode_id, "header.X-Trajstore-Group")):
-            if not _ID.match(value):
-                raise ApiError(422, "invalid_request", f"{value[:60]!r} is not an id: 1 to "
-                               "200 letters, digits or _.:-", field=where)
+        _check_ids(episode_id, new)
         config = self._new_run_config(new)  # the run's own, when it exists
         if queries.run_record(self.store, new.run_id) is not None:
             self.access.check_run(key, new.run_id)
@@ -273,3 +263,13 @@ class Capture:
         stored = queries.stored_event_ids(self.store,
                                           [e.event_id for e in facts if e.event_id])
         return [e for e in facts if e.event_id not in stored]
+
+
+def _check_ids(episode_id: str, new: NewEpisode) -> None:
+    """ApiError 422 naming the header (or ``new.where``) whose id is malformed."""
+    for value, where in ((episode_id, "header.X-Trajstore-Episode"),
+                         (new.run_id, new.where),
+                         (new.group_id or episode_id, "header.X-Trajstore-Group")):
+        if not _ID.match(value):
+            raise ApiError(422, "invalid_request", f"{value[:60]!r} is not an id: 1 to "
+                           "200 letters, digits or _.:-", field=where)
