@@ -190,7 +190,7 @@ def test_branch_from_what_is_not_recorded_is_refused(
     def branch(**kwargs: Any) -> Any:
         return play_branch(log=log, backend=hf_backend, tools=registry, **kwargs)
 
-    with pytest.raises(BranchNotFound, match=rf"no turn 5: it recorded 4 LLM calls"):
+    with pytest.raises(BranchNotFound, match=r"no turn 5: it recorded 4 LLM calls"):
         branch(episode_id=parent, turn=5)
     with pytest.raises(BranchNotFound, match="no checkpoint 'ckpt_9_0'"):
         branch(episode_id=parent, checkpoint="ckpt_9_0")
