@@ -48,6 +48,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "RunCreated",
+    "BranchedFrom",
     "EpisodeStarted",
     "LLMCalled",
     "ToolReturned",
@@ -503,6 +504,16 @@ class RunCreated(Event):
     config: RunConfig = RunConfig()
 
 
+class BranchedFrom(_Frozen):
+    """Where a branched episode comes from: the stored episode ``episode_id`` whose first
+    ``turn`` LLM calls (and the tool results that followed them) it starts with, and the
+    checkpoint it was asked from, when it was (``checkpoint_created.checkpoint_id``)."""
+
+    episode_id: str = Field(min_length=1, max_length=200)
+    turn: int = Field(ge=0)
+    checkpoint: str | None = Field(default=None, min_length=1, max_length=200)
+
+
 @event_type
 class EpisodeStarted(Event):
     type: ClassVar[str] = "episode_started"
@@ -513,6 +524,14 @@ class EpisodeStarted(Event):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     policy_version: int = Field(default=0, ge=0)
+    branched_from: BranchedFrom | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        # An episode that is no branch stores no ``branched_from`` key (the field came later).
+        data = super().to_data()
+        if data.get("branched_from") is None:
+            data.pop("branched_from", None)
+        return data
 
 
 @event_type

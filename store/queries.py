@@ -106,7 +106,8 @@ def get_episode(store: Recorder, episode_id: str) -> list[RecordedEvent]:
 class EpisodeFilters:
     """Filters of an episode listing; None means "any". ``run_ids`` is required (the runs
     the caller may see). ``reward_min``/``reward_max`` are inclusive; ``started_after`` is
-    inclusive and ``started_before`` exclusive."""
+    inclusive and ``started_before`` exclusive; ``branched_from`` an episode id: the
+    episodes branched from it (``episode_started.branched_from.episode_id``)."""
 
     run_ids: Sequence[str]
     group_id: str | None = None
@@ -118,6 +119,7 @@ class EpisodeFilters:
     tool_name: str | None = None
     started_after: dt.datetime | None = None
     started_before: dt.datetime | None = None
+    branched_from: str | None = None
 
 
 # Field extraction through safe_data: a row stored with a NUL escape must not break listings.
@@ -137,6 +139,7 @@ _POLICY = f"coalesce(p.policy_version, ({_S_DATA}->>'policy_version')::int)"
 _EPISODE_SELECT = f"""
 SELECT s.position, s.stream_id AS episode_id, s.run_id, s.group_id, s.recorded_at AS started_at,
        {_S_DATA}->>'task_id' AS task_id, {_POLICY} AS policy_version,
+       {_S_DATA}->'branched_from' AS branched_from,
        {_STATUS} AS status,
        {_REWARD} AS reward,
        (SELECT max(v.stream_version) FROM events v WHERE v.stream_id = s.stream_id) AS events,
@@ -190,6 +193,7 @@ def list_episodes(store: Recorder, filters: EpisodeFilters, *, after: int = 0,
         ("policy_version", f"{_POLICY} = %(pv)s", "pv"),
         ("error_type", _ERROR_TYPE, "error_type"),
         ("tool_name", _TOOL_NAME, "tool_name"),
+        ("branched_from", f"{_S_DATA}->'branched_from'->>'episode_id' = %(parent)s", "parent"),
     )
     for name, sql, param in conditions:
         value = getattr(filters, name)

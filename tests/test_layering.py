@@ -116,6 +116,8 @@ API_USES: dict[str, str] = {
     "workers.rollout.remote_request": "a remote rollout's request is checked in the route",
     "workers.rollout.remote_dispatch": "the route queues a remote rollout and waits for its "
                                        "answer; a rollout worker plays it",
+    "workers.rollout.branch_point": "the branch route finds the turn in the stored episode and "
+                                    "queues the branch; a rollout worker plays it",
     "workers.queues": "queue depths for /metrics",
     "workers.datasets": "the dataset routes derive (the replay core under rules), read and "
                         "compare dataset versions",

@@ -526,6 +526,43 @@ def worker(
 
 
 @app.command()
+def branch(
+    episode: Annotated[str, typer.Argument(help="The stored episode to branch from.")],
+    turn: Annotated[int | None, typer.Option(
+        min=0, help="LLM calls of the episode the new episodes keep as recorded (0: the "
+                    "prompt only); the next one is generated anew.")] = None,
+    checkpoint: Annotated[str | None, typer.Option(
+        help="Or a checkpoint id (ckpt_<turn>_<retry>): the context before the turn it "
+             "guards.")] = None,
+    n: Annotated[int | None, typer.Option(
+        "-n", min=1, max=256, help="Episodes to start (default: the run's group size).")] = None,
+    group_index: Annotated[int, typer.Option(
+        min=0, help="Another index starts another group from the same turn.")] = 0,
+) -> None:
+    """Start a group of new episodes from a recorded turn or checkpoint of a stored episode
+    and play them here, with the rollout engine (TRAJSTORE_ROLLOUT_BACKEND) at the episode's
+    policy version: the prefix's LLM calls and tool results are copied as recorded, the rest
+    is generated; each new episode records ``branched_from``. Give exactly one of --turn and
+    --checkpoint. An unknown episode, turn or checkpoint is an error naming it."""
+    from store.errors import NotFoundError
+    from workers.rollout.branch import branch_task
+    from workers.rollout.branch_point import BranchNotFound
+
+    if (turn is None) == (checkpoint is None):
+        console.print("[red]error:[/red] give exactly one of --turn and --checkpoint")
+        raise typer.Exit(2)
+    try:
+        result = branch_task(episode, settings=get_settings(), turn=turn,
+                             checkpoint=checkpoint, n=n, group_index=group_index)
+    except (NotFoundError, BranchNotFound, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"group {result.group_id} (run {result.run_id}): {result.played} played")
+    for slot in result.slots:
+        console.print(f"  {slot.episode_id}  {slot.status}  reward {slot.reward}")
+
+
+@app.command()
 def replay(
     episode: Annotated[str | None, typer.Argument(help="Episode to replay now.")] = None,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Drop and rebuild every "

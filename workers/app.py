@@ -47,6 +47,7 @@ def celery_settings(settings: Any, broker_url: str) -> dict[str, Any]:
             "trajstore.rollout_group": {"queue": "rollout"},
             "trajstore.remote_rollout": {"queue": "rollout"},
             "trajstore.remote_rollout_init": {"queue": "rollout"},
+            "trajstore.branch_episode": {"queue": "rollout"},
             "trajstore.train_step": {"queue": "train"},
         },
         "broker_transport_options": {

@@ -16,6 +16,8 @@ from api.ingest import EPISODE_TYPES, append_batch
 from api.schemas.episodes import (
     AppendRequest,
     AppendResult,
+    BranchCreate,
+    BranchQueued,
     EpisodeCreate,
     EpisodeCreated,
     EpisodeDetail,
@@ -181,6 +183,7 @@ def list_episodes(
     policy_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
     error_type: str | None = None,
     tool_name: str | None = None,
+    branched_from: str | None = None,
     started_after: dt.datetime | None = None,
     started_before: dt.datetime | None = None,
     limit: Annotated[int | None, Query(ge=1)] = None,
@@ -197,7 +200,8 @@ def list_episodes(
     filters = queries.EpisodeFilters(
         run_ids=runs, group_id=group_id, status=status, reward_min=reward_min,
         reward_max=reward_max, policy_version=policy_version, error_type=error_type,
-        tool_name=tool_name, started_after=started_after, started_before=started_before)
+        tool_name=tool_name, started_after=started_after, started_before=started_before,
+        branched_from=branched_from)
     rows = queries.list_episodes(ctx.store, filters, after=decode_cursor(cursor),
                                  limit=size + 1)
     more = len(rows) > size
@@ -269,3 +273,48 @@ def get_timelines(episode_id: str, key: ReadKey, ctx: Ctx, encoding: Encoding = 
     return EpisodeTimelines.model_validate(
         episode_timelines(ctx.store, episode_id, encoding=encoding))
 
+
+
+@router.post("/v1/episodes/{episode_id}/branches", status_code=202, response_model=BranchQueued,
+             responses={503: {"description": "The broker cannot be reached."}})
+def branch_episode(episode_id: str, body: BranchCreate, key: IngestKey, ctx: Ctx
+                   ) -> BranchQueued:
+    """Start ``n`` new episodes (default: the run's group size) from a recorded ``turn`` (LLM
+    calls kept, 0 to the episode's number of calls) or ``checkpoint`` of the episode: they keep
+    its prefix as recorded and generate new continuations, played by a rollout worker
+    (``trajstore.branch_episode`` on the rollout queue); their ``episode_started`` records
+    ``branched_from``. Answers 202 with the group and the episode ids it will hold. An unknown
+    episode, turn or checkpoint: 404 naming it; ``n`` out of [1, 256], a negative turn, both
+    or neither of turn and checkpoint: 422 naming the field; another project's episode: 403."""
+    from workers.rollout.branch_point import (
+        BranchNotFound,
+        branch_episode_ids,
+        branch_group_id,
+        branch_point,
+        send_branch,
+    )
+
+    ctx.access.check_episode(key, episode_id)
+    if (body.turn is None) == (body.checkpoint is None):
+        raise ApiError(422, "invalid_request", "give exactly one of turn and checkpoint",
+                       field="body.turn")
+    events = [r.event for r in queries.get_episode(ctx.store, episode_id)]
+    try:
+        point = branch_point(episode_id, events, turn=body.turn, checkpoint=body.checkpoint)
+    except BranchNotFound as exc:
+        raise ApiError(404, "not_found", str(exc),
+                       field="body.turn" if body.turn is not None else "body.checkpoint"
+                       ) from None
+    except ValueError as exc:
+        raise ApiError(422, "invalid_request", str(exc), field="path.episode_id") from None
+    run_id = point.started.run_id
+    n = body.n if body.n is not None else ctx.store.get_run(run_id).config.group_size
+    group_id = branch_group_id(episode_id, point.turn, point.checkpoint, body.group_index)
+    try:
+        send_branch(ctx.settings, episode_id=episode_id, turn=body.turn,
+                    checkpoint=body.checkpoint, n=n, group_index=body.group_index)
+    except ConnectionError as exc:
+        raise ApiError(503, "unavailable", f"{exc}; retry later") from None
+    return BranchQueued(parent=episode_id, run_id=run_id, turn=point.turn,
+                        checkpoint=point.checkpoint, group_id=group_id,
+                        episode_ids=branch_episode_ids(group_id, n))

@@ -14,6 +14,8 @@ from store.events import RewardNumber
 __all__ = [
     "AppendRequest",
     "AppendResult",
+    "BranchCreate",
+    "BranchQueued",
     "EpisodeCreate",
     "EpisodeCreated",
     "EpisodeDetail",
@@ -100,6 +102,8 @@ class EpisodeSummary(BaseModel):
     status: str
     reward: float | None = None
     policy_version: int | None = None
+    branched_from: dict[str, Any] | None = Field(
+        default=None, description="The episode and turn a branched episode started from.")
     started_at: dt.datetime
     finished_at: dt.datetime | None = None
     events: int
@@ -233,3 +237,25 @@ class FinishIn(BaseModel):
     status: Literal["completed", "terminated", "truncated", "error", "aborted"] = "completed"
     reason: str | None = Field(default=None, max_length=10_000)
     reward: RewardNumber | None = None
+
+
+class BranchCreate(BaseModel):
+    """Start a group of new episodes from a recorded turn (LLM calls kept) or checkpoint of
+    the episode: exactly one of ``turn`` and ``checkpoint``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    turn: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
+    checkpoint: str | None = Field(default=None, min_length=1, max_length=200)
+    n: StrictInt | None = Field(default=None, ge=1, le=256,
+                                description="Episodes to start (default: the run's group size).")
+    group_index: StrictInt = Field(default=0, ge=0, le=2**31 - 1)
+
+
+class BranchQueued(BaseModel):
+    parent: str
+    run_id: str
+    turn: int
+    checkpoint: str | None
+    group_id: str
+    episode_ids: list[str]

@@ -8,7 +8,7 @@ from store.errors import TransientError
 from store.settings import get_settings
 from workers.app import app
 
-__all__ = ["remote_rollout", "remote_rollout_init", "rollout_group"]
+__all__ = ["branch_episode", "remote_rollout", "remote_rollout_init", "rollout_group"]
 
 
 @app.task(name="trajstore.rollout_group", acks_late=True, autoretry_for=(TransientError,),
@@ -59,3 +59,16 @@ def remote_rollout_init(request: dict[str, Any]) -> str | None:
     settings = get_settings()
     body = play_and_report(request, store=worker_log(settings), settings=settings)
     return None if body is None else str(body["status"])
+
+
+@app.task(name="trajstore.branch_episode", acks_late=True, autoretry_for=(TransientError,),
+          retry_backoff=True, retry_backoff_max=60, max_retries=10)
+def branch_episode(episode_id: str, *, turn: int | None = None, checkpoint: str | None = None,
+                   n: int | None = None, group_index: int = 0) -> dict[str, Any]:
+    """Start ``n`` episodes (default: the run's group size) from ``turn`` or ``checkpoint`` of
+    the stored episode ``episode_id`` and play them (:mod:`workers.rollout.branch`; a
+    redelivery completes the branch, it does not double it). Returns the group's summary."""
+    from workers.rollout.branch import branch_task
+
+    return branch_task(episode_id, settings=get_settings(), turn=turn, checkpoint=checkpoint,
+                       n=n, group_index=group_index).to_dict()

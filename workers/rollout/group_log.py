@@ -2,13 +2,14 @@
 
 A :class:`GroupLog` appends events with expected versions (the store's signature), tells a
 stream's version and whether it finished, and reads a run's configuration and newest policy.
-It also records which policy version the worker's engine took (``policy_served``,
+It reads an episode's events (the parent of a branch, :mod:`workers.rollout.branch`) and
+records which policy version the worker's engine took (``policy_served``,
 :mod:`store.serving`). Two implementations:
 
 - :class:`StoreGroupLog` on an :class:`~store.eventlog.EventStore` (workers that reach the
   database);
 - :class:`ApiGroupLog` on a trajstore API (workers on other machines): ``POST
-  /v1/episodes/{id}/events`` to append, ``GET /v1/episodes/{id}?tokens=false`` and ``GET
+  /v1/episodes/{id}/events`` to append, ``GET /v1/episodes/{id}`` and ``GET
   /v1/runs/{id}`` to read, ``POST /v1/runs/{id}/served`` to report the policy version an
   engine took, with a key that may read and ingest (role ``admin``). The API's
   answers are translated into the store's errors (409 → ``ConflictError`` /
@@ -77,6 +78,11 @@ class GroupLog(Protocol):
         """The run's configuration; ``NotFoundError`` for an unknown run."""
         ...
 
+    def read_episode(self, episode_id: str) -> list[Event]:
+        """An episode's events with their token payloads (a branch's parent);
+        ``NotFoundError`` for an unknown episode."""
+        ...
+
     def policy(self, run_id: str, version: int | None = None) -> PolicyState:
         """The run's newest policy version and checkpoint; with ``version``, that version's
         (ValueError when the run has not reached it, or the log cannot give it)."""
@@ -119,6 +125,11 @@ class StoreGroupLog:
 
     def run_config(self, run_id: str) -> RunConfig:
         return self.store.get_run(run_id).config
+
+    def read_episode(self, episode_id: str) -> list[Event]:
+        """Every event of an episode, with its token payloads, in stream order;
+        ``NotFoundError`` naming it when there is no such episode."""
+        return [r.event for r in self.store.get_episode(episode_id)]
 
     def policy(self, run_id: str, version: int | None = None) -> PolicyState:
         # One row, whatever the number of engines' reports in the run's stream.
@@ -233,6 +244,17 @@ class ApiGroupLog:
 
     def run_config(self, run_id: str) -> RunConfig:
         return RunConfig.model_validate(self._request("GET", f"/v1/runs/{run_id}")["config"])
+
+    def read_episode(self, episode_id: str) -> list[Event]:
+        """Every event of an episode, with its token payloads (``GET /v1/episodes/{id}``),
+        in stream order; ``NotFoundError`` naming it when there is no such episode."""
+        from store.events import parse_event
+
+        detail = self._request("GET", f"/v1/episodes/{episode_id}",
+                               params={"tokens": "true", "encoding": "json"})
+        return [parse_event(e["type"], e["data"], tokens=e.get("tokens") or None,
+                            event_id=e["event_id"], stored=True)
+                for e in detail.get("events") or []]
 
     def policy(self, run_id: str, version: int | None = None) -> PolicyState:
         run = self._request("GET", f"/v1/runs/{run_id}")

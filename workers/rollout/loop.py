@@ -67,6 +67,7 @@ from typing import Any, Literal, NamedTuple
 from store.arguments import whole_number
 from store.events import (
     AttemptFailed,
+    BranchedFrom,
     CheckpointCreated,
     EpisodeFinished,
     EpisodeStarted,
@@ -150,10 +151,12 @@ class _Episode:
                  sampling: SamplingParams, rollback: RollbackConfig, max_turns: int,
                  max_total_tokens: int, agent: str, policy_version: int,
                  tool_runner: ToolRunner, prompt: RunPrompt | None,
-                 gate: asyncio.Semaphore | None) -> None:
+                 gate: asyncio.Semaphore | None,
+                 branched_from: BranchedFrom | None = None) -> None:
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
         self.gate = gate
         self.prompt = prompt
+        self.branched_from = branched_from
         self.run_id, self.group_id, self.episode_id = run_id, group_id, episode_id
         self.sampling, self.rollback, self.agent = sampling, rollback, agent
         self.max_turns = task.max_turns if task.max_turns is not None else max_turns
@@ -411,7 +414,7 @@ class _Episode:
             **self.stamp(), run_id=self.run_id, group_id=self.group_id,
             task_id=self.task.task_id, messages=[dict(m) for m in self.task.messages],
             tools=[dict(t) for t in self.task.tools], sampling_params=self.sampling.to_dict(),
-            policy_version=self.policy_version))
+            policy_version=self.policy_version, branched_from=self.branched_from))
         try:
             status, reason = await self.play()
             reward = self.task.score(Transcript(messages=tuple(self.context),
@@ -435,7 +438,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
              sampling: SamplingParams | None, rollback: Any, group_id: str | None,
              episode_id: str | None, max_turns: int, max_total_tokens: int, agent: str,
              policy_version: int | None, tool_runner: ToolRunner | None,
-             prompt: RunPrompt | None, gate: asyncio.Semaphore | None = None) -> _Episode:
+             prompt: RunPrompt | None, gate: asyncio.Semaphore | None = None,
+             branched_from: BranchedFrom | Mapping[str, Any] | None = None) -> _Episode:
     """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
@@ -463,6 +467,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
         raise TypeError(f"gate must be an asyncio.Semaphore, got {type(gate).__name__}")
     if policy_version is None:
         policy_version = int(getattr(backend, "policy_version", 0))
+    if branched_from is not None and not isinstance(branched_from, BranchedFrom):
+        branched_from = BranchedFrom.model_validate(branched_from)
     if episode_id is None:
         episode_id = str(uuid.uuid4())
     if not isinstance(episode_id, str) or not episode_id:
@@ -475,7 +481,7 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
                     max_total_tokens=max_total_tokens, agent=agent,
                     policy_version=policy_version,
                     tool_runner=tool_runner if tool_runner is not None else default_tool_runner(),
-                    prompt=prompt, gate=gate)
+                    prompt=prompt, gate=gate, branched_from=branched_from)
 
 
 async def arun_episode(
@@ -496,6 +502,7 @@ async def arun_episode(
     tool_runner: ToolRunner | None = None,
     prompt: RunPrompt | None = None,
     gate: asyncio.Semaphore | None = None,
+    branched_from: BranchedFrom | Mapping[str, Any] | None = None,
 ) -> EpisodeResult:
     """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
     ``episode_id`` (a new UUID string when None); see the module docstring for the event
@@ -515,7 +522,8 @@ async def arun_episode(
     for the engine (the run's tokenizer and template; None: the backend renders). ``gate``,
     when given, is held while the episode generates, runs tools and is scored, and released
     before the wait for its last events to be stored (a bound on the episodes that use the
-    engine, not on those whose commit is pending). Failures
+    engine, not on those whose commit is pending). ``branched_from`` (an episode id and a
+    turn, :mod:`workers.rollout.branch`) is recorded in ``episode_started``. Failures
     of the backend, tools, the template or the reward end the episode with status
     ``error``; failures of the sink propagate (the episode cannot be recorded). Invalid
     arguments raise ValueError/TypeError naming them.
@@ -525,7 +533,7 @@ async def arun_episode(
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
-                       prompt=prompt, gate=gate)
+                       prompt=prompt, gate=gate, branched_from=branched_from)
     return await episode.run()
 
 

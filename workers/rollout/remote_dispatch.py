@@ -42,6 +42,7 @@ __all__ = [
     "push_answer",
     "release_rollout",
     "send_remote_rollout",
+    "send_rollout_task",
     "wait_answer",
 ]
 
@@ -185,16 +186,25 @@ def send_remote_rollout(request: Mapping[str, Any], settings: Settings, *,
     queue: answered through :func:`push_answer` when ``answer``, else reported to the
     trainer. The request (its ``callback_api_key`` included) travels in the message; task
     events and worker logs show only the rollout id."""
+    name = REMOTE_ROLLOUT_TASK if answer else REMOTE_ROLLOUT_INIT_TASK
+    send_rollout_task(settings, name, args=[dict(request)],
+                      argsrepr=f"(<rollout {request.get('rollout_id')!r}>,)")
+
+
+def send_rollout_task(settings: Settings, name: str, *, args: list[Any],
+                      kwargs: Mapping[str, Any] | None = None,
+                      argsrepr: str | None = None) -> None:
+    """Queue the task ``name`` on the rollout queue; ConnectionError naming the broker when
+    it cannot be reached."""
     from kombu.exceptions import OperationalError
 
-    name = REMOTE_ROLLOUT_TASK if answer else REMOTE_ROLLOUT_INIT_TASK
     app = _sender(settings)
     try:
         # A connection of its own, closed after the send: a pooled one would outlive the
         # process's last request and keep an embedded Redis from stopping at exit.
         with app.connection_for_write() as connection:
-            app.send_task(name, args=[dict(request)], queue="rollout", connection=connection,
-                          argsrepr=f"(<rollout {request.get('rollout_id')!r}>,)")
+            app.send_task(name, args=args, kwargs=dict(kwargs or {}), queue="rollout",
+                          connection=connection, argsrepr=argsrepr)
     except OperationalError as exc:
         raise _unreachable(settings, exc) from None
 

@@ -22,7 +22,7 @@ from workers.rollout.group_log import ApiGroupLog, GroupLog, StoreGroupLog
 from workers.rollout.runtime import worker_runtime
 from workers.rollout.tools import ToolRegistry
 
-__all__ = ["run_rollout_group", "worker_log"]
+__all__ = ["run_rollout_group", "worker_log", "worker_tools"]
 
 _lock = threading.Lock()
 _logs: dict[tuple[str, str], GroupLog] = {}
@@ -50,7 +50,8 @@ def worker_log(settings: Settings) -> GroupLog:
         return log
 
 
-def _worker_tools() -> ToolRegistry:
+def worker_tools() -> ToolRegistry:
+    """The process's tool registry (the built-in tools), made once."""
     global _tools
     with _lock:
         if _tools is None:
@@ -74,7 +75,7 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
 
     log = worker_log(settings)
     config = log.run_config(run_id)
-    tools = _worker_tools()
+    tools = worker_tools()
     task = resolve_task(task_id, tasks_dir=settings.data_dir / "tasks", registry=tools)
     if policy_version is not None:
         whole_number("policy_version", policy_version, minimum=0)
