@@ -1,0 +1,122 @@
+"""Lineage on the real store after a real training step of the tiny model: the step's
+``policy_updated`` carries the samples it trained, the database copies them into
+``step_samples`` in the same transaction, and "what fed step k" / "which steps trained
+episode e" answer from there (Python API, command line, REST); unknown runs, steps and
+episodes are errors naming them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+import trainer_episodes
+from trainer_episodes import new_run, record_group
+
+from store import errors
+from store.eventlog import run_stream_id
+from store.events import PolicyUpdated, TrainedSamples
+from store.lineage import episode_lineage, step_lineage
+from workers.engines.backend_transformers import TransformersBackend
+from workers.trainer.config import TrainerConfig
+from workers.trainer.loop import StepHooks, Trainer
+
+tiny_model = trainer_episodes.tiny_model
+trainer_settings = trainer_episodes.trainer_settings
+trainer_store = trainer_episodes.trainer_store
+
+
+def test_a_step_records_what_it_trained(trainer_store, tiny_model: Path) -> None:
+    run_id = new_run(trainer_store, tiny_model, group_size=2)
+    engine = TransformersBackend(tiny_model)
+    for seed in (1, 2, 3):
+        record_group(trainer_store, engine, run_id, size=2, seed=seed)
+    config = TrainerConfig(lr=1e-2, groups_per_step=2, micro_batch_size=4)
+    trainer = Trainer.open(trainer_store, run_id, config=config)
+    first = trainer.step()
+    assert first.trained and first.step == 1 and first.samples == 4
+
+    # The event carries the samples, and step_samples holds them, in batch order.
+    updated = [r.event for r in trainer_store.read_stream(run_stream_id(run_id))
+               if isinstance(r.event, PolicyUpdated)]
+    assert updated[0].trained is not None
+    assert list(updated[0].trained.sample_ids) == list(first.sample_ids)
+    (fed,) = step_lineage(trainer_store.db, run_id, 1)
+    assert fed.policy_version == 1 and fed.dataset_id is None
+    assert tuple(s.sample_id for s in fed.samples) == first.sample_ids
+    with trainer_store.db.connection() as conn:
+        stored = dict(conn.execute(
+            "SELECT sample_id, episode_id FROM samples WHERE sample_id = ANY(%s)",
+            (list(first.sample_ids),)).fetchall())
+        rewards = dict(conn.execute(
+            "SELECT episode_id, reward FROM episodes WHERE run_id = %s", (run_id,)).fetchall())
+    assert {s.sample_id: s.episode_id for s in fed.samples} == stored
+    assert [s.reward for s in fed.samples] == [rewards[s.episode_id] for s in fed.samples]
+    assert len(fed.episode_ids) == 4
+
+    # Which steps trained an episode: the first step's episodes name step 1, and one
+    # trained by nothing yet gives an empty list (it exists).
+    episode = fed.samples[0].episode_id
+    (trained_by,) = episode_lineage(trainer_store.db, episode)
+    assert (trained_by.run_id, trained_by.step, trained_by.policy_version) == (run_id, 1, 1)
+    assert trained_by.sample_ids == (fed.samples[0].sample_id,)
+    waiting = set(rewards) - set(fed.episode_ids)
+    assert len(waiting) == 2
+    assert all(episode_lineage(trainer_store.db, e) == [] for e in waiting)
+
+    # The second step trains the remaining group; each episode is trained once.
+    second = trainer.step()
+    assert second.trained and second.step == 2
+    (fed2,) = step_lineage(trainer_store.db, run_id, 2)
+    assert set(fed2.episode_ids) == waiting
+    assert all(episode_lineage(trainer_store.db, e)[0].step == 2 for e in waiting)
+
+    # Bad input names what is wrong.
+    with pytest.raises(errors.NotFoundError, match="no run 'run-missing'"):
+        step_lineage(trainer_store.db, "run-missing", 1)
+    with pytest.raises(errors.NotFoundError, match=f"run '{run_id}' recorded no step 7"):
+        step_lineage(trainer_store.db, run_id, 7)
+    with pytest.raises(errors.NotFoundError, match="no episode 'ep-missing'"):
+        episode_lineage(trainer_store.db, "ep-missing")
+    with pytest.raises(ValueError, match="step must be a non-negative integer"):
+        step_lineage(trainer_store.db, run_id, -1)
+
+
+def test_lineage_is_written_with_the_step_or_not_at_all(trainer_store, tiny_model: Path
+                                                       ) -> None:
+    """A step whose ``policy_updated`` cannot be stored leaves no lineage: the rows are
+    written by the insert of the event, in its transaction."""
+    run_id = new_run(trainer_store, tiny_model, group_size=2)
+    engine = TransformersBackend(tiny_model)
+    record_group(trainer_store, engine, run_id, size=2, seed=1)
+    # A policy_updated naming a sample twice is refused before it reaches the database.
+    with pytest.raises(ValueError, match="names a sample twice"):
+        TrainedSamples(sample_ids=[1, 1], episode_ids=["a", "b"], rewards=[0.0, 1.0])
+    with pytest.raises(ValueError, match="rewards has 1 entries for 2 sample ids"):
+        TrainedSamples(sample_ids=[1, 2], episode_ids=["a", "b"], rewards=[0.0])
+
+    def fail(_lease: object) -> None:
+        raise RuntimeError("acknowledgement refused")
+
+    trainer = Trainer.open(trainer_store, run_id, config=TrainerConfig(groups_per_step=1))
+    # The step records, then fails before its acknowledgement: the lineage stays with the
+    # recorded step (the event is in the log).
+    with pytest.raises(RuntimeError, match="acknowledgement refused"):
+        trainer.step(hooks=StepHooks(before_ack=fail))
+    (fed,) = step_lineage(trainer_store.db, run_id, 1)
+    assert len(fed.samples) == 2
+    # A policy_updated whose rows the database refuses (a version already recorded with
+    # the same batch positions) is not stored either: the transaction is one.
+    with psycopg.connect(trainer_store.db.url) as conn:
+        before = conn.execute("SELECT count(*) FROM events").fetchone()
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(
+                "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version,"
+                " run_id, data) VALUES (gen_random_uuid(), %s, 99, 'policy_updated', 1, %s,"
+                " %s)", (run_stream_id(run_id), run_id, json.dumps({
+                    "version": 1, "step": 5, "metrics": {}, "trained": {
+                        "sample_ids": [1], "episode_ids": ["x"], "rewards": [0.0]}})))
+        conn.rollback()
+        assert conn.execute("SELECT count(*) FROM events").fetchone() == before
+        assert conn.execute("SELECT count(*) FROM step_samples WHERE step = 5").fetchone() == (0,)
