@@ -12,12 +12,17 @@ from pathlib import Path
 import psycopg
 import pytest
 import trainer_episodes
+from fastapi.testclient import TestClient
 from trainer_episodes import new_run, record_group
+from typer.testing import CliRunner
 
+from api.app import create_app
+from api.keys import KeyStore
 from store import errors
 from store.eventlog import run_stream_id
 from store.events import PolicyUpdated, TrainedSamples
 from store.lineage import episode_lineage, step_lineage
+from store.settings import Settings, get_settings
 from workers.engines.backend_transformers import TransformersBackend
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loop import StepHooks, Trainer
@@ -27,7 +32,9 @@ trainer_settings = trainer_episodes.trainer_settings
 trainer_store = trainer_episodes.trainer_store
 
 
-def test_a_step_records_what_it_trained(trainer_store, tiny_model: Path) -> None:
+def test_a_step_records_what_it_trained(trainer_store, trainer_settings: Settings,
+                                        tiny_model: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     run_id = new_run(trainer_store, tiny_model, group_size=2)
     engine = TransformersBackend(tiny_model)
     for seed in (1, 2, 3):
@@ -81,6 +88,76 @@ def test_a_step_records_what_it_trained(trainer_store, tiny_model: Path) -> None
         episode_lineage(trainer_store.db, "ep-missing")
     with pytest.raises(ValueError, match="step must be a non-negative integer"):
         step_lineage(trainer_store.db, run_id, -1)
+
+    _rest(trainer_store, trainer_settings, run_id, fed, episode, sorted(waiting)[0])
+    _cli(trainer_settings, monkeypatch, run_id, fed, episode)
+
+
+def _rest(store, settings: Settings, run_id: str, fed, episode: str, waiting: str) -> None:
+    settings = settings.model_copy(update={"api_key_scrypt_n": 1024})
+    keys = KeyStore(store.db, settings)
+    try:
+        read = {"Authorization": f"Bearer {keys.create(project='default', role='read').token}"}
+        other = {"Authorization": f"Bearer {keys.create(project='elsewhere', role='read').token}"}
+    finally:
+        keys.close()
+    with TestClient(create_app(settings, store=store)) as client:
+        r = client.get(f"/v1/runs/{run_id}/steps/1/lineage", headers=read)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (version,) = body["versions"]
+        assert version["policy_version"] == 1 and version["dataset_id"] is None
+        assert [s["sample_id"] for s in version["samples"]] == [s.sample_id for s in fed.samples]
+        assert [s["reward"] for s in version["samples"]] == [s.reward for s in fed.samples]
+        assert body["episode_ids"] == list(fed.episode_ids)
+        r = client.get(f"/v1/episodes/{episode}/lineage", headers=read)
+        assert r.status_code == 200, r.text
+        assert [(s["run_id"], s["step"], s["sample_ids"]) for s in r.json()["steps"]] == [
+            (run_id, 1, [fed.samples[0].sample_id])]
+        assert [s["step"] for s in client.get(f"/v1/episodes/{waiting}/lineage",
+                                              headers=read).json()["steps"]] == [2]
+        # Bad input: 404 naming what is unknown, 422 naming the field, 403 for another
+        # project's run.
+        for path, named in ((f"/v1/runs/{run_id}/steps/9/lineage", "no step 9"),
+                            ("/v1/runs/run-missing/steps/1/lineage", "run-missing"),
+                            ("/v1/episodes/ep-missing/lineage", "ep-missing")):
+            r = client.get(path, headers=read)
+            assert r.status_code == 404, (path, r.text)
+            assert named in r.json()["error"]["message"], (path, r.text)
+        r = client.get(f"/v1/runs/{run_id}/steps/-1/lineage", headers=read)
+        assert r.status_code == 422 and "step" in r.text, r.text
+        r = client.get(f"/v1/runs/{run_id}/steps/1/lineage", headers=other)
+        assert r.status_code == 403, r.text
+        assert client.get(f"/v1/episodes/{episode}/lineage", headers=other).status_code == 403
+
+
+def _cli(settings: Settings, monkeypatch: pytest.MonkeyPatch, run_id: str, fed,
+         episode: str) -> None:
+    from trajstore.cli import app
+
+    monkeypatch.setenv("TRAJSTORE_DATABASE_URL", settings.database_url or "")
+    monkeypatch.setenv("TRAJSTORE_DATA_DIR", str(settings.data_dir))
+    get_settings.cache_clear()
+    runner = CliRunner()
+    try:
+        r = runner.invoke(app, ["lineage", "step", run_id, "--step", "1", "--json"])
+        assert r.exit_code == 0, r.output
+        (version,) = json.loads(r.stdout)["versions"]
+        assert [s["episode_id"] for s in version["samples"]] == [
+            s.episode_id for s in fed.samples]
+        r = runner.invoke(app, ["lineage", "step", run_id, "--step", "1"])
+        assert r.exit_code == 0 and "policy version 1, 4 samples" in r.stdout, r.output
+        assert f"episode {episode}" in r.stdout
+        r = runner.invoke(app, ["lineage", "episode", episode])
+        assert r.exit_code == 0 and f"run {run_id} step 1" in r.stdout, r.output
+        r = runner.invoke(app, ["lineage", "episode", episode, "--json"])
+        assert json.loads(r.stdout)["steps"][0]["sample_ids"] == [fed.samples[0].sample_id]
+        r = runner.invoke(app, ["lineage", "step", run_id, "--step", "9"])
+        assert r.exit_code == 1 and "recorded no step 9" in r.stderr, r.output
+        r = runner.invoke(app, ["lineage", "episode", "ep-missing"])
+        assert r.exit_code == 1 and "no episode 'ep-missing'" in r.stderr, r.output
+    finally:
+        get_settings.cache_clear()
 
 
 def test_lineage_is_written_with_the_step_or_not_at_all(trainer_store, tiny_model: Path
