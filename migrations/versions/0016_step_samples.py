@@ -40,7 +40,8 @@ CREATE TABLE step_samples (
     PRIMARY KEY (run_id, policy_version, position)
 );
 CREATE INDEX step_samples_step_idx ON step_samples (run_id, step, policy_version, position);
-CREATE INDEX step_samples_episode_idx ON step_samples (episode_id, run_id, policy_version);
+CREATE INDEX step_samples_episode_idx
+    ON step_samples (episode_id, run_id, policy_version, position);
 
 CREATE FUNCTION step_samples_record() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
