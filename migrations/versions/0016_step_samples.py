@@ -36,8 +36,10 @@ CREATE TABLE step_samples (
     episode_id      text NOT NULL,
     reward          double precision NOT NULL,
     dataset_id      bigint REFERENCES datasets ON DELETE RESTRICT,
+    -- the policy_updated event (events.position) that recorded the step: every such event
+    -- of the log gets its rows, whatever else the log holds
     event_position  bigint NOT NULL,
-    PRIMARY KEY (run_id, policy_version, position)
+    PRIMARY KEY (event_position, position)
 );
 CREATE INDEX step_samples_step_idx ON step_samples (run_id, step, policy_version, position);
 CREATE INDEX step_samples_episode_idx
@@ -52,6 +54,11 @@ BEGIN
         RETURN NULL;
     END IF;
     dataset := (trained->>'dataset_id')::bigint;
+    IF dataset IS NOT NULL AND NOT EXISTS (SELECT 1 FROM datasets WHERE dataset_id = dataset)
+    THEN
+        RAISE EXCEPTION 'policy_updated: trained.dataset_id % names no dataset version',
+            dataset;
+    END IF;
     INSERT INTO step_samples (run_id, policy_version, step, position, sample_id, episode_id,
                               reward, dataset_id, event_position)
     SELECT NEW.run_id, (NEW.data->>'version')::integer, (NEW.data->>'step')::integer,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import psycopg
 import pytest
 import trainer_episodes
 from fastapi.testclient import TestClient
@@ -160,10 +159,11 @@ def _cli(settings: Settings, monkeypatch: pytest.MonkeyPatch, run_id: str, fed,
         get_settings.cache_clear()
 
 
-def test_lineage_is_written_with_the_step_or_not_at_all(trainer_store, tiny_model: Path
-                                                       ) -> None:
-    """A step whose ``policy_updated`` cannot be stored leaves no lineage: the rows are
-    written by the insert of the event, in its transaction."""
+def test_lineage_is_written_with_the_step(trainer_store, tiny_model: Path) -> None:
+    """The lineage is written by the insert of ``policy_updated``: a step that recorded and
+    then failed before its acknowledgement keeps it; a ``trained`` that does not describe
+    one entry per sample is refused before it reaches the database (the refused-event case
+    is in the dataset test below)."""
     run_id = new_run(trainer_store, tiny_model, group_size=2)
     engine = TransformersBackend(tiny_model)
     record_group(trainer_store, engine, run_id, size=2, seed=1)
@@ -183,17 +183,43 @@ def test_lineage_is_written_with_the_step_or_not_at_all(trainer_store, tiny_mode
         trainer.step(hooks=StepHooks(before_ack=fail))
     (fed,) = step_lineage(trainer_store.db, run_id, 1)
     assert len(fed.samples) == 2
-    # A policy_updated whose rows the database refuses (a version already recorded with
-    # the same batch positions) is not stored either: the transaction is one.
-    with psycopg.connect(trainer_store.db.url) as conn:
-        before = conn.execute("SELECT count(*) FROM events").fetchone()
-        with pytest.raises(psycopg.errors.UniqueViolation):
-            conn.execute(
-                "INSERT INTO events (event_id, stream_id, stream_version, type, schema_version,"
-                " run_id, data) VALUES (gen_random_uuid(), %s, 99, 'policy_updated', 1, %s,"
-                " %s)", (run_stream_id(run_id), run_id, json.dumps({
-                    "version": 1, "step": 5, "metrics": {}, "trained": {
-                        "sample_ids": [1], "episode_ids": ["x"], "rewards": [0.0]}})))
-        conn.rollback()
-        assert conn.execute("SELECT count(*) FROM events").fetchone() == before
-        assert conn.execute("SELECT count(*) FROM step_samples WHERE step = 5").fetchone() == (0,)
+
+
+def test_a_step_that_names_a_dataset_version_records_it(trainer_store, tiny_model: Path
+                                                         ) -> None:
+    """A ``policy_updated`` whose ``trained`` names a dataset version (rows of it by index)
+    records the version with its lineage and in ``dataset_trained_by``: the version can no
+    longer be deleted. A version that does not exist refuses the event: nothing is stored."""
+    from store.datasets import delete_version, get_version, read_rows
+    from store.serving import append_policy_updated
+    from workers.datasets import derive_dataset
+
+    run_id = new_run(trainer_store, tiny_model, group_size=2)
+    record_group(trainer_store, TransformersBackend(tiny_model), run_id, size=2, seed=1)
+    made = derive_dataset(trainer_store, "lineage-ds", [run_id])
+    version = made.version
+    rows = read_rows(trainer_store.db, version.dataset_id)
+    trained = TrainedSamples(sample_ids=list(range(len(rows))),
+                             episode_ids=[r.episode_id for r in rows],
+                             rewards=[r.reward for r in rows], dataset_id=version.dataset_id)
+
+    missing = trained.model_copy(update={"dataset_id": version.dataset_id + 1000})
+    with pytest.raises(errors.RefusedError,
+                       match=f"dataset_id {version.dataset_id + 1000} names no dataset"):
+        append_policy_updated(trainer_store, run_id, PolicyUpdated(
+            version=1, step=1, trained=missing))
+    assert not [r for r in trainer_store.read_stream(run_stream_id(run_id))
+                if isinstance(r.event, PolicyUpdated)]
+
+    assert append_policy_updated(trainer_store, run_id, PolicyUpdated(
+        version=1, step=1, trained=trained)) is not None
+    (fed,) = step_lineage(trainer_store.db, run_id, 1)
+    assert fed.dataset_id == version.dataset_id
+    assert [s.episode_id for s in fed.samples] == [r.episode_id for r in rows]
+    (by,) = episode_lineage(trainer_store.db, rows[0].episode_id)
+    assert by.dataset_id == version.dataset_id and by.sample_ids[0] == 0
+    after = get_version(trainer_store.db, version.project, "lineage-ds", version.version)
+    assert after is not None
+    assert [(t["run_id"], t["step"]) for t in after.trained_by] == [(run_id, 1)]
+    with pytest.raises(errors.StoreError, match="trained"):
+        delete_version(trainer_store.db, version.project, "lineage-ds", version.version)
