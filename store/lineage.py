@@ -23,8 +23,8 @@ from store.arguments import whole_number
 from store.db import Database
 from store.stream_rules import run_stream_id
 
-__all__ = ["EpisodeStep", "StepLineage", "StepSample", "episode_lineage", "step_lineage",
-           "STEP_QUERY", "EPISODE_QUERY"]
+__all__ = ["EpisodeStep", "StepLineage", "StepSample", "dataset_project", "episode_lineage",
+           "step_lineage", "STEP_QUERY", "EPISODE_QUERY"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,12 @@ def episode_lineage(db: Database, episode_id: str) -> list[EpisodeStep]:
                                      sample_ids=(*seen.sample_ids, sample_id),
                                      rewards=(*seen.rewards, reward))
     return list(steps.values())
+
+
+def dataset_project(db: Database, dataset_id: int) -> str | None:
+    """The project of dataset version ``dataset_id`` (None: no such version), for checking
+    a ``policy_updated`` that names it before it is appended."""
+    with db.connection() as conn:
+        row = conn.execute("SELECT project FROM datasets WHERE dataset_id = %s",
+                           (dataset_id,)).fetchone()
+    return None if row is None else str(row[0])

@@ -98,6 +98,7 @@ def _rest(store, settings: Settings, run_id: str, fed, episode: str, waiting: st
     try:
         read = {"Authorization": f"Bearer {keys.create(project='default', role='read').token}"}
         other = {"Authorization": f"Bearer {keys.create(project='elsewhere', role='read').token}"}
+        train = {"Authorization": f"Bearer {keys.create(project='default', role='train').token}"}
     finally:
         keys.close()
     with TestClient(create_app(settings, store=store)) as client:
@@ -128,6 +129,23 @@ def _rest(store, settings: Settings, run_id: str, fed, episode: str, waiting: st
         r = client.get(f"/v1/runs/{run_id}/steps/1/lineage", headers=other)
         assert r.status_code == 403, r.text
         assert client.get(f"/v1/episodes/{episode}/lineage", headers=other).status_code == 403
+        # A policy_updated naming a dataset version that does not exist: 422 naming the field.
+        r = client.post(f"/v1/runs/{run_id}/events", headers=train, json={
+            "expected_version": "any", "events": [{
+                "type": "policy_updated", "version": 3, "step": 3, "trained": {
+                    "sample_ids": [1], "episode_ids": [episode], "rewards": [0.5],
+                    "dataset_id": 987654}}]})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == "trained.dataset_id", r.text
+        assert "no dataset version 987654" in r.json()["error"]["message"]
+        # The same without a dataset (the run's own projection) is recorded with its lineage.
+        r = client.post(f"/v1/runs/{run_id}/events", headers=train, json={
+            "expected_version": "any", "events": [{
+                "type": "policy_updated", "version": 3, "step": 3, "trained": {
+                    "sample_ids": [1], "episode_ids": [episode], "rewards": [0.5]}}]})
+        assert r.status_code == 200, r.text
+        r = client.get(f"/v1/runs/{run_id}/steps/3/lineage", headers=read)
+        assert r.json()["episode_ids"] == [episode], r.text
 
 
 def _cli(settings: Settings, monkeypatch: pytest.MonkeyPatch, run_id: str, fed,
