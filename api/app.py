@@ -27,6 +27,7 @@ from api.routers import (
     episodes,
     health,
     leases,
+    lineage,
     metrics,
     rollout,
     runs,
@@ -84,7 +85,7 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     app.add_middleware(NoNulInUrl)
     install_error_handlers(app)
     for module in (health, metrics, runs, episodes, samples, leases, completions, rollout,
-                   analytics, traces, datasets):
+                   analytics, traces, datasets, lineage):
         app.include_router(module.router)
     ui.install(app)
     install_openapi(app)

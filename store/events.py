@@ -60,6 +60,7 @@ __all__ = [
     "EpisodeFinished",
     "PolicyServed",
     "PolicyUpdated",
+    "TrainedSamples",
     "parse_event",
     "event_type",
     "DEFAULT_ROLLBACK_ERRORS",
@@ -661,6 +662,30 @@ class EpisodeFinished(Event):
     reason: str | None = None
 
 
+class TrainedSamples(_Frozen):
+    """Which samples a training step trained (lineage, ``store.lineage``): parallel lists,
+    one entry per sample in batch order: its id (the projection's ``sample_id``, or the row
+    index of ``dataset_id``'s version when the step trained a dataset), its episode and the
+    reward it was trained with. ``dataset_id`` None: the run's own projection."""
+
+    sample_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] = Field(min_length=1)
+    episode_ids: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    rewards: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(min_length=1)
+    dataset_id: int | None = Field(default=None, ge=1, le=2**63 - 1)
+
+    @model_validator(mode="after")
+    def _one_entry_per_sample(self) -> TrainedSamples:
+        n = len(self.sample_ids)
+        for name in ("episode_ids", "rewards"):
+            if len(getattr(self, name)) != n:
+                raise _refuse((name,), f"trained.{name} has {len(getattr(self, name))} "
+                              f"entries for {n} sample ids", len(getattr(self, name)))
+        if len(set(self.sample_ids)) != n:
+            raise _refuse(("sample_ids",), "trained.sample_ids names a sample twice",
+                          self.sample_ids)
+        return self
+
+
 @event_type
 class PolicyUpdated(Event):
     type: ClassVar[str] = "policy_updated"
@@ -668,6 +693,8 @@ class PolicyUpdated(Event):
     step: int = Field(ge=0)
     metrics: dict[str, float] = Field(default_factory=dict)
     checkpoint: str | None = None
+    #: the samples the step trained (None: not recorded, as before lineage)
+    trained: TrainedSamples | None = None
 
 
 @event_type

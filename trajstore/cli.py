@@ -1,8 +1,8 @@
 """The ``trajstore`` command line.
 
 The commands of the store live here; ``api_cli``, ``train_cli``, ``analytics_cli``,
-``export_cli`` and ``dataset_cli`` add theirs. Heavy imports (torch, FastAPI) happen inside
-the commands, so that ``trajstore status`` never pays for them.
+``export_cli``, ``dataset_cli`` and ``lineage_cli`` add theirs. Heavy imports (torch,
+FastAPI) happen inside the commands, so that ``trajstore status`` never pays for them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ check_own_packages()
 
 from store import errors  # noqa: E402
 from store.settings import Settings, get_settings  # noqa: E402
-from trajstore import analytics_cli, api_cli, dataset_cli, export_cli, train_cli  # noqa: E402
+from trajstore import (  # noqa: E402
+    analytics_cli,
+    api_cli,
+    dataset_cli,
+    export_cli,
+    lineage_cli,
+    train_cli,
+)
 from trajstore.processes import register  # noqa: E402
 from trajstore.store_access import open_store  # noqa: E402
 
@@ -799,7 +806,7 @@ def stop(
 
 def _register_extensions() -> None:
     """The commands of the other modules of this package (each has ``register(app)``)."""
-    for extension in (api_cli, train_cli, analytics_cli, export_cli, dataset_cli):
+    for extension in (api_cli, train_cli, analytics_cli, export_cli, dataset_cli, lineage_cli):
         extension.register(app)
 
 

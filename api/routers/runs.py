@@ -29,7 +29,7 @@ from api.schemas.runs import (
     VersionTakeupOut,
 )
 from store import errors as store_errors
-from store import queries, serving
+from store import lineage, queries, serving
 from store.eventlog import NO_STREAM, run_stream_id
 from store.eventlog import AppendResult as StoreAppendResult
 from store.events import RunCreated as RunCreatedEvent
@@ -131,11 +131,13 @@ def append_run_events(run_id: str, body: AppendRequest, key: TrainKey, ctx: Ctx
     ``expected_policy_version``; a faithful retry of a stored batch (same event ids) is
     answered as a retry. Its ``checkpoint``, when given, must lie under the checkpoint root
     (setting ``checkpoint_root``, else ``<data_dir>/checkpoints``; paths resolved before
-    comparing, ``store.serving.checkpoint_problem``), else 422 naming ``checkpoint``.
-    Nothing is stored then."""
+    comparing, ``store.serving.checkpoint_problem``), else 422 naming ``checkpoint``; its
+    ``trained`` (the samples the step trained, docs/datasets.md) may name a dataset version
+    of the key's project only, else 422 naming ``trained.dataset_id``. Nothing is stored
+    then."""
     ctx.access.check_run(key, run_id)
     stream = run_stream_id(run_id)
-    result = _append_policy_updates(ctx, run_id, body)
+    result = _append_policy_updates(ctx, run_id, body, key.project)
     return AppendResult(stream_id=stream, version=result.version,
                         positions=list(result.positions), duplicate=result.duplicate)
 
@@ -145,13 +147,14 @@ def _policy_updates(events: Sequence[Any]) -> list[tuple[int, Mapping[str, Any]]
             if isinstance(e, Mapping) and e.get("type") == "policy_updated"]
 
 
-def _append_policy_updates(ctx: ApiContext, run_id: str, body: AppendRequest
+def _append_policy_updates(ctx: ApiContext, run_id: str, body: AppendRequest, project: str
                            ) -> StoreAppendResult:
     """Check the batch's ``policy_updated`` events (``append_run_events``) and append it.
     The versions are checked against the newest read after the stream's version, and the
     batch appended at that stream version: an update that lands in between makes the
     append conflict, and the check runs again (for ``expected_version`` ``"any"``; a
-    client's own expected version is the client's to retry)."""
+    client's own expected version is the client's to retry). A ``trained.dataset_id`` must
+    name a dataset version of ``project``."""
     stream = run_stream_id(run_id)
     updates = _policy_updates(body.events)
     root = serving.checkpoint_root(ctx.settings)
@@ -160,6 +163,14 @@ def _append_policy_updates(ctx: ApiContext, run_id: str, body: AppendRequest
         if problem is not None:
             raise ApiError(422, "invalid_event", f"event {index}, field 'checkpoint': {problem}",
                            event_index=index, field="checkpoint")
+        trained = event.get("trained")
+        dataset_id = trained.get("dataset_id") if isinstance(trained, Mapping) else None
+        if (isinstance(dataset_id, int) and not isinstance(dataset_id, bool)
+                and 1 <= dataset_id < 2**63
+                and lineage.dataset_project(ctx.store.db, dataset_id) != project):
+            raise ApiError(422, "invalid_event", f"event {index}, field 'trained.dataset_id': "
+                           f"no dataset version {dataset_id} in project {project!r}",
+                           event_index=index, field="trained.dataset_id")
     ids = [e.get("event_id") for _, e in updates]
     if ids and all(isinstance(i, str) for i in ids) and _all_stored(ctx, ids):
         # A retry: the store answers it as one (or refuses other content under those ids).

@@ -96,6 +96,8 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("GET", "/v1/datasets/matrix-ds/versions/1", "read", lambda: None),
         ("GET", "/v1/datasets/matrix-ds/versions/1/rows", "read", lambda: None),
         ("DELETE", "/v1/datasets/matrix-ds/versions/1", "admin", lambda: None),
+        ("GET", f"/v1/runs/{run}/steps/1/lineage", "read", lambda: None),
+        ("GET", f"/v1/episodes/{episode}/lineage", "read", lambda: None),
         # Last: it closes the episode the routes above write to.
         ("POST", f"/v1/episodes/{episode}/finish", "ingest", lambda: {}),
     ]
@@ -134,7 +136,8 @@ def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
                   .replace(str(lease.lease_id), "{lease_id}")
                   .replace("/models/trajstore", "/models/{model_id}")
                   .replace("/matrix-ds", "/{dataset}")
-                  .replace("/versions/1", "/versions/{version}"))
+                  .replace("/versions/1", "/versions/{version}")
+                  .replace("/steps/1/", "/steps/{step}/"))
                  for m, p in covered}
     assert templated | public == documented, "the matrix must cover every route"
 

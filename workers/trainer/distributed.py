@@ -62,7 +62,7 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
-from workers.trainer.loop import StepHooks, Taken, Trainer, _latest_checkpoint
+from workers.trainer.loop import StepHooks, Taken, Trainer, _latest_checkpoint, trained_samples
 from workers.trainer.packing import packed_response_log_probs
 from workers.trainer.policy import response_log_probs
 from workers.trainer.ppo import PPOStats, micro_batches
@@ -555,7 +555,7 @@ class DistributedTrainer(Trainer):
                     raise
             if append_policy_updated(self.store, self.run_id, PolicyUpdated(
                     version=version, step=self.steps_done, metrics=metrics,
-                    checkpoint=url or str(path))) is None:
+                    checkpoint=url or str(path), trained=trained_samples(lease))) is None:
                 if url is not None:
                     checkpoint_urls.remove(url)
                 shutil.move(path / OPTIMIZER_DIR, optimizer_dir)

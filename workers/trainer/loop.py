@@ -17,7 +17,8 @@ One :meth:`Trainer.step`:
 7. save a checkpoint (safetensors) under the data directory, or under
    ``TrainerConfig.checkpoint_root`` (a folder, or an fsspec URL the checkpoint is uploaded
    to: :mod:`workers.checkpoint_urls`);
-8. append ``policy_updated`` (version, step, metrics, checkpoint) to the run's stream;
+8. append ``policy_updated`` (version, step, metrics, checkpoint, and the samples it trained:
+   their ids, episodes and rewards, ``store.lineage``) to the run's stream;
 9. push the weights to the rollout engine, when one is attached, and record that it serves
    the new version (``policy_served``, ``store.serving``); the step's metrics tell how the
    engines took the version it started from (:func:`takeup_metrics`);
@@ -51,7 +52,7 @@ from typing import Any, Protocol
 import torch
 
 from store.eventlog import EventStore, run_stream_id
-from store.events import PolicyUpdated, RunConfig
+from store.events import PolicyUpdated, RunConfig, TrainedSamples
 from store.leasing import Lease, LeaseExpired, Leasing
 from store.queries import episode_sampling_params
 from store.serving import append_policy_updated, policy_takeup, record_policy_served
@@ -83,8 +84,8 @@ from workers.trainer.update import update_batch
 from workers.trainer.weights import push_weights
 
 __all__ = ["Distribution", "OneProcess", "StepHooks", "StepResult", "Taken", "Trainer",
-           "TrainerBroken", "default_device",
-           "staleness_metrics", "takeup_metrics", "unit_ids", "unit_loss_weights"]
+           "TrainerBroken", "default_device", "staleness_metrics", "takeup_metrics",
+           "trained_samples", "unit_ids", "unit_loss_weights"]
 
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,15 @@ class StepResult:
     @property
     def trained(self) -> bool:
         return self.version is not None
+
+
+def trained_samples(lease: Lease) -> TrainedSamples:
+    """What the step trained from ``lease`` (its ``policy_updated``'s ``trained``): the
+    leased samples' ids, episodes and rewards, in batch order; the run's own projection (no
+    dataset)."""
+    return TrainedSamples(sample_ids=[s.sample_id for s in lease.samples],
+                          episode_ids=[s.episode_id for s in lease.samples],
+                          rewards=[s.reward for s in lease.samples])
 
 
 def staleness_metrics(policy_versions: tuple[int | None, ...], current: int
@@ -559,7 +569,7 @@ class Trainer:
                     shutil.rmtree(path, ignore_errors=True)
             if append_policy_updated(self.store, self.run_id, PolicyUpdated(
                     version=version, step=self.steps_done, metrics=metrics,
-                    checkpoint=url or str(path))) is None:
+                    checkpoint=url or str(path), trained=trained_samples(lease))) is None:
                 if url is not None:
                     checkpoint_urls.remove(url)
                 else:
