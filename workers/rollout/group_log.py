@@ -117,6 +117,11 @@ class StoreGroupLog:
                                                         from_version=max(1, version - 1))]
         return _state(version, tail)
 
+    def stream_events(self, stream_id: str) -> list[Event]:
+        """Every event of ``stream_id`` in order (empty when it does not exist): what a
+        resumed episode replays (:func:`~workers.rollout.loop.arun_episode`'s ``resume``)."""
+        return [r.event for r in self.store.read_stream(stream_id)]
+
     def run_config(self, run_id: str) -> RunConfig:
         return self.store.get_run(run_id).config
 
