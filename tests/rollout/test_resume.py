@@ -8,6 +8,11 @@ one."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +31,8 @@ from workers.engines.backend_transformers import TransformersBackend
 from workers.replay.jobs.project import project_episode
 from workers.rollout.agent_tasks import Task
 from workers.rollout.episode_writer import EpisodeWriter, deterministic_event_id
+from workers.rollout.group import episode_id_for, group_id_for, play_group
+from workers.rollout.group_log import StoreGroupLog
 from workers.rollout.loop import INTERRUPTED_TOOL_ERROR, EpisodeResult, run_episode
 from workers.rollout.tools import ToolOutcome, ToolRegistry, function_schema
 
@@ -41,13 +48,18 @@ class Ledger:
     schema = function_schema("ledger", description="Write a line to the ledger.",
                              properties={"line": {"type": "string"}}, required=["line"])
 
-    def __init__(self, path: Path, *, idempotent: bool = False) -> None:
+    def __init__(self, path: Path, *, idempotent: bool = False, hang_after: str | None = None
+                 ) -> None:
         self.path = path
         self.idempotent = idempotent
+        self.hang_after = hang_after  # this line is written, then the call never returns
 
     def __call__(self, arguments: dict[str, Any]) -> ToolOutcome:
         with self.path.open("a") as f:
             f.write(arguments["line"] + "\n")
+        if arguments["line"] == self.hang_after:
+            self.path.with_suffix(".running").touch()
+            time.sleep(600)
         return ToolOutcome(output=f"wrote {arguments['line']}")
 
     def lines(self) -> list[str]:
@@ -230,3 +242,47 @@ def test_a_log_the_replay_does_not_reproduce_ends_the_episode_in_error(
 
     with pytest.raises(ValueError, match="resume must be an episode's stored events"):
         play(store, backend, ledger, run_id, config, "other", resume=stored[1:])
+
+
+def test_a_sigkilled_player_is_resumed_and_its_tool_not_run_twice(
+        store: EventStore, pg_url: str, hf_backend: TransformersBackend, tmp_path: Path,
+        tiny_model_dir: Path) -> None:
+    """A real process plays a group of one and is SIGKILLed while its first tool call runs
+    (the line is written, the result never stored); the next play of the group resumes the
+    episode: call 1 from the log, the interrupted call answered with an error instead of a
+    second run, and the episode finished, with every line written once."""
+    run_id, _ = new_run(store, tiny_model_dir)
+    ledger = Ledger(tmp_path / "ledger.txt")
+    player = subprocess.Popen(
+        [sys.executable, "-m", "tests.rollout.resume_player", pg_url, str(tmp_path / "data"),
+         run_id, str(tiny_model_dir), str(ledger.path)],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "player.log", "w"))  # noqa: SIM115
+    try:
+        running = ledger.path.with_suffix(".running")
+        deadline = time.monotonic() + 240
+        while not running.exists():
+            assert player.poll() is None, (tmp_path / "player.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the player never ran the tool"
+            time.sleep(0.2)
+        os.kill(player.pid, signal.SIGKILL)
+    finally:
+        player.kill()
+        player.wait()
+    episode = episode_id_for(group_id_for(run_id, TASK.task_id, 0, 0), 0)
+    stored = events_of(store, episode)
+    assert [e.type for e in stored] == ["episode_started", "llm_called", "checkpoint_created"]
+    assert ledger.lines() == ["a"]
+
+    backend = ReplayBackend(hf_backend, SCRIPT[1:])
+    result = play_group(log=StoreGroupLog(store), run_id=run_id, task=TASK, backend=backend,
+                        tools=ToolRegistry([ledger]), policy_version=0)
+    (slot,) = result.slots
+    assert (slot.episode_id, slot.resumed, slot.played, slot.status) == (
+        episode, True, True, "completed")
+    assert backend.remaining == 0 and ledger.lines() == ["a", "b"]
+    events = events_of(store, episode)
+    assert [e.event_id for e in events[:3]] == [e.event_id for e in stored]
+    interrupted = next(e for e in events if isinstance(e, ToolReturned))
+    assert interrupted.error_type == INTERRUPTED_TOOL_ERROR
+    assert [e.type for e in events].count("llm_called") == 3
