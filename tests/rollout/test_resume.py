@@ -237,8 +237,11 @@ def test_a_log_the_replay_does_not_reproduce_ends_the_episode_in_error(
     assert "policy version 0" in result.reason and "serves 3" in result.reason
     assert backend.remaining == 2 and ledger.lines() == ["a"]  # nothing generated or run
     events = events_of(store, episode)
-    assert [e.type for e in events[len(stored):]] == ["reward_assigned", "episode_finished"]
-    assert events[-1].status == "error" and events[-2].source == "error"
+    # No reward: the episode's samples are never ready, so it is never trained.
+    assert [e.type for e in events[len(stored):]] == ["episode_finished"]
+    assert events[-1].status == "error" and result.reward is None
+    assert project_episode(store, episode).outcome == "written"
+    assert {s["status"] for s in stored_samples(store, episode).values()} == {"no_reward"}
 
     with pytest.raises(ValueError, match="resume must be an episode's stored events"):
         play(store, backend, ledger, run_id, config, "other", resume=stored[1:])

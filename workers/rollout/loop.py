@@ -66,7 +66,7 @@ Semantics:
   result is a ``ToolInterruptedError`` error outcome, handled as any tool error (rollback
   patterns included). A log the replay does not reproduce (another policy version, other
   prompt ids, other events, events left over at the end) ends the episode ``error`` with the
-  reason (reward 0, source "error").
+  reason and no ``reward_assigned``, so it is never trained.
 """
 
 from __future__ import annotations
@@ -565,7 +565,8 @@ class _Episode:
         except Exception as exc:  # recorded as the episode's end, not lost
             status = "error"
             reason = f"{type(exc).__name__}: {exc}"
-            reward = Reward(0.0, {}, source="error")
+            # A log that cannot be continued gets no reward: its samples are never leased.
+            reward = None if isinstance(exc, ResumeError) else Reward(0.0, {}, source="error")
         if reward is not None:  # an unscored task records none: no reward is invented
             await self.emit(RewardAssigned(**self.stamp(), value=reward.value,
                                            components=reward.components,
