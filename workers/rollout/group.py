@@ -26,7 +26,7 @@ looked at first:
   at (a worker still writing it makes that append conflict, and the slot is left to that
   worker). See "Resume" in :mod:`workers.rollout.loop`: a log the replay does not reproduce
   ends the episode ``error`` with the reason. Through a log that cannot read a stream's
-  events (``stream_events``: the API log) the episode is closed as ``aborted`` instead, as the
+  events (one without ``stream_events``) the episode is closed as ``aborted`` instead, as the
   sweep would, and the slot's next attempt is played.
 
 So a group never holds more than n episodes that were played to the end.

@@ -208,7 +208,6 @@ class _Episode:
         # The stored events of a resumed episode not yet replayed (module docstring).
         self.recorded: collections.deque[Event] = collections.deque(resume)
         self.replayed = 0
-        self.resumed = bool(resume)
 
     # --- events ---------------------------------------------------------------------------
 
