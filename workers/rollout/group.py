@@ -43,7 +43,7 @@ from typing import Any
 
 from store.arguments import whole_number
 from store.errors import ConflictError, IdempotencyError
-from store.events import EpisodeFinished, Event, RunConfig
+from store.events import EpisodeFinished, Event, RewardAssigned, RunConfig
 from workers.engines.backend import AsyncGenerationBackend, GenerationBackend, SamplingParams
 from workers.engines.prompt import RunPrompt, run_prompt
 from workers.rollout.agent_tasks import Task
@@ -192,7 +192,9 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
         if state.version > 0 and read_events is not None:
             stored: list[Event] = list(await asyncio.to_thread(read_events, episode_id))
             if stored and isinstance(stored[-1], EpisodeFinished):  # it finished meanwhile
-                outcome = SlotOutcome(slot, episode_id, stored[-1].status, None, False)
+                reward = next((e.value for e in reversed(stored)
+                               if isinstance(e, RewardAssigned)), None)
+                outcome = SlotOutcome(slot, episode_id, stored[-1].status, reward, False)
                 break
             plan.writer.start(episode_id, len(stored))
             resume = stored
