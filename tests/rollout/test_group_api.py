@@ -71,6 +71,15 @@ def test_group_through_the_api(api: tuple[str, EventStore, Settings],
             calls = [e.event for e in events if e.type == "llm_called"]
             assert calls and calls[0].response_ids.size == calls[0].logprobs.size
             assert log.stream_state(slot.episode_id) == direct.stream_state(slot.episode_id)
+            # What a resume reads: the same events, token payloads included.
+            through_api = log.stream_events(slot.episode_id)
+            stored = direct.stream_events(slot.episode_id)
+            assert [e.event_id for e in through_api] == [e.event_id for e in stored]
+            assert [e.to_data() for e in through_api] == [e.to_data() for e in stored]
+            for mine, theirs in zip(through_api, stored, strict=True):
+                for name, array in theirs.token_payloads().items():
+                    assert mine.token_payloads()[name].tolist() == array.tolist()
+        assert log.stream_events("no-such-episode") == []
         assert play().played == 0
         assert len(store.list_episodes(run_id)) == 2
         assert log.stream_version("no-such-episode") == 0

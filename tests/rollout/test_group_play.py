@@ -120,29 +120,43 @@ class CrashingLog(StoreGroupLog):
         return await super().aappend(stream_id, events, expected_version)
 
 
-def test_abandoned_episode_is_aborted_and_replaced(
+def test_abandoned_episode_is_resumed(
         store: EventStore, hf_backend: TransformersBackend, registry: ToolRegistry) -> None:
-    run_id = new_run(store, group_size=2)
+    """The worker dies at its 3rd append: the next play resumes each unfinished episode
+    where its log ends (same episode, nothing stored appended again) and the group ends as
+    an uninterrupted one with the same sampling seed does, token for token."""
+    from store.events import LLMCalled, RolloutConfig
+
+    def tokens_and_rewards(run_id: str, result: Any) -> list[tuple[list[list[int]], Any]]:
+        return [([e.event.response_ids.tolist() for e in store.get_episode(s.episode_id)
+                  if isinstance(e.event, LLMCalled)], s.reward) for s in result.slots]
+
+    rollout = RolloutConfig(seed=3, max_tokens=24)
+    reference_run = new_run(store, group_size=2, rollout=rollout)
+    reference = play(store, hf_backend, registry, reference_run)
+    run_id = new_run(store, group_size=2, rollout=rollout)
     crashing = CrashingLog(store, stop_at=3)
     with pytest.raises(KeyboardInterrupt):
         play(store, hf_backend, registry, run_id, log=crashing)
     group_id = group_id_for(run_id, TASK.task_id, 0, 0)
     before = {e.episode_id: e.status for e in store.list_episodes(run_id)}
     assert "running" in before.values()
+    stored = {eid: [e.event.event_id for e in store.get_episode(eid)] for eid in before}
 
     result = play(store, hf_backend, registry, run_id)
     by_id = {e.episode_id: e for e in store.list_episodes(run_id)}
     abandoned = [eid for eid, status in before.items() if status == "running"]
     assert abandoned  # the slots play concurrently: one or both were cut off
     for dead in abandoned:
-        assert by_id[dead].status == "aborted"
         slot = int(dead.rsplit("-", 1)[1])
-        replaced = result.slots[slot]
-        assert replaced.episode_id == episode_id_for(group_id, slot, 1)
-        assert replaced.aborted == (dead,) and replaced.played
-        assert by_id[replaced.episode_id].status not in ("running", "aborted")
-    finished = [e for e in by_id.values() if e.status not in ("running", "aborted")]
-    assert len(finished) == 2
+        resumed = result.slots[slot]
+        assert resumed.episode_id == dead == episode_id_for(group_id, slot)
+        assert resumed.resumed and resumed.played and resumed.aborted == ()
+        assert by_id[dead].status not in ("running", "aborted", "error")
+        ids = [e.event.event_id for e in store.get_episode(dead)]
+        assert ids[:len(stored[dead])] == stored[dead] and len(set(ids)) == len(ids)
+    assert sorted(by_id) == sorted(episode_id_for(group_id, k) for k in range(2))
+    assert tokens_and_rewards(run_id, result) == tokens_and_rewards(reference_run, reference)
     assert play(store, hf_backend, registry, run_id).played == 0
 
 
@@ -157,13 +171,14 @@ def test_a_live_writer_keeps_its_slot(store: EventStore, hf_backend: Transformer
     version = store.stream_version(first)
 
     class RacingLog(StoreGroupLog):
-        """A log where the first worker appends again just before the abort lands."""
+        """A log where the first worker appends again just after its events were read for
+        the resume: the resumed episode's first append conflicts."""
 
-        def stream_state(self, stream_id: str) -> Any:
-            state = super().stream_state(stream_id)
-            if stream_id == first and state.version == version:
+        def stream_events(self, stream_id: str) -> list[Event]:
+            events = super().stream_events(stream_id)
+            if stream_id == first and len(events) == version:
                 store.append(first, [_tool_event()], version)
-            return state
+            return events
 
     result = play(store, hf_backend, registry, run_id, log=RacingLog(store))
     assert result.played == 0 and result.slots[0].status is None

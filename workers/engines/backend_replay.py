@@ -67,6 +67,11 @@ class ReplayBackend:
         return self.scorer.policy_version
 
     @property
+    def tokenizer(self) -> object:
+        """The scorer's tokenizer (what decodes its responses)."""
+        return self.scorer.tokenizer
+
+    @property
     def remaining(self) -> int:
         """How many recorded responses are left."""
         return len(self._script)

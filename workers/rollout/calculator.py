@@ -140,6 +140,7 @@ class Calculator:
     """The ``calculator`` tool: ``{"expression": "12 * (3 + 4)"}`` → ``"84"``."""
 
     name = "calculator"
+    idempotent = True  # a pure function: a call interrupted at a crash may run again
     schema = function_schema(
         "calculator",
         description="Evaluate an arithmetic expression with + - * / // % ** and parentheses.",

@@ -19,9 +19,15 @@ looked at first:
   ``episode_finished``). Another worker that got there first makes the first append conflict:
   the slot is left to it;
 - finished: it is counted, not played again;
-- started but unfinished (the worker that played it died): it is closed as ``aborted``, as the
-  sweep would, with the version it was seen at (a worker still writing it makes that append
-  conflict, and the slot is left to that worker), and the slot's next attempt is played.
+- started but unfinished (the worker that played it died): it is resumed. Its stored events
+  are read and the episode is played again with the same seed, taking each recorded LLM call
+  and tool result from the log instead of generating or running it again, and goes on from
+  the last recorded call, its events appended after the stored ones at the version they end
+  at (a worker still writing it makes that append conflict, and the slot is left to that
+  worker). See "Resume" in :mod:`workers.rollout.loop`: a log the replay does not reproduce
+  ends the episode ``error`` with the reason. Through a log that cannot read a stream's
+  events (one without ``stream_events``) the episode is closed as ``aborted`` instead, as the
+  sweep would, and the slot's next attempt is played.
 
 So a group never holds more than n episodes that were played to the end.
 """
@@ -37,7 +43,7 @@ from typing import Any
 
 from store.arguments import whole_number
 from store.errors import ConflictError, IdempotencyError
-from store.events import EpisodeFinished, RunConfig
+from store.events import EpisodeFinished, Event, RewardAssigned, RunConfig
 from workers.engines.backend import AsyncGenerationBackend, GenerationBackend, SamplingParams
 from workers.engines.prompt import RunPrompt, run_prompt
 from workers.rollout.agent_tasks import Task
@@ -105,10 +111,12 @@ class SlotOutcome:
     reward: float | None
     played: bool
     aborted: tuple[str, ...] = ()
+    resumed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"slot": self.slot, "episode_id": self.episode_id, "status": self.status,
-                "reward": self.reward, "played": self.played, "aborted": list(self.aborted)}
+                "reward": self.reward, "played": self.played, "aborted": list(self.aborted),
+                "resumed": self.resumed}
 
 
 @dataclass(frozen=True)
@@ -169,17 +177,28 @@ class _Plan:
 
 
 async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
-    """Settle one slot: count a finished episode, close an abandoned one and play the next
-    attempt, or play it (module docstring)."""
+    """Settle one slot: count a finished episode, resume an abandoned one (or close it and
+    play the next attempt), or play it (module docstring)."""
     aborted: list[str] = []
     outcome: SlotOutcome | None = None
+    read_events = getattr(plan.log, "stream_events", None)
     for attempt in range(MAX_ATTEMPTS):
         episode_id = episode_id_for(plan.group_id, slot, attempt)
         state = await asyncio.to_thread(plan.log.stream_state, episode_id)
         if state.finished:
             outcome = SlotOutcome(slot, episode_id, state.status, state.reward, False)
             break
-        if state.version > 0:
+        resume: list[Event] | None = None
+        if state.version > 0 and read_events is not None:
+            stored: list[Event] = list(await asyncio.to_thread(read_events, episode_id))
+            if stored and isinstance(stored[-1], EpisodeFinished):  # it finished meanwhile
+                reward = next((e.value for e in reversed(stored)
+                               if isinstance(e, RewardAssigned)), None)
+                outcome = SlotOutcome(slot, episode_id, stored[-1].status, reward, False)
+                break
+            plan.writer.start(episode_id, len(stored))
+            resume = stored
+        elif state.version > 0:
             if not await asyncio.to_thread(_abort, plan.writer, episode_id, state.version):
                 outcome = SlotOutcome(slot, episode_id, None, None, False)
                 break
@@ -193,19 +212,20 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
                 rollback=plan.config, group_id=plan.group_id, episode_id=episode_id,
                 max_turns=plan.max_turns, max_total_tokens=plan.max_total_tokens,
                 policy_version=plan.policy_version, tool_runner=plan.tool_runner,
-                prompt=plan.prompt, gate=plan.gate)
+                prompt=plan.prompt, gate=plan.gate, resume=resume or None)
         except (ConflictError, IdempotencyError):
             # Another delivery of this task got to the slot first: it is theirs.
             outcome = SlotOutcome(slot, episode_id, None, None, False)
             break
         outcome = SlotOutcome(slot, episode_id, result.status,
-                              None if result.reward is None else result.reward.value, True)
+                              None if result.reward is None else result.reward.value, True,
+                              resumed=bool(resume))
         break
     if outcome is None:
         outcome = SlotOutcome(slot, episode_id_for(plan.group_id, slot, MAX_ATTEMPTS - 1),
                               "aborted", None, False)
     return SlotOutcome(outcome.slot, outcome.episode_id, outcome.status, outcome.reward,
-                       outcome.played, tuple(aborted))
+                       outcome.played, tuple(aborted), outcome.resumed)
 
 
 async def aplay_group(

@@ -9,9 +9,10 @@ records which policy version the worker's engine took (``policy_served``,
 - :class:`StoreGroupLog` on an :class:`~store.eventlog.EventStore` (workers that reach the
   database);
 - :class:`ApiGroupLog` on a trajstore API (workers on other machines): ``POST
-  /v1/episodes/{id}/events`` to append, ``GET /v1/episodes/{id}`` and ``GET
-  /v1/runs/{id}`` to read, ``POST /v1/runs/{id}/served`` to report the policy version an
-  engine took, with a key that may read and ingest (role ``admin``). The API's
+  /v1/episodes/{id}/events`` to append, ``GET /v1/episodes/{id}`` (``?tokens=false`` except
+  to resume an episode) and ``GET /v1/runs/{id}`` to read, ``POST /v1/runs/{id}/served`` to
+  report the policy version an engine took, with a key that may read and ingest (role
+  ``admin``). The API's
   answers are translated into the store's errors (409 → ``ConflictError`` /
   ``IdempotencyError``, 422 → ``ValidationError``, 404 → ``NotFoundError``, 5xx and network
   failures → ``TransientError``, other refusals (401, 403, 413) → ``StoreError``), so callers
@@ -122,6 +123,11 @@ class StoreGroupLog:
         tail = [r.event for r in self.store.read_stream(stream_id,
                                                         from_version=max(1, version - 1))]
         return _state(version, tail)
+
+    def stream_events(self, stream_id: str) -> list[Event]:
+        """Every event of ``stream_id`` in order (empty when it does not exist): what a
+        resumed episode replays (:func:`~workers.rollout.loop.arun_episode`'s ``resume``)."""
+        return [r.event for r in self.store.read_stream(stream_id)]
 
     def run_config(self, run_id: str) -> RunConfig:
         return self.store.get_run(run_id).config
@@ -241,6 +247,24 @@ class ApiGroupLog:
         tail = [parse_event(e["type"], e["data"]) for e in events[-2:]
                 if e["type"] in ("reward_assigned", "episode_finished")]
         return _state(int(events[-1]["stream_version"]), tail)
+
+    def stream_events(self, stream_id: str) -> list[Event]:
+        """Every event of ``stream_id`` with its token payloads (``GET /v1/episodes/{id}``),
+        in order; empty when it does not exist."""
+        import datetime as dt
+
+        from store.events import parse_event
+
+        try:
+            detail = self._request("GET", f"/v1/episodes/{stream_id}",
+                                   params={"tokens": "true", "encoding": "json"})
+        except errors.NotFoundError:
+            return []
+        return [parse_event(e["type"], e["data"], tokens=e.get("tokens") or None,
+                            event_id=e["event_id"],
+                            occurred_at=dt.datetime.fromisoformat(e["occurred_at"])
+                            if e.get("occurred_at") else None, stored=True)
+                for e in detail.get("events") or []]
 
     def run_config(self, run_id: str) -> RunConfig:
         return RunConfig.model_validate(self._request("GET", f"/v1/runs/{run_id}")["config"])

@@ -49,18 +49,35 @@ Semantics:
 - Sampling seeds: with ``sampling.seed`` set, the k-th call of the episode uses ``seed + k``.
 - Writing: events are appended in order, one batch per LLM call (the events since the last
   call go to the sink as the next call starts, and the episode's last events as it ends), in
-  the background: generation does not wait for the store. An append that fails stops the
-  episode at its next step with that error (the episode cannot be recorded); the episode's
-  result is returned only once every event is stored.
+  the background: generation does not wait for the store. Before a tool that is not
+  idempotent (:meth:`~workers.rollout.tools.ToolRegistry.idempotent`) runs, every event
+  before it is stored (the call that asked for it, the checkpoint, the results before it).
+  An append that fails stops the episode at its next step with that error (the episode
+  cannot be recorded); the episode's result is returned only once every event is stored.
+- Resume (``resume``: the stored events of an episode whose worker died): the episode is
+  played again with the same arguments, and while stored events remain, each LLM call is
+  taken from its ``llm_called`` (never generated again: the prompt ids the replay renders
+  must equal the recorded ones, and the recorded response ids must decode to the recorded
+  message), each tool result from its ``tool_returned`` (never run again), and every other
+  event is checked against the stored one and not appended again; once they are used up the
+  episode goes on with the engine and the tools, its events appended after the stored ones.
+  In the last turn taken from the log, the first tool call without a stored result may have
+  been running at the crash: it runs again when its tool is idempotent, and otherwise its
+  result is a ``ToolInterruptedError`` error outcome, handled as any tool error (rollback
+  patterns included). A log the replay does not reproduce (another policy version, other
+  prompt ids, other events, events left over at the end) ends the episode ``error`` with the
+  reason and no ``reward_assigned``, so it is never trained.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime as dt
+import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -87,7 +104,7 @@ from workers.engines.backend import (
     PromptRenderer,
     SamplingParams,
 )
-from workers.engines.prompt import RunPrompt
+from workers.engines.prompt import RunPrompt, decode_response
 from workers.engines.toolcall import ParsedResponse, parse_response
 from workers.rollout.agent_tasks import Task
 from workers.rollout.aio import append_async, generate_async, run_sync
@@ -100,6 +117,7 @@ from workers.rollout.tools import TOOL_NOT_FOUND_ERROR, ToolOutcome, ToolRegistr
 __all__ = [
     "FORMAT_ERROR_TOOL_NAME",
     "FORMAT_ERROR_TYPE",
+    "INTERRUPTED_TOOL_ERROR",
     "EpisodeResult",
     "arun_episode",
     "run_episode",
@@ -107,6 +125,9 @@ __all__ = [
 
 FORMAT_ERROR_TOOL_NAME = "invalid_tool_call"
 FORMAT_ERROR_TYPE = "ToolCallFormatError"
+#: Error type of the result of a non-idempotent tool call that was running when the worker
+#: playing the episode died (its result is unknown; it is not run again).
+INTERRUPTED_TOOL_ERROR = "ToolInterruptedError"
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,22 @@ class _Generation(NamedTuple):
     call_id: str
     result: GenerationResult
     parsed: ParsedResponse
+    recorded: bool = False  # taken from the log of a resumed episode
+
+
+class ResumeError(Exception):
+    """The stored events of a resumed episode are not what replaying it makes: the log
+    cannot be continued (the episode ends ``error`` with this reason)."""
+
+
+#: Fields that differ between two plays of the same step (times, ids).
+_VOLATILE = frozenset({"event_id", "occurred_at", "latency_ms", "duration_ms"})
+
+
+def _comparable(event: Event) -> Any:
+    """``event``'s fields that a replay must reproduce, as plain JSON data."""
+    data = event.model_dump(exclude=set(_VOLATILE))
+    return json.loads(json.dumps(data, default=str))
 
 
 class _SinkFailure(Exception):
@@ -152,7 +189,8 @@ class _Episode:
                  max_total_tokens: int, agent: str, policy_version: int,
                  tool_runner: ToolRunner, prompt: RunPrompt | None,
                  gate: asyncio.Semaphore | None,
-                 branched_from: BranchedFrom | None = None) -> None:
+                 branched_from: BranchedFrom | None = None,
+                 resume: Sequence[Event] = ()) -> None:
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
         self.gate = gate
         self.prompt = prompt
@@ -171,13 +209,92 @@ class _Episode:
         self.last_total = 0
         self.buffer: list[Event] = []
         self.writing: asyncio.Future[None] | None = None
+        # The stored events of a resumed episode not yet replayed (module docstring).
+        self.recorded: collections.deque[Event] = collections.deque(resume)
+        self.replayed = 0
 
     # --- events ---------------------------------------------------------------------------
 
     async def emit(self, *events: Event) -> None:
-        """Queue ``events``; they are appended, in order, at the next :meth:`flush`."""
+        """Queue ``events``; they are appended, in order, at the next :meth:`flush`. While a
+        resumed episode replays its stored events, each is checked against the next stored
+        one instead (ResumeError when they differ) and not appended again."""
         self.check_writes()
-        self.buffer.extend(events)
+        for event in events:
+            if self.recorded:
+                self.match_recorded(event)
+            else:
+                self.buffer.append(event)
+
+    def cannot_resume(self, reason: str) -> ResumeError:
+        """Stop replaying (what follows is appended after the stored events) and return the
+        error that ends the episode."""
+        self.recorded.clear()
+        return ResumeError(f"the stored episode cannot be continued: {reason}")
+
+    def match_recorded(self, event: Event) -> None:
+        stored = self.recorded.popleft()
+        self.replayed += 1
+        if type(stored) is not type(event):
+            raise self.cannot_resume(f"event {self.replayed} is {stored.type} in the log "
+                                     f"but {event.type} in the replay")
+        if (isinstance(stored, EpisodeStarted) and isinstance(event, EpisodeStarted)
+                and stored.policy_version != event.policy_version):
+            raise self.cannot_resume(f"it was played at policy version {stored.policy_version}"
+                                     f" and this worker serves {event.policy_version}")
+        if _comparable(stored) != _comparable(event):
+            raise self.cannot_resume(f"event {self.replayed} ({stored.type}) differs from "
+                                     f"the replay's")
+
+    def recorded_generation(self, ids: tuple[int, ...] | None) -> _Generation:
+        """The next LLM call of a resumed episode, from its stored ``llm_called``: the prompt
+        the replay renders must be the recorded one (ResumeError otherwise)."""
+        stored = self.recorded[0]
+        call_id = f"call_{self.calls + 1}"
+        if not isinstance(stored, LLMCalled):
+            raise self.cannot_resume(f"the log holds {stored.type} where the replay makes "
+                                     f"LLM call {call_id}")
+        if stored.call_id != call_id:
+            raise self.cannot_resume(f"the log holds LLM call {stored.call_id!r} where the "
+                                     f"replay makes {call_id}")
+        if ids is not None and [int(i) for i in stored.prompt_ids] != list(ids):
+            raise self.cannot_resume(f"the prompt ids of {call_id} differ from the recorded "
+                                     f"ones")
+        tokenizer = (self.prompt.tokenizer if self.prompt is not None
+                     else getattr(self.backend, "tokenizer", None))
+        if tokenizer is None:
+            raise self.cannot_resume("no tokenizer here decodes the recorded responses")
+        text, _ = decode_response(tokenizer, [int(i) for i in stored.response_ids],
+                                  stop=self.sampling.stop)
+        parsed = parse_response(text, call_id=call_id)
+        if (json.loads(json.dumps(parsed.to_message()))
+                != json.loads(json.dumps(stored.response))):
+            raise self.cannot_resume(f"the recorded response of {call_id} does not decode "
+                                     f"to its recorded message")
+        finish = stored.finish_reason
+        if finish not in ("stop", "length", "tool_calls"):
+            raise self.cannot_resume(f"{call_id} has finish reason {finish!r}")
+        result = GenerationResult(
+            prompt_ids=stored.prompt_ids, response_ids=stored.response_ids,
+            logprobs=stored.logprobs, text=text,
+            finish_reason="length" if finish == "length" else "stop",
+            policy_version=stored.policy_version)
+        self.recorded.popleft()
+        self.replayed += 1
+        return _Generation(call_id, result, parsed, recorded=True)
+
+    def recorded_outcome(self, call_id: str, name: str) -> ToolOutcome | None:
+        """The stored result of tool call ``call_id`` of a resumed episode (None when the
+        log holds no more events); ResumeError when the log holds something else."""
+        if not self.recorded:
+            return None
+        stored = self.recorded[0]
+        if not (isinstance(stored, ToolReturned) and stored.tool_call_id == call_id
+                and stored.name == name):
+            raise self.cannot_resume(f"the log holds {stored.type} where the replay expects "
+                                     f"the result of tool call {call_id!r} ({name})")
+        return ToolOutcome(output=stored.output, is_error=stored.is_error,
+                           error_type=stored.error_type, error_message=stored.error_message)
 
     def check_writes(self) -> None:
         """Raise the sink's failure as soon as an append in the background has failed."""
@@ -242,6 +359,13 @@ class _Episode:
         request = (GenerationRequest(sampling=params, prompt_ids=ids) if ids is not None
                    else GenerationRequest(sampling=params, messages=request.messages,
                                           tools=request.tools))
+        if self.recorded:  # a resumed episode: the stored call, not a new one
+            generation = self.recorded_generation(ids)
+            self.calls += 1
+            result = generation.result
+            self.last_total = int(result.prompt_ids.shape[0] + result.response_ids.shape[0])
+            self.generated += int(result.response_ids.shape[0])
+            return generation
         started = time.perf_counter()
         self.flush()  # what happened so far is on its way to the store meanwhile
         result = await generate_async(self.backend, request)
@@ -298,12 +422,29 @@ class _Episode:
                 duration_ms=0.0))
             return [(call, outcome)]
         results = []
-        events: list[Event] = []
+        # In a turn taken from the log, the first call without a stored result may have been
+        # running when the worker died (a non-idempotent tool runs only once what precedes
+        # it is stored); the calls after it had not started.
+        maybe_interrupted = generation.recorded
         for tool_call in parsed.tool_calls:
             started = time.perf_counter()
-            if tool_call.name in self.offered:
-                outcome = await self.tool_runner.call(self.tools, tool_call.name,
-                                                      tool_call.arguments)
+            outcome_or_none = self.recorded_outcome(tool_call.id, tool_call.name)
+            if outcome_or_none is not None:
+                outcome = outcome_or_none
+            elif tool_call.name in self.offered:
+                idempotent = self.tools.idempotent(tool_call.name)
+                if maybe_interrupted and not idempotent:
+                    outcome = ToolOutcome.error(
+                        INTERRUPTED_TOOL_ERROR,
+                        f"{tool_call.name} was interrupted: the worker running it stopped "
+                        f"before its result was stored, and the tool is not idempotent, so "
+                        f"it is not run again")
+                else:
+                    if not idempotent:
+                        await self.drain()  # the call is stored before the tool runs
+                    outcome = await self.tool_runner.call(self.tools, tool_call.name,
+                                                          tool_call.arguments)
+                maybe_interrupted = False
             else:
                 outcome = ToolOutcome.error(
                     TOOL_NOT_FOUND_ERROR,
@@ -313,12 +454,11 @@ class _Episode:
             call = {"id": tool_call.id, "name": tool_call.name,
                     "arguments": tool_call.arguments}
             results.append((call, outcome))
-            events.append(ToolReturned(
+            await self.emit(ToolReturned(
                 **self.stamp(), agent=self.agent, tool_call_id=tool_call.id, name=tool_call.name,
                 arguments=tool_call.arguments, output=outcome.output, is_error=outcome.is_error,
                 error_type=outcome.error_type, error_message=outcome.error_message,
                 duration_ms=duration_ms))
-        await self.emit(*events)
         return results
 
     def append_results(self, generation: _Generation,
@@ -410,13 +550,17 @@ class _Episode:
 
     async def _play_to_end(self) -> tuple[EpisodeStatus, str | None, Reward | None]:
         """Play the episode and queue its last events (written by :meth:`drain`)."""
-        await self.emit(EpisodeStarted(
-            **self.stamp(), run_id=self.run_id, group_id=self.group_id,
-            task_id=self.task.task_id, messages=[dict(m) for m in self.task.messages],
-            tools=[dict(t) for t in self.task.tools], sampling_params=self.sampling.to_dict(),
-            policy_version=self.policy_version, branched_from=self.branched_from))
         try:
+            await self.emit(EpisodeStarted(
+                **self.stamp(), run_id=self.run_id, group_id=self.group_id,
+                task_id=self.task.task_id, messages=[dict(m) for m in self.task.messages],
+                tools=[dict(t) for t in self.task.tools],
+                sampling_params=self.sampling.to_dict(), policy_version=self.policy_version,
+                branched_from=self.branched_from))
             status, reason = await self.play()
+            if self.recorded:
+                raise self.cannot_resume(f"the replay ends ({status}) with "
+                                         f"{len(self.recorded)} stored events left")
             reward = self.task.score(Transcript(messages=tuple(self.context),
                                                 assistant_texts=tuple(self.kept_texts),
                                                 status=status))
@@ -425,7 +569,8 @@ class _Episode:
         except Exception as exc:  # recorded as the episode's end, not lost
             status = "error"
             reason = f"{type(exc).__name__}: {exc}"
-            reward = Reward(0.0, {}, source="error")
+            # A log that cannot be continued gets no reward: its samples are never leased.
+            reward = None if isinstance(exc, ResumeError) else Reward(0.0, {}, source="error")
         if reward is not None:  # an unscored task records none: no reward is invented
             await self.emit(RewardAssigned(**self.stamp(), value=reward.value,
                                            components=reward.components,
@@ -439,7 +584,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
              episode_id: str | None, max_turns: int, max_total_tokens: int, agent: str,
              policy_version: int | None, tool_runner: ToolRunner | None,
              prompt: RunPrompt | None, gate: asyncio.Semaphore | None = None,
-             branched_from: BranchedFrom | Mapping[str, Any] | None = None) -> _Episode:
+             branched_from: BranchedFrom | Mapping[str, Any] | None = None,
+             resume: Sequence[Event] | None = None) -> _Episode:
     """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
@@ -469,6 +615,12 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
         policy_version = int(getattr(backend, "policy_version", 0))
     if branched_from is not None and not isinstance(branched_from, BranchedFrom):
         branched_from = BranchedFrom.model_validate(branched_from)
+    resume = list(resume) if resume is not None else []
+    if resume and not isinstance(resume[0], EpisodeStarted):
+        raise ValueError(f"resume must be an episode's stored events from its episode_started,"
+                         f" got {type(resume[0]).__name__} first")
+    if not all(isinstance(event, Event) for event in resume):
+        raise TypeError("resume must hold events")
     if episode_id is None:
         episode_id = str(uuid.uuid4())
     if not isinstance(episode_id, str) or not episode_id:
@@ -481,7 +633,7 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
                     max_total_tokens=max_total_tokens, agent=agent,
                     policy_version=policy_version,
                     tool_runner=tool_runner if tool_runner is not None else default_tool_runner(),
-                    prompt=prompt, gate=gate, branched_from=branched_from)
+                    prompt=prompt, gate=gate, branched_from=branched_from, resume=resume)
 
 
 async def arun_episode(
@@ -503,6 +655,7 @@ async def arun_episode(
     prompt: RunPrompt | None = None,
     gate: asyncio.Semaphore | None = None,
     branched_from: BranchedFrom | Mapping[str, Any] | None = None,
+    resume: Sequence[Event] | None = None,
 ) -> EpisodeResult:
     """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
     ``episode_id`` (a new UUID string when None); see the module docstring for the event
@@ -527,13 +680,20 @@ async def arun_episode(
     of the backend, tools, the template or the reward end the episode with status
     ``error``; failures of the sink propagate (the episode cannot be recorded). Invalid
     arguments raise ValueError/TypeError naming them.
+
+    ``resume``, the stored events of an unfinished episode (from its ``episode_started``),
+    continues it instead of starting it: the sink must already be at the end of those events
+    (an :class:`~workers.rollout.episode_writer.EpisodeWriter` started at their number), the
+    arguments must be those it was played with (same seed); see "Resume" in the module
+    docstring.
     """
     episode = _episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
                        sampling=sampling, rollback=rollback, group_id=group_id,
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
-                       prompt=prompt, gate=gate, branched_from=branched_from)
+                       prompt=prompt, gate=gate, branched_from=branched_from,
+                       resume=resume)
     return await episode.run()
 
 
@@ -554,6 +714,7 @@ def run_episode(
     policy_version: int | None = None,
     tool_runner: ToolRunner | None = None,
     prompt: RunPrompt | None = None,
+    resume: Sequence[Event] | None = None,
 ) -> EpisodeResult:
     """:func:`arun_episode` for callers without an event loop: plays the one episode to its
     end and returns its result (same arguments, same errors). Called from a thread that runs
@@ -563,5 +724,5 @@ def run_episode(
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
-                       prompt=prompt)
+                       prompt=prompt, resume=resume)
     return run_sync(episode.run())

@@ -64,7 +64,10 @@ class ToolOutcome:
 
 @runtime_checkable
 class Tool(Protocol):
-    """A callable tool with a name and an OpenAI function schema."""
+    """A callable tool with a name and an OpenAI function schema. A tool may also have an
+    ``idempotent`` attribute (False when absent): True lets a run of it that was interrupted
+    (its worker died before the result was stored) run again when the episode resumes;
+    otherwise that call's result is an interrupted-tool error."""
 
     name: str
     schema: dict[str, Any]
@@ -181,6 +184,11 @@ class ToolRegistry:
         """OpenAI schemas of ``names`` (all tools when None); unknown names raise ValueError."""
         chosen = self.names() if names is None else list(names)
         return [self.get(name).schema for name in chosen]
+
+    def idempotent(self, name: str) -> bool:
+        """Whether tool ``name`` may run again after a run of it was interrupted (its
+        ``idempotent`` attribute; False when it has none, or for an unknown name)."""
+        return bool(getattr(self._tools.get(name), "idempotent", False))
 
     def refusal(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome | None:
         """The error outcome of a call that must not run (an unknown tool, type name
