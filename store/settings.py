@@ -258,6 +258,36 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest request body the API accepts; bigger ones get 413 unread.",
     )
+    otlp_max_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024,
+        description="Largest OTLP export (POST /v1/traces) once decompressed; bigger: 413.",
+    )
+    otlp_decode_processes: int = Field(
+        default=4, ge=0, le=64,
+        description="Child processes that decompress and decode OTLP exports, so that one "
+        "project's large exports hold up no other request; 0 decodes in the API process.",
+    )
+    otlp_max_concurrent: int = Field(
+        default=2, ge=1,
+        description="OTLP exports of one project in progress at once in an API process; one "
+        "more is answered 429 (exporters retry it).",
+    )
+    otlp_max_spans: int = Field(
+        default=4096, ge=1, description="Most spans in one OTLP export; more: 413.",
+    )
+    otlp_max_attributes: int = Field(
+        default=4096, ge=1,
+        description="Most attribute values of one OTLP span (nested values, its events' and "
+        "its resource's included); more: 413.",
+    )
+    otlp_max_depth: int = Field(
+        default=16, ge=1, le=64,
+        description="Deepest nesting of an OTLP attribute value (arrays, key-value lists); "
+        "deeper: 413.",
+    )
+    otlp_max_key_chars: int = Field(
+        default=1024, ge=1, description="Longest OTLP attribute key; longer: 413.",
+    )
     api_page_size: int = Field(default=100, ge=1, description="Default page of list queries.")
     api_max_page_size: int = Field(default=1000, ge=1, description="Largest page asked for.")
     api_export_rows_per_group: int = Field(
