@@ -201,6 +201,11 @@ class Settings(BaseSettings):
         description="Deadline of one tool call; a call still running then is recorded as a "
         "TimeoutError outcome (the Python sandbox's own, lower limit kills its process).",
     )
+    render_budget_s: float = Field(
+        default=2.0, ge=0, le=3600, allow_inf_nan=False,
+        description="Seconds one render of a chat template may take (replay, timelines); past "
+        "it the episode is invalid (replay) or the request 422 (timelines). 0: no limit.",
+    )
     fault_replay_delay_s: float = Field(
         default=0.0,
         ge=0,

@@ -33,6 +33,13 @@ transformers' ``tojson`` filter (the tool schemas, every tool call's arguments, 
 render) is memoized by ``_memoized_tojson``: JSON text is a function of the value's types,
 order and contents, which its ``marshal`` bytes give exactly.
 
+Every render runs under a time budget (``RENDER_BUDGET_S``, default 2 s): a template is code a
+run's creator chose (a run's own ``chat_template``), and one with nested loops could keep a
+shared worker busy for minutes or for good. Past the budget the render is interrupted where
+it is (``RenderBudgetExceeded`` is raised into the rendering thread, between two Python
+instructions of the template's compiled code) and the error names the limit and its
+setting; replay records the episode ``invalid`` with it, the timelines route answers 422.
+
 A template's first ``CHECKED`` renders in a process are compared with
 ``apply_chat_template``'s; a template whose render differs once (a transformers version that
 sets up its environment or its inputs differently) is rendered by ``apply_chat_template`` from
@@ -41,6 +48,7 @@ then on, as is every template when transformers' compiled environment cannot be 
 
 from __future__ import annotations
 
+import ctypes
 import marshal
 import threading
 import types
@@ -50,7 +58,7 @@ from typing import Any
 from jinja2 import compiler, idtracking, nodes, runtime, utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatRenderer", "prompt_ids"]
+__all__ = ["ChatRenderer", "RenderBudgetExceeded", "prompt_ids", "render_budget"]
 
 #: Exact types whose instances have no attributes of their own: an attribute the type lacks
 #: is looked up as an item straight away (what the sandbox does after its getattr fails);
@@ -460,6 +468,66 @@ def _fast_template(source: str) -> _FastTemplate | None:
     return fast
 
 
+class RenderBudgetExceeded(RuntimeError):
+    """A chat template rendered past its time budget (the message names the limit and its
+    setting)."""
+
+
+def _budget_message(seconds: float) -> str:
+    return (f"the chat template took longer than the render budget of {seconds:g} s "
+            "(setting TRAJSTORE_RENDER_BUDGET_S)")
+
+
+class render_budget:  # noqa: N801 - used as a context manager, like a function
+    """Interrupts the block in the calling thread after ``seconds`` (None or <= 0: no
+    limit) by raising ``RenderBudgetExceeded`` into it; the block is plain Python (a
+    template's compiled code), so it stops at its next instruction. A block that ends first
+    is never interrupted afterwards: a pending interruption is withdrawn under a lock."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._active = False
+        self._fired = False
+        self._timer: threading.Timer | None = None
+        self._thread = 0
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._active:
+                return
+            self._fired = True
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self._thread), ctypes.py_object(RenderBudgetExceeded))
+
+    def __enter__(self) -> render_budget:
+        if self.seconds is not None and self.seconds > 0:
+            self._thread = threading.get_ident()
+            self._active = True
+            self._timer = threading.Timer(self.seconds, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if self._timer is None:
+            return False
+        self._timer.cancel()
+        with self._lock:
+            self._active = False
+            if self._fired:  # withdraw it if it has not been raised yet
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), None)
+        if self._fired:
+            raise RenderBudgetExceeded(_budget_message(float(self.seconds or 0))) from None
+        return False
+
+
+def _default_budget() -> float:
+    from store.settings import get_settings
+
+    return float(get_settings().render_budget_s)
+
+
 class ChatRenderer:
     """Renders ``tokenizer``'s chat template (or ``chat_template``) the way
     ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -467,9 +535,12 @@ class ChatRenderer:
     (see the module docstring). Exceptions are those of the template (or of
     ``apply_chat_template``)."""
 
-    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
+                 budget_s: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        #: Seconds one render may take (module docstring); None: the setting.
+        self.budget_s = _default_budget() if budget_s is None else budget_s
         #: The template's source and compiled template, with and without tools (None:
         #: rendered by apply_chat_template).
         self._fast: dict[bool, tuple[str, _FastTemplate | None]] = {}
@@ -514,7 +585,7 @@ class ChatRenderer:
                tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> Any:
         """The template's output for ``messages`` and ``tools`` (``apply_chat_template`` is
         given copies; the compiled template, which cannot change them, exact dicts as they
-        are)."""
+        are). Raises RenderBudgetExceeded past ``budget_s``."""
         chat = [m if type(m) is dict else dict(m) for m in messages]
         schemas = [t if type(t) is dict else dict(t) for t in tools] if tools else None
         source, fast = self._compiled(schemas is not None)
@@ -522,11 +593,14 @@ class ChatRenderer:
         key = (source, self._variables_key)
         matched = _verified.get(key, 0)
         if fast is None or not chat or matched < 0:
-            return self._slow(messages, tools, generation_prompt)
-        out = fast.render(messages=chat, tools=schemas, documents=None,
-                          add_generation_prompt=generation_prompt, **variables)
+            with render_budget(self.budget_s):
+                return self._slow(messages, tools, generation_prompt)
+        with render_budget(self.budget_s):
+            out = fast.render(messages=chat, tools=schemas, documents=None,
+                              add_generation_prompt=generation_prompt, **variables)
         if matched < CHECKED:
-            expected = self._slow(messages, tools, generation_prompt)
+            with render_budget(self.budget_s):
+                expected = self._slow(messages, tools, generation_prompt)
             with _lock:
                 if _verified.get(key, 0) >= 0:
                     _verified[key] = _verified.get(key, 0) + 1 if expected == out else -1
