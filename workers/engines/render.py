@@ -51,6 +51,7 @@ from __future__ import annotations
 import ctypes
 import marshal
 import threading
+import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -478,48 +479,79 @@ def _budget_message(seconds: float) -> str:
             "(setting TRAJSTORE_RENDER_BUDGET_S)")
 
 
+class _Watchdog:
+    """One thread per process that interrupts the budgeted blocks past their deadlines (a
+    timer thread per render would cost more than a fast render)."""
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._blocks: dict[int, render_budget] = {}
+        self._thread: threading.Thread | None = None
+        self._idle = False
+
+    def add(self, block: render_budget) -> None:
+        with self._cond:
+            self._blocks[id(block)] = block
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="render-budget",
+                                                daemon=True)
+                self._thread.start()
+            elif self._idle:
+                self._cond.notify()
+
+    def remove(self, block: render_budget) -> bool:
+        """Forgets ``block``; whether it was interrupted (a pending interruption is
+        withdrawn, so it is never raised after the block)."""
+        with self._cond:
+            self._blocks.pop(id(block), None)
+            if block.fired:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(block.thread), None)
+            return block.fired
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                self._idle = not self._blocks
+                self._cond.wait(None if self._idle else self.TICK_S)
+                now = time.monotonic()
+                for block in self._blocks.values():
+                    if not block.fired and now >= block.deadline:
+                        block.fired = True
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(block.thread),
+                            ctypes.py_object(RenderBudgetExceeded))
+
+
+_watchdog = _Watchdog()
+
+
 class render_budget:  # noqa: N801 - used as a context manager, like a function
     """Interrupts the block in the calling thread after ``seconds`` (None or <= 0: no
-    limit) by raising ``RenderBudgetExceeded`` into it; the block is plain Python (a
-    template's compiled code), so it stops at its next instruction. A block that ends first
-    is never interrupted afterwards: a pending interruption is withdrawn under a lock."""
+    limit; checked every 50 ms) by raising ``RenderBudgetExceeded`` into it; the block is
+    plain Python (a template's compiled code), so it stops at its next instruction. A block
+    that ends first is never interrupted afterwards: a pending interruption is withdrawn
+    under the watchdog's lock."""
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
-        self._lock = threading.Lock()
-        self._active = False
-        self._fired = False
-        self._timer: threading.Timer | None = None
-        self._thread = 0
-
-    def _fire(self) -> None:
-        with self._lock:
-            if not self._active:
-                return
-            self._fired = True
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self._thread), ctypes.py_object(RenderBudgetExceeded))
+        self.deadline = 0.0
+        self.thread = 0
+        self.fired = False
+        self._on = False
 
     def __enter__(self) -> render_budget:
         if self.seconds is not None and self.seconds > 0:
-            self._thread = threading.get_ident()
-            self._active = True
-            self._timer = threading.Timer(self.seconds, self._fire)
-            self._timer.daemon = True
-            self._timer.start()
+            self.thread = threading.get_ident()
+            self.deadline = time.monotonic() + self.seconds
+            self._on = True
+            _watchdog.add(self)
         return self
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        if self._timer is None:
-            return False
-        self._timer.cancel()
-        with self._lock:
-            self._active = False
-            if self._fired:  # withdraw it if it has not been raised yet
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), None)
-        if self._fired:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if self._on and _watchdog.remove(self):
             raise RenderBudgetExceeded(_budget_message(float(self.seconds or 0))) from None
-        return False
 
 
 def _default_budget() -> float:
