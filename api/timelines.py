@@ -17,6 +17,7 @@ from api.tokens import Encoding, encode_array
 from store.codec import ID_DTYPE, LOGPROB_DTYPE
 from store.eventlog import EventStore, RecordedEvent
 from store.events import RunCreated
+from workers.engines.render import RenderBudgetExceeded
 from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 from workers.replay import (
     ReplayError,
@@ -70,6 +71,9 @@ def replay_stored(store: EventStore, episode_id: str, *,
     except TokenizerNotFound as exc:
         raise ApiError(409, "tokenizer_not_found", str(exc)) from None
     except ReplayError as exc:
+        if isinstance(exc.__cause__, RenderBudgetExceeded):
+            raise ApiError(422, "render_budget", f"episode {episode_id!r} cannot be replayed: "
+                                                 f"{exc}") from None
         raise ApiError(409, "not_replayable", f"episode {episode_id!r} cannot be replayed: "
                                               f"{exc}") from None
     return StoredReplay(records=events, tokenizer=tokenizer, result=result)

@@ -523,6 +523,22 @@ def stored_event_ids(store: Recorder, event_ids: Sequence[uuid.UUID]) -> set[uui
     return {row[0] for row in rows}
 
 
+def foreign_event_ids(store: Recorder, event_ids: Sequence[uuid.UUID], project: str
+                      ) -> set[uuid.UUID]:
+    """Which of ``event_ids`` the log holds in a run of a project other than ``project``."""
+    if not event_ids:
+        return set()
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            "SELECT e.event_id FROM events e JOIN events r"
+            " ON r.stream_id = 'run-' || e.run_id AND r.stream_version = 1"
+            " AND r.type = 'run_created'"
+            " WHERE e.event_id = ANY(%s)"
+            " AND coalesce(r.data->>'project', 'default') <> %s",
+            (list(event_ids), project)).fetchall()
+    return {row[0] for row in rows}
+
+
 def stored_tool_calls(store: Recorder, event_ids: Sequence[uuid.UUID]
                       ) -> dict[uuid.UUID, tuple[str, dict[str, Any]]]:
     """The tool name and arguments of the ``tool_returned`` events the log holds under

@@ -201,6 +201,11 @@ class Settings(BaseSettings):
         description="Deadline of one tool call; a call still running then is recorded as a "
         "TimeoutError outcome (the Python sandbox's own, lower limit kills its process).",
     )
+    render_budget_s: float = Field(
+        default=2.0, ge=0, le=3600, allow_inf_nan=False,
+        description="Seconds one render of a chat template may take (replay, timelines); past "
+        "it the episode is invalid (replay) or the request 422 (timelines). 0: no limit.",
+    )
     fault_replay_delay_s: float = Field(
         default=0.0,
         ge=0,
@@ -257,6 +262,36 @@ class Settings(BaseSettings):
         default=64 * 1024 * 1024,
         ge=1024,
         description="Largest request body the API accepts; bigger ones get 413 unread.",
+    )
+    otlp_max_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024,
+        description="Largest OTLP export (POST /v1/traces) once decompressed; bigger: 413.",
+    )
+    otlp_decode_processes: int = Field(
+        default=4, ge=0, le=64,
+        description="Child processes that decompress and decode OTLP exports, so that one "
+        "project's large exports hold up no other request; 0 decodes in the API process.",
+    )
+    otlp_max_concurrent: int = Field(
+        default=2, ge=1,
+        description="OTLP exports of one project in progress at once in an API process; one "
+        "more is answered 429 (exporters retry it).",
+    )
+    otlp_max_spans: int = Field(
+        default=4096, ge=1, description="Most spans in one OTLP export; more: 413.",
+    )
+    otlp_max_attributes: int = Field(
+        default=4096, ge=1,
+        description="Most attribute values of one OTLP span (nested values, its events' and "
+        "its resource's included); more: 413.",
+    )
+    otlp_max_depth: int = Field(
+        default=16, ge=1, le=64,
+        description="Deepest nesting of an OTLP attribute value (arrays, key-value lists); "
+        "deeper: 413.",
+    )
+    otlp_max_key_chars: int = Field(
+        default=1024, ge=1, description="Longest OTLP attribute key; longer: 413.",
     )
     api_page_size: int = Field(default=100, ge=1, description="Default page of list queries.")
     api_max_page_size: int = Field(default=1000, ge=1, description="Largest page asked for.")

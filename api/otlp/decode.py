@@ -7,6 +7,15 @@ as ``{"stringValue": ...}``, ``{"intValue": ...}``…), either of them gzip-comp
 (``Content-Encoding: gzip``). Attribute values become plain Python values (arrays lists,
 key-value lists dicts). What cannot be read raises ``OtlpError`` naming where it is, so that
 the route answers 400 before anything is stored.
+
+What one export may hold is bounded (``OtlpLimits``, from the settings ``OTLP_MAX_*``): spans
+per export, attribute values per span (every key-value and array element, nested ones
+included; a span's events and its resource count with it), the nesting depth of attribute
+values and the length of a key. An export over one is refused with 413 naming the limit and
+its setting, before anything is stored. Integers (times, ``intValue``, status codes) are
+ASCII decimal digits within the 64 bits of their protobuf type: a 400-digit time, a
+non-ASCII digit, an underscore or a space is a 400 naming the place; so is JSON nested past
+what the parser can read.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +40,7 @@ __all__ = [
     "JSON",
     "PROTOBUF",
     "OtlpError",
+    "OtlpLimits",
     "Span",
     "SpanEvent",
     "decode_request",
@@ -56,6 +67,61 @@ class OtlpError(ValueError):
         self.status = status
         self.reason = message
         super().__init__(f"{where}: {message}" if where else message)
+
+    def __reduce__(self) -> tuple[object, ...]:  # sent back from a decoding process
+        return (_otlp_error, (self.reason, self.where, self.status))
+
+
+def _otlp_error(message: str, where: str | None, status: int) -> OtlpError:
+    return OtlpError(message, where=where, status=status)
+
+
+@dataclass(frozen=True)
+class OtlpLimits:
+    """What one export may hold (module docstring); the defaults are the settings'."""
+
+    max_spans: int = 4096
+    max_attributes: int = 4096
+    max_depth: int = 16
+    max_key_chars: int = 1024
+
+    @classmethod
+    def of(cls, settings: Any) -> OtlpLimits:
+        """The limits the ``OTLP_MAX_*`` settings give."""
+        return cls(max_spans=settings.otlp_max_spans,
+                   max_attributes=settings.otlp_max_attributes,
+                   max_depth=settings.otlp_max_depth,
+                   max_key_chars=settings.otlp_max_key_chars)
+
+
+def _over(what: str, limit: int, setting: str, where: str | None = None) -> OtlpError:
+    return OtlpError(f"{what} is over the limit of {limit} (setting "
+                     f"TRAJSTORE_{setting})", where=where, status=413)
+
+
+class _Budget:
+    """Counts the attribute values of one span against ``OtlpLimits.max_attributes`` and
+    checks keys and nesting."""
+
+    def __init__(self, limits: OtlpLimits, where: str) -> None:
+        self.limits = limits
+        self.where = where
+        self.count = 0
+
+    def value(self, at: str, depth: int) -> None:
+        self.count += 1
+        if self.count > self.limits.max_attributes:
+            raise _over("the number of attribute values of this span (its events and "
+                        "resource included)", self.limits.max_attributes,
+                        "OTLP_MAX_ATTRIBUTES", self.where)
+        if depth > self.limits.max_depth:
+            raise _over("the nesting depth of this attribute value", self.limits.max_depth,
+                        "OTLP_MAX_DEPTH", at)
+
+    def key(self, key: str, at: str) -> None:
+        if len(key) > self.limits.max_key_chars:
+            raise _over(f"the length of this attribute key ({len(key)} characters)",
+                        self.limits.max_key_chars, "OTLP_MAX_KEY_CHARS", at)
 
 
 @dataclass(frozen=True)
@@ -106,12 +172,18 @@ def media_type(content_type: str | None) -> str:
                     f"{PROTOBUF} or {JSON}", where="header.Content-Type", status=415)
 
 
+_SIZE_SETTINGS = "TRAJSTORE_OTLP_MAX_BYTES, or TRAJSTORE_API_MAX_REQUEST_BYTES when smaller"
+
+
 def decompress(body: bytes, encoding: str | None, *, max_bytes: int) -> bytes:
     """``body`` as sent with ``Content-Encoding: encoding`` (none, identity or gzip),
     decompressed up to ``max_bytes``. OtlpError 400 for a broken gzip stream, 413 past the
     limit, 415 for another encoding."""
     kind = (encoding or "identity").strip().lower()
     if kind == "identity":
+        if len(body) > max_bytes:
+            raise OtlpError(f"the body is over the limit of {max_bytes} bytes (setting "
+                            f"{_SIZE_SETTINGS})", status=413)
         return body
     if kind != "gzip":
         raise OtlpError(f"Content-Encoding {encoding!r} is not supported: send gzip or "
@@ -123,20 +195,23 @@ def decompress(body: bytes, encoding: str | None, *, max_bytes: int) -> bytes:
         raise OtlpError(f"the body is not valid gzip: {exc}",
                         where="header.Content-Encoding") from None
     if len(out) > max_bytes:
-        raise OtlpError(f"the body decompresses to more than the limit of {max_bytes} bytes",
-                        status=413)
+        raise OtlpError(f"the body decompresses to more than the limit of {max_bytes} bytes "
+                        f"(setting {_SIZE_SETTINGS})", status=413)
     if not inflater.eof:
         raise OtlpError("the gzip stream is truncated", where="header.Content-Encoding")
     return out
 
 
-def decode_request(body: bytes, kind: str) -> list[Span]:
+def decode_request(body: bytes, kind: str, limits: OtlpLimits | None = None) -> list[Span]:
     """The spans of an export encoded as ``kind`` (``PROTOBUF`` or ``JSON``). OtlpError
     naming the place for anything malformed: undecodable bytes or JSON, a value of the wrong
-    type, a trace id that is not 16 bytes, a span id that is not 8, an end before a start."""
+    type, a trace id that is not 16 bytes, a span id that is not 8, an end before a start, an
+    integer that is not ASCII digits within 64 bits; OtlpError 413 naming the limit and its
+    setting for an export over ``limits`` (module docstring)."""
+    limits = limits or OtlpLimits()
     if kind == PROTOBUF:
-        return _from_protobuf(body)
-    return _from_json(body)
+        return _from_protobuf(body, limits)
+    return _from_json(body, limits)
 
 
 def encode_response(kind: str, *, rejected: int = 0, message: str = "") -> bytes:
@@ -157,36 +232,57 @@ def encode_response(kind: str, *, rejected: int = 0, message: str = "") -> bytes
 # --- protobuf ------------------------------------------------------------------------------
 
 
-def _any_value(value: AnyValue) -> Any:
+def _any_value(value: AnyValue, budget: _Budget, at: str, depth: int) -> Any:
+    budget.value(at, depth)
     which = value.WhichOneof("value")
     if which is None:
         return None
     if which == "array_value":
-        return [_any_value(v) for v in value.array_value.values]
+        return [_any_value(v, budget, f"{at}.arrayValue.values[{i}]", depth + 1)
+                for i, v in enumerate(value.array_value.values)]
     if which == "kvlist_value":
-        return {kv.key: _any_value(kv.value) for kv in value.kvlist_value.values}
+        return _pb_attributes(value.kvlist_value.values, budget, f"{at}.kvlistValue.values",
+                              depth + 1)
     if which == "bytes_value":
         return base64.b64encode(value.bytes_value).decode()
     return getattr(value, which)
 
 
-def _pb_attributes(items: Any) -> dict[str, Any]:
-    return {kv.key: _any_value(kv.value) for kv in items}
+def _pb_attributes(items: Any, budget: _Budget, where: str, depth: int = 1
+                   ) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, kv in enumerate(items):
+        budget.key(kv.key, f"{where}[{i}].key")
+        out[kv.key] = _any_value(kv.value, budget, f"{where}[{i}].value", depth)
+    return out
 
 
-def _from_protobuf(body: bytes) -> list[Span]:
+def _span_count(groups: Any, limits: OtlpLimits, count: Any) -> None:
+    total = sum(count(g) for g in groups)
+    if total > limits.max_spans:
+        raise _over(f"the number of spans in the export ({total})", limits.max_spans,
+                    "OTLP_MAX_SPANS")
+
+
+def _from_protobuf(body: bytes, limits: OtlpLimits) -> list[Span]:
     request = ExportTraceServiceRequest()
     try:
         request.ParseFromString(body)
-    except (DecodeError, RuntimeError, ValueError) as exc:
+    except (DecodeError, RuntimeError, ValueError, RecursionError) as exc:
         raise OtlpError(f"the body is not an ExportTraceServiceRequest in protobuf: {exc}"
                         ) from None
+    _span_count(request.resource_spans, limits,
+                lambda rs: sum(len(ss.spans) for ss in rs.scope_spans))
     spans = []
     for r, rs in enumerate(request.resource_spans):
-        resource = _pb_attributes(rs.resource.attributes)
+        rwhere = f"resourceSpans[{r}].resource.attributes"
+        resource_budget = _Budget(limits, rwhere)
+        resource = _pb_attributes(rs.resource.attributes, resource_budget, rwhere)
         for s, ss in enumerate(rs.scope_spans):
             for i, span in enumerate(ss.spans):
                 where = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
+                budget = _Budget(limits, where)
+                budget.count = resource_budget.count
                 spans.append(_span(
                     where, trace_id=_hex(span.trace_id, 16, where + ".traceId"),
                     span_id=_hex(span.span_id, 8, where + ".spanId"),
@@ -194,9 +290,12 @@ def _from_protobuf(body: bytes) -> list[Span]:
                             if span.parent_span_id else None),
                     name=span.name, start=span.start_time_unix_nano,
                     end=span.end_time_unix_nano,
-                    attributes=_pb_attributes(span.attributes),
-                    events=[SpanEvent(e.name, e.time_unix_nano, _pb_attributes(e.attributes))
-                            for e in span.events],
+                    attributes=_pb_attributes(span.attributes, budget,
+                                              where + ".attributes"),
+                    events=[SpanEvent(e.name, e.time_unix_nano,
+                                      _pb_attributes(e.attributes, budget,
+                                                     f"{where}.events[{k}].attributes"))
+                            for k, e in enumerate(span.events)],
                     status=int(span.status.code), message=span.status.message,
                     resource=resource))
     return spans
@@ -248,19 +347,31 @@ def _object(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
-def _int(value: Any, where: str) -> int:
+_DIGITS = re.compile(r"-?[0-9]{1,20}")
+_INT64 = (-(2**63), 2**63 - 1)
+_UINT64 = (0, 2**64 - 1)
+
+
+def _int(value: Any, where: str, bounds: tuple[int, int] = _UINT64) -> int:
+    """An integer of a 64-bit field (``bounds``): a JSON number or a string of ASCII
+    decimal digits; OtlpError for anything else or out of bounds."""
     if isinstance(value, bool):
         raise OtlpError("must be an integer, not a boolean", where=where)
+    number: int | None = None
     if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise OtlpError(f"must be an integer, got {value!r:.60}", where=where)
+        number = value
+    elif isinstance(value, str) and _DIGITS.fullmatch(value):
+        number = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    if number is None:
+        raise OtlpError(f"must be an integer (ASCII decimal digits), got {value!r:.60}",
+                        where=where)
+    if not bounds[0] <= number <= bounds[1]:
+        raise OtlpError(f"must be an integer from {bounds[0]} to {bounds[1]}, got "
+                        f"{str(number)[:30]}{'…' if len(str(number)) > 30 else ''}",
+                        where=where)
+    return number
 
 
 def _json_hex(value: Any, size: int, where: str, *, optional: bool = False) -> str | None:
@@ -276,7 +387,8 @@ def _json_hex(value: Any, size: int, where: str, *, optional: bool = False) -> s
     return _hex(raw, size, where)
 
 
-def _json_value(value: Any, where: str) -> Any:
+def _json_value(value: Any, where: str, budget: _Budget, depth: int) -> Any:
+    budget.value(where, depth)
     obj = _object(value, where)
     if not obj:
         return None
@@ -299,7 +411,7 @@ def _json_value(value: Any, where: str) -> Any:
             raise OtlpError("must be a boolean", where=at)
         return inner
     if name == "intValue":
-        return _int(inner, at)
+        return _int(inner, at, _INT64)
     if name == "doubleValue":
         if isinstance(inner, bool) or not isinstance(inner, (int, float, str)):
             raise OtlpError("must be a number", where=at)
@@ -309,9 +421,11 @@ def _json_value(value: Any, where: str) -> Any:
             raise OtlpError(f"must be a number, got {inner!r:.60}", where=at) from None
     if name == "arrayValue":
         values = _list(_object(inner, at), "values", at)
-        return [_json_value(v, f"{at}.values[{i}]") for i, v in enumerate(values)]
+        return [_json_value(v, f"{at}.values[{i}]", budget, depth + 1)
+                for i, v in enumerate(values)]
     if name == "kvlistValue":
-        return _json_attributes(_list(_object(inner, at), "values", at), f"{at}.values")
+        return _json_attributes(_list(_object(inner, at), "values", at), f"{at}.values",
+                                budget, depth + 1)
     if name == "bytesValue":
         if not isinstance(inner, str):
             raise OtlpError("must be base64 text", where=at)
@@ -323,7 +437,8 @@ def _json_value(value: Any, where: str) -> Any:
     raise OtlpError(f"unknown AnyValue field {key!r}", where=where)
 
 
-def _json_attributes(items: list[Any], where: str) -> dict[str, Any]:
+def _json_attributes(items: list[Any], where: str, budget: _Budget, depth: int = 1
+                     ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, item in enumerate(items):
         at = f"{where}[{i}]"
@@ -331,7 +446,8 @@ def _json_attributes(items: list[Any], where: str) -> dict[str, Any]:
         key = kv.get("key")
         if not isinstance(key, str):
             raise OtlpError("must have a string key", where=at)
-        out[key] = _json_value(kv.get("value", {}), f"{at}.value")
+        budget.key(key, at + ".key")
+        out[key] = _json_value(kv.get("value", {}), f"{at}.value", budget, depth)
     return out
 
 
@@ -340,28 +456,46 @@ def _json_enum(value: Any, names: Mapping[str, int], where: str) -> int:
         return names[value]
     if value is None:
         return 0
-    return _int(value, where)
+    return _int(value, where, _INT64)
 
 
-def _from_json(body: bytes) -> list[Span]:
+def _json_span_count(root: Mapping[str, Any], limits: OtlpLimits) -> None:
+    total = 0
+    for r, rs in enumerate(_list(root, "resourceSpans", "(body)")):
+        rs = _object(rs, f"resourceSpans[{r}]")
+        for s, ss in enumerate(_list(rs, "scopeSpans", f"resourceSpans[{r}]")):
+            ss = _object(ss, f"resourceSpans[{r}].scopeSpans[{s}]")
+            total += len(_list(ss, "spans", f"resourceSpans[{r}].scopeSpans[{s}]"))
+    if total > limits.max_spans:
+        raise _over(f"the number of spans in the export ({total})", limits.max_spans,
+                    "OTLP_MAX_SPANS")
+
+
+def _from_json(body: bytes, limits: OtlpLimits) -> list[Span]:
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise OtlpError("the body is not JSON the server reads: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise OtlpError(f"the body is not JSON: {exc}") from None
     root = _object(data, "(body)")
+    _json_span_count(root, limits)
     spans = []
     for r, rs in enumerate(_list(root, "resourceSpans", "(body)")):
         rwhere = f"resourceSpans[{r}]"
         rs = _object(rs, rwhere)
         resource = _object(_get(rs, "resource") or {}, rwhere + ".resource")
+        resource_budget = _Budget(limits, rwhere + ".resource.attributes")
         resource_attrs = _json_attributes(_list(resource, "attributes", rwhere + ".resource"),
-                                          rwhere + ".resource.attributes")
+                                          rwhere + ".resource.attributes", resource_budget)
         for s, ss in enumerate(_list(rs, "scopeSpans", rwhere)):
             swhere = f"{rwhere}.scopeSpans[{s}]"
             ss = _object(ss, swhere)
             for i, span in enumerate(_list(ss, "spans", swhere)):
                 where = f"{swhere}.spans[{i}]"
                 span = _object(span, where)
+                budget = _Budget(limits, where)
+                budget.count = resource_budget.count
                 name = _get(span, "name", "")
                 if not isinstance(name, str):
                     raise OtlpError("must be a string", where=where + ".name")
@@ -379,7 +513,7 @@ def _from_json(body: bytes) -> list[Span]:
                     events.append(SpanEvent(
                         ename, _int(_get(e, "timeUnixNano", 0), ewhere + ".timeUnixNano"),
                         _json_attributes(_list(e, "attributes", ewhere),
-                                         ewhere + ".attributes")))
+                                         ewhere + ".attributes", budget)))
                 spans.append(_span(
                     where,
                     trace_id=str(_json_hex(_get(span, "traceId"), 16, where + ".traceId")),
@@ -391,7 +525,7 @@ def _from_json(body: bytes) -> list[Span]:
                                where + ".startTimeUnixNano"),
                     end=_int(_get(span, "endTimeUnixNano", 0), where + ".endTimeUnixNano"),
                     attributes=_json_attributes(_list(span, "attributes", where),
-                                                where + ".attributes"),
+                                                where + ".attributes", budget),
                     events=events,
                     status=_json_enum(_get(status, "code"), _STATUS_NAMES,
                                       where + ".status.code"),

@@ -22,8 +22,10 @@ Pure: spans in, events out, no I/O. ``docs/otlp.md`` has the full table; in shor
 - a ``gen_ai.evaluation.result`` span event, or a span carrying
   ``gen_ai.evaluation.score.value`` → ``reward_assigned``.
 
-Other spans (HTTP, database…) are ignored. Event ids are uuid5 of the trace id, span id and
-what the event is, so an export sent twice maps to the same ids; an LLM call whose span
+Other spans (HTTP, database…) are ignored. Event ids are uuid5 of the key's project, the trace
+id, span id and what the event is, so an export sent twice maps to the same ids, and another
+project's span of the same ids is another event (span ids are scoped by project: an id known
+in advance cannot drop another project's span); an LLM call whose span
 carries the answer's id (``gen_ai.response.id``, OpenInference's JSON ``output.value``) takes
 the id the capture gateway gives the call it answered (``api.call_ids``), so a call recorded
 by both is stored once. Within an episode events go
@@ -73,10 +75,11 @@ A_STATUS = "trajstore.episode.status"
 _STATUSES = ("completed", "terminated", "truncated", "error", "aborted")
 
 
-def event_id(trace_id: str, span_id: str, what: str) -> uuid.UUID:
+def event_id(project: str, trace_id: str, span_id: str, what: str) -> uuid.UUID:
     """The id of the event ``what`` (``llm``, ``tool``, ``finish``, ``reward:N``) made from
-    the span ``trace_id``/``span_id``: the same span always gives the same id."""
-    return uuid.uuid5(EVENT_NAMESPACE, f"{trace_id}:{span_id}:{what}")
+    the span ``trace_id``/``span_id`` exported to ``project``: the same span always gives the
+    same id in one project, and another in another project."""
+    return uuid.uuid5(EVENT_NAMESPACE, json.dumps([project, trace_id, span_id, what]))
 
 
 @dataclass
@@ -100,7 +103,9 @@ class EpisodeSpans:
     unversioned: set[uuid.UUID] = field(default_factory=set)
     #: For each tool call stored under the id its episode and tool call id give (the id the
     #: gateway gives the same call, ``api.call_ids.tool_event_id``), the span's own id, for
-    #: when the shared one holds another call of that tool call id.
+    #: when the shared one holds another call of that tool call id; likewise for each LLM
+    #: call stored under its answer's id (``api.call_ids.call_event_id``), for when another
+    #: project's event holds that id.
     own_ids: dict[uuid.UUID, uuid.UUID] = field(default_factory=dict)
     spans: int = 0
     where: str = ""
@@ -142,7 +147,8 @@ def _kind(span: Span) -> str | None:
 class _Batch:
     """The spans of one export, by id, for what a span inherits from its ancestors."""
 
-    def __init__(self, spans: Sequence[Span]) -> None:
+    def __init__(self, spans: Sequence[Span], project: str) -> None:
+        self.project = project
         self.by_id = {(s.trace_id, s.span_id): s for s in spans}
         self.trace_conversation: dict[str, str] = {}
         for s in spans:
@@ -605,7 +611,7 @@ def _llm_call(batch: _Batch, span: Span) -> tuple[LLMCalled, list[dict[str, Any]
             # The answer's id, when the span knows it, names the call as the capture gateway
             # names it: the log keeps one of the two records (api.call_ids).
             event_id=(call_event_id(answer_id) if answer_id is not None
-                      else event_id(span.trace_id, span.span_id, "llm")),
+                      else event_id(batch.project, span.trace_id, span.span_id, "llm")),
             occurred_at=_time(span.start_ns), agent=_agent(batch, span),
             call_id=span.span_id, messages=messages, tools=tools or None,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
@@ -674,7 +680,7 @@ def _tool_call_event(batch: _Batch, span: Span) -> ToolReturned:
     call_id = a.get("gen_ai.tool.call.id", a.get("tool_call.id"))
     try:
         return ToolReturned(
-            event_id=event_id(span.trace_id, span.span_id, "tool"),
+            event_id=event_id(batch.project, span.trace_id, span.span_id, "tool"),
             occurred_at=_time(span.start_ns), agent=_agent(batch, span),
             tool_call_id=None if call_id is None else str(call_id), name=str(name)[:200],
             arguments=arguments, output=_text(output) if output is not None else (
@@ -687,7 +693,7 @@ def _tool_call_event(batch: _Batch, span: Span) -> ToolReturned:
                         where=span.where) from None
 
 
-def _finish(span: Span) -> EpisodeFinished:
+def _finish(batch: _Batch, span: Span) -> EpisodeFinished:
     status = span.attr(A_STATUS)
     if status is not None and status not in _STATUSES:
         raise _bad(span, A_STATUS, f"must be one of {', '.join(_STATUSES)}")
@@ -695,7 +701,8 @@ def _finish(span: Span) -> EpisodeFinished:
     if status is None:
         status = "error" if failed else "completed"
     reason = span.status_message or span.attributes.get("error.type") if failed else None
-    return EpisodeFinished(event_id=event_id(span.trace_id, span.span_id, "finish"),
+    return EpisodeFinished(event_id=event_id(batch.project, span.trace_id, span.span_id,
+                                             "finish"),
                            occurred_at=_time(span.end_ns), status=status,
                            reason=None if reason is None else str(reason))
 
@@ -709,7 +716,7 @@ def _score(span: Span, where: str, value: Any) -> float:
     return float(value)
 
 
-def _rewards(span: Span) -> list[tuple[int, RewardAssigned]]:
+def _rewards(batch: _Batch, span: Span) -> list[tuple[int, RewardAssigned]]:
     """Rewards the span carries: its ``gen_ai.evaluation.result`` events, and the span's own
     evaluation attributes (or ``trajstore.reward``), with the time each one counts from."""
     found: list[tuple[int, str, Any, Mapping[str, Any]]] = []
@@ -728,7 +735,8 @@ def _rewards(span: Span) -> list[tuple[int, RewardAssigned]]:
         label = attrs.get("gen_ai.evaluation.name")
         try:
             out.append((at, RewardAssigned(
-                event_id=event_id(span.trace_id, span.span_id, what), occurred_at=_time(at),
+                event_id=event_id(batch.project, span.trace_id, span.span_id, what),
+                occurred_at=_time(at),
                 value=score, components={str(label): score} if label else {},
                 source=f"otlp:{label}" if label else "otlp")))
         except ValueError as exc:
@@ -751,14 +759,15 @@ def _shared_tool_id(plan: EpisodeSpans, event: Event) -> Event:
     return event.model_copy(update={"event_id": shared})
 
 
-def episode_events(spans: Sequence[Span]) -> list[EpisodeSpans]:
-    """The events of ``spans`` grouped by episode (in order of first appearance), each
-    episode's in the order to append them. Raises OtlpError for a span whose GenAI
-    attributes cannot be read."""
-    batch = _Batch(spans)
+def episode_events(spans: Sequence[Span], *, project: str) -> list[EpisodeSpans]:
+    """The events of ``spans`` exported to ``project`` grouped by episode (in order of first
+    appearance), each episode's in the order to append them. Raises OtlpError for a span
+    whose GenAI attributes cannot be read."""
+    batch = _Batch(spans, project)
     episodes: dict[str, EpisodeSpans] = {}
     keyed: dict[str, list[tuple[tuple[int, int, str, str], Event, str]]] = {}
     for span in spans:
+        own_llm: dict[uuid.UUID, uuid.UUID] = {}
         kind = _kind(span)
         items: list[tuple[tuple[int, int, str, str], Event]] = []
         first_call = None
@@ -767,13 +776,17 @@ def episode_events(spans: Sequence[Span]) -> list[EpisodeSpans]:
             call, messages, tools, model = _llm_call(batch, span)
             items.append(((0, span.start_ns, span.span_id, "llm"), call))
             first_call = (messages, tools, model)
+            own = event_id(project, span.trace_id, span.span_id, "llm")
+            if call.event_id != own:
+                assert call.event_id is not None  # always set here
+                own_llm[call.event_id] = own
             versioned = span.attr(A_POLICY) is not None
         elif kind == "tool":
             items.append(((0, span.start_ns, span.span_id, "tool"),
                           _tool_call_event(batch, span)))
         elif kind == "agent" and span.parent_span_id is None:
-            items.append(((1, span.end_ns, span.span_id, "finish"), _finish(span)))
-        for at, reward in _rewards(span):
+            items.append(((1, span.end_ns, span.span_id, "finish"), _finish(batch, span)))
+        for at, reward in _rewards(batch, span):
             items.append(((0, at, span.span_id, str(reward.event_id)), reward))
         if not items:
             continue
@@ -797,6 +810,7 @@ def episode_events(spans: Sequence[Span]) -> list[EpisodeSpans]:
         elif first_call is not None and not versioned:
             plan.unversioned.add(items[0][1].event_id)  # type: ignore[arg-type]
         plan.spans += 1
+        plan.own_ids.update(own_llm)
         items = [(key, _shared_tool_id(plan, event)) for key, event in items]
         keyed[episode_id].extend((key, event, span.where) for key, event in items)
     for episode_id, plan in episodes.items():

@@ -92,13 +92,28 @@ def _separate_reissued_tool_calls(store: EventStore, plan: EpisodeSpans) -> None
                 update={"event_id": plan.own_ids[event.event_id]})  # type: ignore[index]
 
 
+def _separate_foreign_ids(store: EventStore, plan: EpisodeSpans, project: str) -> None:
+    """An event under an id shared with another door (an LLM call's answer id, a tool
+    call's episode and tool call id) that the log holds in another project's run: the
+    span's own id instead, so that the span is stored for this project and nothing about
+    the other project's event is told (an answer id known in advance drops no span)."""
+    foreign = queries.foreign_event_ids(store, [e.event_id for e in plan.events
+                                                if e.event_id in plan.own_ids], project)
+    for i, event in enumerate(plan.events):
+        if event.event_id in foreign:
+            plan.events[i] = event.model_copy(
+                update={"event_id": plan.own_ids[event.event_id]})  # type: ignore[index]
+            if event.event_id in plan.unversioned:
+                plan.unversioned.add(plan.own_ids[event.event_id])  # type: ignore[index]
+
+
 def store_spans(store: EventStore, settings: Settings, access: Access, capture: Capture,
                 key: ApiKey, spans: list[Span], *, header_run: str | None = None
                 ) -> ExportOutcome:
     """Store the events of ``spans`` for ``key`` (module docstring). Raises OtlpError (400)
     for spans that do not make valid events, ApiError 403 when an episode or run they name
     belongs to another project."""
-    plans = episode_events(spans)
+    plans = episode_events(spans, project=key.project)
     runs: dict[str, str] = {}
     for plan in plans:
         _check_id(plan.episode_id, f"episode ({A_EPISODE}, gen_ai.conversation.id or the "
@@ -131,6 +146,7 @@ def store_spans(store: EventStore, settings: Settings, access: Access, capture: 
                          model=plan.model, where=f"attribute {A_RUN}")
         for attempt in range(3):
             _separate_reissued_tool_calls(store, plan)
+            _separate_foreign_ids(store, plan, key.project)
             stored = queries.stored_event_ids(store, [e.event_id for e in plan.events
                                                       if e.event_id is not None])
             fresh = [e for e in plan.events if e.event_id not in stored]

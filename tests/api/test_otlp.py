@@ -338,7 +338,7 @@ def test_the_same_export_sent_concurrently_is_stored_once(
         start_server: Any, project: Project, api_store: EventStore) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    server = start_server()
+    server = start_server(TRAJSTORE_OTLP_MAX_CONCURRENT="8")
     episode = f"conv-{uuid.uuid4().hex[:10]}"
     body = gzip.compress(json.dumps(json_episode(episode)).encode())
     head = {**project.headers("ingest"), "Content-Type": "application/json",
@@ -589,10 +589,12 @@ def test_episode_ids_follow_the_conversation_then_the_trace() -> None:
             "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "b"}),
         json_span(trace, "3" * 16, "other", T0, {"gen_ai.conversation.id": "c-1"}),
     )).encode(), "application/json")
-    plans = episode_events(spans)
+    plans = episode_events(spans, project="p1")
     assert [p.episode_id for p in plans] == ["c-1", spans[1].trace_id]
-    again = episode_events(spans)
+    again = episode_events(spans, project="p1")
     assert [e.event_id for e in again[0].events] == [e.event_id for e in plans[0].events]
+    elsewhere = episode_events(spans, project="p2")
+    assert not {e.event_id for e in elsewhere[0].events} & {e.event_id for e in plans[0].events}
 
 
 # --- spans with token ids train ----------------------------------------------------------------
@@ -694,7 +696,7 @@ def test_an_llm_span_that_ended_in_error_is_never_trained(
 
 def _one_call(*spans: dict[str, Any]) -> Any:
     plans = episode_events(decode_request(json.dumps(export(*spans)).encode(),
-                                          "application/json"))
+                                          "application/json"), project="p1")
     [plan] = plans
     [call] = [e for e in plan.events if e.type == "llm_called"]
     return call

@@ -33,6 +33,13 @@ transformers' ``tojson`` filter (the tool schemas, every tool call's arguments, 
 render) is memoized by ``_memoized_tojson``: JSON text is a function of the value's types,
 order and contents, which its ``marshal`` bytes give exactly.
 
+Every render runs under a time budget (``RENDER_BUDGET_S``, default 2 s): a template is code a
+run's creator chose (a run's own ``chat_template``), and one with nested loops could keep a
+shared worker busy for minutes or for good. Past the budget the render is interrupted where
+it is (``RenderBudgetExceeded`` is raised into the rendering thread, between two Python
+instructions of the template's compiled code) and the error names the limit and its
+setting; replay records the episode ``invalid`` with it, the timelines route answers 422.
+
 A template's first ``CHECKED`` renders in a process are compared with
 ``apply_chat_template``'s; a template whose render differs once (a transformers version that
 sets up its environment or its inputs differently) is rendered by ``apply_chat_template`` from
@@ -41,8 +48,10 @@ then on, as is every template when transformers' compiled environment cannot be 
 
 from __future__ import annotations
 
+import ctypes
 import marshal
 import threading
+import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,7 +59,7 @@ from typing import Any
 from jinja2 import compiler, idtracking, nodes, runtime, utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatRenderer", "prompt_ids"]
+__all__ = ["ChatRenderer", "RenderBudgetExceeded", "prompt_ids", "render_budget"]
 
 #: Exact types whose instances have no attributes of their own: an attribute the type lacks
 #: is looked up as an item straight away (what the sandbox does after its getattr fails);
@@ -460,6 +469,97 @@ def _fast_template(source: str) -> _FastTemplate | None:
     return fast
 
 
+class RenderBudgetExceeded(RuntimeError):
+    """A chat template rendered past its time budget (the message names the limit and its
+    setting)."""
+
+
+def _budget_message(seconds: float) -> str:
+    return (f"the chat template took longer than the render budget of {seconds:g} s "
+            "(setting TRAJSTORE_RENDER_BUDGET_S)")
+
+
+class _Watchdog:
+    """One thread per process that interrupts the budgeted blocks past their deadlines (a
+    timer thread per render would cost more than a fast render)."""
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._blocks: dict[int, render_budget] = {}
+        self._thread: threading.Thread | None = None
+        self._idle = False
+
+    def add(self, block: render_budget) -> None:
+        with self._cond:
+            self._blocks[id(block)] = block
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="render-budget",
+                                                daemon=True)
+                self._thread.start()
+            elif self._idle:
+                self._cond.notify()
+
+    def remove(self, block: render_budget) -> bool:
+        """Forgets ``block``; whether it was interrupted (a pending interruption is
+        withdrawn, so it is never raised after the block)."""
+        with self._cond:
+            self._blocks.pop(id(block), None)
+            if block.fired:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(block.thread), None)
+            return block.fired
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                self._idle = not self._blocks
+                self._cond.wait(None if self._idle else self.TICK_S)
+                now = time.monotonic()
+                for block in self._blocks.values():
+                    if not block.fired and now >= block.deadline:
+                        block.fired = True
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(block.thread),
+                            ctypes.py_object(RenderBudgetExceeded))
+
+
+_watchdog = _Watchdog()
+
+
+class render_budget:  # noqa: N801 - used as a context manager, like a function
+    """Interrupts the block in the calling thread after ``seconds`` (None or <= 0: no
+    limit; checked every 50 ms) by raising ``RenderBudgetExceeded`` into it; the block is
+    plain Python (a template's compiled code), so it stops at its next instruction. A block
+    that ends first is never interrupted afterwards: a pending interruption is withdrawn
+    under the watchdog's lock."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.deadline = 0.0
+        self.thread = 0
+        self.fired = False
+        self._on = False
+
+    def __enter__(self) -> render_budget:
+        if self.seconds is not None and self.seconds > 0:
+            self.thread = threading.get_ident()
+            self.deadline = time.monotonic() + self.seconds
+            self._on = True
+            _watchdog.add(self)
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if self._on and _watchdog.remove(self):
+            raise RenderBudgetExceeded(_budget_message(float(self.seconds or 0))) from None
+
+
+def _default_budget() -> float:
+    from store.settings import get_settings
+
+    return float(get_settings().render_budget_s)
+
+
 class ChatRenderer:
     """Renders ``tokenizer``'s chat template (or ``chat_template``) the way
     ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -467,9 +567,12 @@ class ChatRenderer:
     (see the module docstring). Exceptions are those of the template (or of
     ``apply_chat_template``)."""
 
-    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
+                 budget_s: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        #: Seconds one render may take (module docstring); None: the setting.
+        self.budget_s = _default_budget() if budget_s is None else budget_s
         #: The template's source and compiled template, with and without tools (None:
         #: rendered by apply_chat_template).
         self._fast: dict[bool, tuple[str, _FastTemplate | None]] = {}
@@ -514,7 +617,7 @@ class ChatRenderer:
                tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> Any:
         """The template's output for ``messages`` and ``tools`` (``apply_chat_template`` is
         given copies; the compiled template, which cannot change them, exact dicts as they
-        are)."""
+        are). Raises RenderBudgetExceeded past ``budget_s``."""
         chat = [m if type(m) is dict else dict(m) for m in messages]
         schemas = [t if type(t) is dict else dict(t) for t in tools] if tools else None
         source, fast = self._compiled(schemas is not None)
@@ -522,11 +625,14 @@ class ChatRenderer:
         key = (source, self._variables_key)
         matched = _verified.get(key, 0)
         if fast is None or not chat or matched < 0:
-            return self._slow(messages, tools, generation_prompt)
-        out = fast.render(messages=chat, tools=schemas, documents=None,
-                          add_generation_prompt=generation_prompt, **variables)
+            with render_budget(self.budget_s):
+                return self._slow(messages, tools, generation_prompt)
+        with render_budget(self.budget_s):
+            out = fast.render(messages=chat, tools=schemas, documents=None,
+                              add_generation_prompt=generation_prompt, **variables)
         if matched < CHECKED:
-            expected = self._slow(messages, tools, generation_prompt)
+            with render_budget(self.budget_s):
+                expected = self._slow(messages, tools, generation_prompt)
             with _lock:
                 if _verified.get(key, 0) >= 0:
                     _verified[key] = _verified.get(key, 0) + 1 if expected == out else -1
