@@ -98,6 +98,8 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("DELETE", "/v1/datasets/matrix-ds/versions/1", "admin", lambda: None),
         ("GET", f"/v1/runs/{run}/steps/1/lineage", "read", lambda: None),
         ("GET", f"/v1/episodes/{episode}/lineage", "read", lambda: None),
+        # A turn the episode does not hold: 404 after the key's checks, nothing queued.
+        ("POST", f"/v1/episodes/{episode}/branches", "ingest", lambda: {"turn": 999}),
         # Last: it closes the episode the routes above write to.
         ("POST", f"/v1/episodes/{episode}/finish", "ingest", lambda: {}),
     ]
