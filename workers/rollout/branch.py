@@ -62,6 +62,7 @@ from workers.rollout.group import (
     MAX_ATTEMPTS,
     GroupResult,
     SlotOutcome,
+    abort_episode,
     episode_id_for,
     episode_seed,
 )
@@ -216,23 +217,6 @@ def _recorded_tool_results(point: BranchPoint, task: Task) -> list[ToolReturned]
             if r.name != FORMAT_ERROR_TOOL_NAME and r.name in offered]
 
 
-def _abort(writer: EpisodeWriter, episode_id: str, version: int) -> bool:
-    """Close a half-written branch episode; False when its writer turned out to be alive."""
-    import datetime as dt
-
-    from store.events import EpisodeFinished
-
-    writer.start(episode_id, version)
-    try:
-        writer.append(episode_id, [EpisodeFinished(
-            status="aborted", occurred_at=dt.datetime.now(dt.UTC),
-            reason="its branch was delivered again before the episode finished: the worker "
-                   "playing it is gone; the slot is played again")])
-    except ConflictError:
-        return False
-    return True
-
-
 async def aplay_branch(
     *,
     log: GroupLog,
@@ -311,7 +295,8 @@ async def aplay_branch(
                 return SlotOutcome(slot, child, state.status, state.reward, False,
                                    tuple(aborted))
             if state.version > 0:
-                if not await asyncio.to_thread(_abort, writer, child, state.version):
+                if not await asyncio.to_thread(abort_episode, writer, child, state.version,
+                                              delivered="branch"):
                     return SlotOutcome(slot, child, None, None, False, tuple(aborted))
                 aborted.append(child)
                 continue

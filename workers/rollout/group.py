@@ -59,6 +59,7 @@ __all__ = [
     "MAX_ATTEMPTS",
     "GroupResult",
     "SlotOutcome",
+    "abort_episode",
     "aplay_group",
     "episode_id_for",
     "episode_seed",
@@ -141,13 +142,16 @@ class GroupResult:
                 "slots": [slot.to_dict() for slot in self.slots]}
 
 
-def _abort(writer: EpisodeWriter, episode_id: str, version: int) -> bool:
-    """Close an abandoned episode; False when its writer turned out to be alive."""
+def abort_episode(writer: EpisodeWriter, episode_id: str, version: int, *,
+                  delivered: str = "rollout task") -> bool:
+    """Close an abandoned episode (at ``version``) as ``aborted``, saying that its
+    ``delivered`` (the task that plays it) came again before it finished; False when its
+    writer turned out to be alive (the append conflicts)."""
     writer.start(episode_id, version)
     try:
         writer.append(episode_id, [EpisodeFinished(
             status="aborted", occurred_at=dt.datetime.now(dt.UTC),
-            reason="its rollout task was delivered again before the episode finished: the "
+            reason=f"its {delivered} was delivered again before the episode finished: the "
                    "worker playing it is gone; the slot is played again")])
     except ConflictError:
         return False
@@ -199,7 +203,7 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
             plan.writer.start(episode_id, len(stored))
             resume = stored
         elif state.version > 0:
-            if not await asyncio.to_thread(_abort, plan.writer, episode_id, state.version):
+            if not await asyncio.to_thread(abort_episode, plan.writer, episode_id, state.version):
                 outcome = SlotOutcome(slot, episode_id, None, None, False)
                 break
             aborted.append(episode_id)
