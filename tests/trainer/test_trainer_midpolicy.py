@@ -47,7 +47,7 @@ class Publish:
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.versions: list[int] = []
+        self.versions: list[int | None] = []
 
     def __call__(self, arguments: dict[str, Any]) -> ToolOutcome:
         if not self.versions:
