@@ -199,3 +199,43 @@ def test_call_staleness_metrics() -> None:
         "call_version_gap_max": 1.0}
     assert call_staleness_metrics({}, 4) == {"calls": 0.0, "calls_stale": 0.0,
                                              "episodes_mixed_versions": 0.0}
+
+
+def test_new_weights_wait_for_the_call_in_flight_and_never_replace_another_run() -> None:
+    gate = WeightsGate()
+    loads: list[str] = []
+
+    def same_run_older(run: str, version: int) -> Any:
+        return lambda current: current[1] == run and current[2] < version
+
+    async def go() -> Any:
+        release = asyncio.Event()
+
+        async def in_flight() -> None:
+            async with gate.calling(("e", "a", 0), lambda: loads.append("a0"),
+                                    follows=same_run_older("a", 0)):
+                loads.append("generating")
+                await release.wait()
+                loads.append("generated")
+
+        async with gate.hold(("e", "a", 0), lambda: loads.append("hold a0")):
+            first = asyncio.create_task(in_flight())
+            while "generating" not in loads:
+                await asyncio.sleep(0)
+            second = asyncio.create_task(_enter(gate.calling(
+                ("e", "a", 1), lambda: loads.append("a1"), follows=same_run_older("a", 1))))
+            await asyncio.sleep(0)
+            release.set()
+            await asyncio.gather(first, second)
+            # Another run's weights are never taken up mid-episode.
+            await _enter(gate.calling(("e", "b", 5), lambda: loads.append("b5"),
+                                      follows=same_run_older("b", 5)))
+        return gate.current
+
+    assert asyncio.run(go()) == ("e", "a", 1)
+    assert loads == ["hold a0", "generating", "generated", "a1"]
+
+
+async def _enter(manager: Any) -> None:
+    async with manager:
+        pass
