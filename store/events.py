@@ -298,6 +298,21 @@ class RolloutConfig(_Frozen):
     #: place (task, policy version, group index, slot, attempt), not from the run id: two
     #: runs with one seed sample alike. None: from the episode id (every run differs).
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    #: Rollouts across policy updates: an episode in flight when a newer policy of the run is
+    #: served takes it up before its next LLM call (each ``llm_called`` records its own
+    #: version and log-probs). False: an episode is played on one policy version. Refused
+    #: with ``seed`` (a seeded run samples alike in every run; which call meets which policy
+    #: depends on when the trainer publishes it).
+    continue_across_updates: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutConfig:
+        if self.continue_across_updates and self.seed is not None:
+            raise _refuse(("continue_across_updates",), "continue_across_updates cannot be "
+                          "combined with a sampling seed (rollout.seed): which call meets "
+                          "which policy depends on when a policy is published, so seeded "
+                          "runs would not sample alike; leave one of them out", True)
+        return self
 
 
 RejectionMode = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",

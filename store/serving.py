@@ -25,6 +25,7 @@ import datetime as dt
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -41,6 +42,7 @@ __all__ = [
     "EngineTakeup",
     "VersionTakeup",
     "append_policy_updated",
+    "call_policy_versions",
     "checkpoint_problem",
     "checkpoint_root",
     "newest_policy",
@@ -305,3 +307,23 @@ def checkpoint_problem(location: object, root: str) -> str | None:
     if len(given) <= len(wanted) or given[:len(wanted)] != wanted:
         return outside
     return None
+
+
+def call_policy_versions(store: EventStore, episode_ids: Sequence[str]) -> dict[str, list[int]]:
+    """The policy version of every LLM call of each episode of ``episode_ids``, in call
+    order (each ``llm_called`` records its own; an episode played across policy updates,
+    ``rollout.continue_across_updates``, holds several). An episode without calls, or not
+    stored, is left out. A call written before the field existed reads as version 0."""
+    ids = sorted({str(e) for e in episode_ids})
+    if not ids:
+        return {}
+    data = safe_data("data")
+    sql = (f"SELECT stream_id, COALESCE(({data}->>'policy_version')::int, 0) AS version"
+           " FROM events WHERE stream_id = ANY(%s) AND type = 'llm_called'"
+           " ORDER BY stream_id, stream_version")
+    with store.db.connection() as conn:
+        rows = conn.execute(sql, [ids]).fetchall()
+    out: dict[str, list[int]] = {}
+    for stream_id, version in rows:
+        out.setdefault(str(stream_id), []).append(int(version))
+    return out

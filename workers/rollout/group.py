@@ -38,6 +38,8 @@ import asyncio
 import datetime as dt
 import json
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +180,7 @@ class _Plan:
     tool_runner: ToolRunner | None
     gate: asyncio.Semaphore | None
     prompt: RunPrompt | None
+    call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 
 async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
@@ -216,7 +219,8 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
                 rollback=plan.config, group_id=plan.group_id, episode_id=episode_id,
                 max_turns=plan.max_turns, max_total_tokens=plan.max_total_tokens,
                 policy_version=plan.policy_version, tool_runner=plan.tool_runner,
-                prompt=plan.prompt, gate=plan.gate, resume=resume or None)
+                prompt=plan.prompt, gate=plan.gate, resume=resume or None,
+                call_guard=plan.call_guard)
         except (ConflictError, IdempotencyError):
             # Another delivery of this task got to the slot first: it is theirs.
             outcome = SlotOutcome(slot, episode_id, None, None, False)
@@ -247,6 +251,7 @@ async def aplay_group(
     max_total_tokens: int = 4096,
     tool_runner: ToolRunner | None = None,
     gate: asyncio.Semaphore | None = None,
+    call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None,
 ) -> GroupResult:
     """Play the episodes of ``task``'s group at ``policy_version`` concurrently (module
     docstring), appending their events to ``log``.
@@ -261,7 +266,9 @@ async def aplay_group(
     ``backend`` must already hold that policy's weights. ``gate``, when given, is held by
     each episode while it plays, up to the wait for its last events to be stored (the
     worker's bound on episodes in flight across groups, :func:`~workers.rollout.loop.arun_episode`);
-    ``tool_runner`` runs the tool calls (the process's default when None). Raises ValueError
+    ``tool_runner`` runs the tool calls (the process's default when None); ``call_guard`` is
+    entered around each LLM call an episode generates (the worker's take-up of a newer
+    policy under ``rollout.continue_across_updates``). Raises ValueError
     for a negative ``group_index`` or ``policy_version``, ``TokenizerNotFound`` when the
     run's tokenizer cannot be loaded here, and the log's errors (``NotFoundError`` for an
     unknown run, ``TransientError`` when it is unreachable). Failures inside an episode
@@ -291,7 +298,7 @@ async def aplay_group(
                                                      policy_version, group_index),
                  sampling=sampling, policy_version=policy_version,
                  max_turns=max_turns, max_total_tokens=max_total_tokens,
-                 tool_runner=tool_runner, gate=gate, prompt=prompt)
+                 tool_runner=tool_runner, gate=gate, prompt=prompt, call_guard=call_guard)
     slots = await asyncio.gather(*(_play_slot(plan, slot)
                                    for slot in range(config.group_size)))
     return GroupResult(run_id, task.task_id, group_id, policy_version, tuple(slots))

@@ -77,7 +77,8 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -190,7 +191,9 @@ class _Episode:
                  tool_runner: ToolRunner, prompt: RunPrompt | None,
                  gate: asyncio.Semaphore | None,
                  branched_from: BranchedFrom | None = None,
-                 resume: Sequence[Event] = ()) -> None:
+                 resume: Sequence[Event] = (),
+                 call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> None:
+        self.call_guard = call_guard
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
         self.gate = gate
         self.prompt = prompt
@@ -366,9 +369,14 @@ class _Episode:
             self.last_total = int(result.prompt_ids.shape[0] + result.response_ids.shape[0])
             self.generated += int(result.response_ids.shape[0])
             return generation
-        started = time.perf_counter()
         self.flush()  # what happened so far is on its way to the store meanwhile
-        result = await generate_async(self.backend, request)
+        started = time.perf_counter()
+        if self.call_guard is not None:  # e.g. take up a newer policy (continue_across_updates)
+            async with self.call_guard():
+                started = time.perf_counter()
+                result = await generate_async(self.backend, request)
+        else:
+            result = await generate_async(self.backend, request)
         latency_ms = (time.perf_counter() - started) * 1000.0
         self.calls += 1
         call_id = f"call_{self.calls}"
@@ -585,7 +593,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
              policy_version: int | None, tool_runner: ToolRunner | None,
              prompt: RunPrompt | None, gate: asyncio.Semaphore | None = None,
              branched_from: BranchedFrom | Mapping[str, Any] | None = None,
-             resume: Sequence[Event] | None = None) -> _Episode:
+             resume: Sequence[Event] | None = None,
+             call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> _Episode:
     """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
@@ -609,6 +618,9 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
         raise TypeError(f"tool_runner must be a ToolRunner, got {type(tool_runner).__name__}")
     if prompt is not None and not isinstance(prompt, RunPrompt):
         raise TypeError(f"prompt must be a RunPrompt, got {type(prompt).__name__}")
+    if call_guard is not None and not callable(call_guard):
+        raise TypeError(f"call_guard must make async context managers, "
+                        f"got {type(call_guard).__name__}")
     if gate is not None and not isinstance(gate, asyncio.Semaphore):
         raise TypeError(f"gate must be an asyncio.Semaphore, got {type(gate).__name__}")
     if policy_version is None:
@@ -633,7 +645,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
                     max_total_tokens=max_total_tokens, agent=agent,
                     policy_version=policy_version,
                     tool_runner=tool_runner if tool_runner is not None else default_tool_runner(),
-                    prompt=prompt, gate=gate, branched_from=branched_from, resume=resume)
+                    prompt=prompt, gate=gate, branched_from=branched_from, resume=resume,
+                    call_guard=call_guard)
 
 
 async def arun_episode(
@@ -656,6 +669,7 @@ async def arun_episode(
     gate: asyncio.Semaphore | None = None,
     branched_from: BranchedFrom | Mapping[str, Any] | None = None,
     resume: Sequence[Event] | None = None,
+    call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None,
 ) -> EpisodeResult:
     """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
     ``episode_id`` (a new UUID string when None); see the module docstring for the event
@@ -686,6 +700,14 @@ async def arun_episode(
     (an :class:`~workers.rollout.episode_writer.EpisodeWriter` started at their number), the
     arguments must be those it was played with (same seed); see "Resume" in the module
     docstring.
+
+    ``call_guard``, when given, makes an async context manager entered around each LLM call
+    the episode generates (not one taken from a resumed log): the rollout worker of a run
+    with ``rollout.continue_across_updates`` brings its engine to the run's newest policy on
+    entering it (:meth:`~workers.rollout.runtime.WeightsGate.calling`), so an episode
+    continues on a policy published while it plays; each ``llm_called``
+    records the version and log-probs of the weights that generated it
+    (``GenerationResult.policy_version``), ``episode_started`` the version it started on.
     """
     episode = _episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
                        sampling=sampling, rollback=rollback, group_id=group_id,
@@ -693,7 +715,7 @@ async def arun_episode(
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
                        prompt=prompt, gate=gate, branched_from=branched_from,
-                       resume=resume)
+                       resume=resume, call_guard=call_guard)
     return await episode.run()
 
 

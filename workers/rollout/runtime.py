@@ -13,6 +13,12 @@ on the current weights have finished, then the weights are loaded and it starts;
 arrive for the current weights while another group waits for new ones queue behind it, so a
 new policy is never starved. Every ``llm_called`` records the policy version that generated
 it.
+
+A run with ``rollout.continue_across_updates`` lets its episodes in flight take up a newer
+policy of the run (:meth:`WeightsGate.calling`): before each LLM call the worker reads the
+run's newest policy; when the engine holds an older version of the same run, the call waits
+until no call is generating, the new weights are loaded, and every later call of every episode
+on this engine is made with them. Weights of another run are never replaced that way.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class WeightsGate:
         self.current: Any = None
         self.users = 0
         self.waiting_other = 0
+        self.calls = 0
         self._condition = asyncio.Condition()
 
     @contextlib.asynccontextmanager
@@ -72,6 +79,31 @@ class WeightsGate:
         finally:
             async with self._condition:
                 self.users -= 1
+                self._condition.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def calling(self, target: Any, load: Callable[[], None], *,
+                      follows: Callable[[Any], bool]) -> AsyncIterator[None]:
+        """One LLM call of an episode that continues across policy updates (module
+        docstring), inside a :meth:`hold`: while the engine holds other weights than
+        ``target`` that ``follows(current)`` says ``target`` replaces (an older version of
+        the same run), wait until no call made through here is generating, then call
+        ``load()`` in a thread and hold ``target``; the block runs with the call counted.
+        ``load`` raising leaves the weights as they were and propagates."""
+        async with self._condition:
+            while target != self.current and follows(self.current):
+                if self.calls == 0:
+                    await asyncio.to_thread(load)
+                    self.current = target
+                    self._condition.notify_all()
+                    break
+                await self._condition.wait()
+            self.calls += 1
+        try:
+            yield
+        finally:
+            async with self._condition:
+                self.calls -= 1
                 self._condition.notify_all()
 
 

@@ -12,15 +12,23 @@ files of ``<data_dir>/tasks``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
 
 from store.arguments import whole_number
 from store.settings import Settings
 from workers.rollout.agent_tasks import resolve_task
 from workers.rollout.group import GroupResult, aplay_group
 from workers.rollout.group_log import ApiGroupLog, GroupLog, StoreGroupLog
-from workers.rollout.runtime import worker_runtime
+from workers.rollout.runtime import WeightsGate, worker_runtime
 from workers.rollout.tools import ToolRegistry
+
+if TYPE_CHECKING:
+    from workers.rollout.worker_engine import RolloutEngine
 
 __all__ = ["run_rollout_group", "worker_log", "worker_tools"]
 
@@ -61,6 +69,25 @@ def worker_tools() -> ToolRegistry:
         return _tools
 
 
+@contextlib.asynccontextmanager
+async def _on_newest_policy(weights: WeightsGate, engine: RolloutEngine, log: GroupLog,
+                            run_id: str) -> AsyncIterator[None]:
+    """Around one LLM call of a run with ``rollout.continue_across_updates``: the engine is
+    brought to the run's newest policy first when it holds an older one of the run
+    (:meth:`~workers.rollout.runtime.WeightsGate.calling`; the take-up is reported as any)."""
+    newest = await asyncio.to_thread(log.policy, run_id)
+    key = id(engine)
+
+    def older(current: object) -> bool:
+        return (isinstance(current, tuple) and len(current) == 3 and current[0] == key
+                and current[1] == run_id and current[2] < newest.version)
+
+    async with weights.calling((key, run_id, newest.version),
+                               lambda: engine.ensure(run_id, newest, report=log.policy_served),
+                               follows=older):
+        yield
+
+
 def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
                       group_index: int = 0, policy_version: int | None = None) -> GroupResult:
     """Play (or complete) the group of ``task_id`` at the run's newest policy version (at
@@ -83,6 +110,11 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     engine = worker_engine(config, settings=settings)
     runtime = worker_runtime(settings.rollout_concurrency)
 
+    call_guard = None
+    if config.rollout.continue_across_updates:
+        def call_guard() -> AbstractAsyncContextManager[None]:
+            return _on_newest_policy(runtime.weights, engine, log, run_id)
+
     async def play() -> GroupResult:
         async with runtime.weights.hold((id(engine), run_id, policy.version),
                                         lambda: engine.ensure(run_id, policy,
@@ -90,6 +122,6 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
             return await aplay_group(
                 log=log, run_id=run_id, task=task, backend=engine.backend, tools=tools,
                 policy_version=policy.version, group_index=group_index, run_config=config,
-                gate=runtime.episodes)
+                gate=runtime.episodes, call_guard=call_guard)
 
     return runtime.call(play)

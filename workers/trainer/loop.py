@@ -44,7 +44,7 @@ import shutil
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,7 +55,12 @@ from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig, TrainedSamples
 from store.leasing import Lease, LeaseExpired, Leasing
 from store.queries import episode_sampling_params
-from store.serving import append_policy_updated, policy_takeup, record_policy_served
+from store.serving import (
+    append_policy_updated,
+    call_policy_versions,
+    policy_takeup,
+    record_policy_served,
+)
 from workers import checkpoint_urls
 from workers.engines.backend import WeightUpdatable
 from workers.engines.identity import engine_id
@@ -84,7 +89,8 @@ from workers.trainer.update import update_batch
 from workers.trainer.weights import push_weights
 
 __all__ = ["Distribution", "OneProcess", "StepHooks", "StepResult", "Taken", "Trainer",
-           "TrainerBroken", "default_device", "staleness_metrics", "takeup_metrics",
+           "TrainerBroken", "call_staleness_metrics", "default_device", "staleness_metrics",
+           "takeup_metrics",
            "trained_samples", "unit_ids", "unit_loss_weights"]
 
 
@@ -232,6 +238,25 @@ def staleness_metrics(policy_versions: tuple[int | None, ...], current: int
     if gaps:
         out.update(version_gap_min=float(min(gaps)), version_gap_mean=sum(gaps) / len(gaps),
                    version_gap_max=float(max(gaps)))
+    return out
+
+
+def call_staleness_metrics(call_versions: Mapping[str, Sequence[int]], current: int
+                           ) -> dict[str, float]:
+    """Version gap counted over LLM calls, not episodes (``call_versions``: each trained
+    episode's calls' policy versions, :func:`store.serving.call_policy_versions`): ``calls``,
+    ``calls_stale`` (calls made on an older version than ``current``),
+    ``call_version_gap_min``/``_mean``/``_max`` (none of these keys without calls) and
+    ``episodes_mixed_versions`` (episodes whose calls span several versions: played across
+    a policy update, ``rollout.continue_across_updates``)."""
+    gaps = [current - v for versions in call_versions.values() for v in versions]
+    out = {"calls": float(len(gaps)), "calls_stale": float(sum(1 for g in gaps if g > 0)),
+           "episodes_mixed_versions": float(sum(1 for versions in call_versions.values()
+                                                if len(set(versions)) > 1))}
+    if gaps:
+        out.update(call_version_gap_min=float(min(gaps)),
+                   call_version_gap_mean=sum(gaps) / len(gaps),
+                   call_version_gap_max=float(max(gaps)))
     return out
 
 
@@ -648,6 +673,8 @@ class Trainer:
             "step_seconds": time.monotonic() - started,
             **correction.metrics,
             **staleness_metrics(batch.policy_versions, current),
+            **call_staleness_metrics(call_policy_versions(self.store, batch.episode_ids),
+                                     current),
             **ppo,
         }
         return {name: value for name, value in metrics.items() if math.isfinite(value)}
