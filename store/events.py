@@ -298,6 +298,13 @@ class RolloutConfig(_Frozen):
     #: place (task, policy version, group index, slot, attempt), not from the run id: two
     #: runs with one seed sample alike. None: from the episode id (every run differs).
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    #: The user's tools a remote rollout of the run offers (``workers.rollout.user_tools``):
+    #: tool modules (dotted names or ``.py`` paths) and MCP server URLs, beside the
+    #: server's own (settings ``rollout_tool_modules``, ``rollout_mcp_servers``).
+    tool_modules: tuple[Annotated[str, Field(min_length=1, max_length=500)], ...] = Field(
+        default=(), max_length=32)
+    mcp_servers: tuple[Annotated[str, Field(min_length=1, max_length=2000)], ...] = Field(
+        default=(), max_length=32)
 
 
 RejectionMode = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",

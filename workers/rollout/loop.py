@@ -190,7 +190,7 @@ class _Episode:
                  tool_runner: ToolRunner, prompt: RunPrompt | None,
                  gate: asyncio.Semaphore | None,
                  branched_from: BranchedFrom | None = None,
-                 resume: Sequence[Event] = ()) -> None:
+                 resume: Sequence[Event] = (), last_turn_tools: bool = False) -> None:
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
         self.gate = gate
         self.prompt = prompt
@@ -199,6 +199,7 @@ class _Episode:
         self.sampling, self.rollback, self.agent = sampling, rollback, agent
         self.max_turns = task.max_turns if task.max_turns is not None else max_turns
         self.max_total_tokens = max_total_tokens
+        self.last_turn_tools = last_turn_tools
         self.policy_version = policy_version
         self.tool_runner = tool_runner
         self.offered = {schema["function"]["name"] for schema in task.tools}
@@ -400,7 +401,7 @@ class _Episode:
             return "completed", None
         if parsed.well_formed and self.task.stop_at_tool_calls:
             return "completed", "the tool calls are the answer"
-        if parsed.well_formed and turn >= self.max_turns:
+        if parsed.well_formed and turn >= self.max_turns and not self.last_turn_tools:
             return "truncated", f"max_turns ({self.max_turns}) reached with tool calls pending"
         return None
 
@@ -585,7 +586,7 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
              policy_version: int | None, tool_runner: ToolRunner | None,
              prompt: RunPrompt | None, gate: asyncio.Semaphore | None = None,
              branched_from: BranchedFrom | Mapping[str, Any] | None = None,
-             resume: Sequence[Event] | None = None) -> _Episode:
+             resume: Sequence[Event] | None = None, last_turn_tools: bool = False) -> _Episode:
     """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
@@ -633,7 +634,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
                     max_total_tokens=max_total_tokens, agent=agent,
                     policy_version=policy_version,
                     tool_runner=tool_runner if tool_runner is not None else default_tool_runner(),
-                    prompt=prompt, gate=gate, branched_from=branched_from, resume=resume)
+                    prompt=prompt, gate=gate, branched_from=branched_from, resume=resume,
+                    last_turn_tools=last_turn_tools)
 
 
 async def arun_episode(
@@ -656,6 +658,7 @@ async def arun_episode(
     gate: asyncio.Semaphore | None = None,
     branched_from: BranchedFrom | Mapping[str, Any] | None = None,
     resume: Sequence[Event] | None = None,
+    last_turn_tools: bool = False,
 ) -> EpisodeResult:
     """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
     ``episode_id`` (a new UUID string when None); see the module docstring for the event
@@ -686,6 +689,10 @@ async def arun_episode(
     (an :class:`~workers.rollout.episode_writer.EpisodeWriter` started at their number), the
     arguments must be those it was played with (same seed); see "Resume" in the module
     docstring.
+
+    ``last_turn_tools`` runs the tool calls of the turn that reaches ``max_turns`` (their
+    results are recorded and join the context) before the episode ends ``truncated``, as the
+    remote protocol's reference RolloutServer does; by default they are left pending.
     """
     episode = _episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
                        sampling=sampling, rollback=rollback, group_id=group_id,
@@ -693,7 +700,7 @@ async def arun_episode(
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
                        prompt=prompt, gate=gate, branched_from=branched_from,
-                       resume=resume)
+                       resume=resume, last_turn_tools=last_turn_tools)
     return await episode.run()
 
 
@@ -715,6 +722,7 @@ def run_episode(
     tool_runner: ToolRunner | None = None,
     prompt: RunPrompt | None = None,
     resume: Sequence[Event] | None = None,
+    last_turn_tools: bool = False,
 ) -> EpisodeResult:
     """:func:`arun_episode` for callers without an event loop: plays the one episode to its
     end and returns its result (same arguments, same errors). Called from a thread that runs
@@ -724,5 +732,5 @@ def run_episode(
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
-                       prompt=prompt, resume=resume)
+                       prompt=prompt, resume=resume, last_turn_tools=last_turn_tools)
     return run_sync(episode.run())
