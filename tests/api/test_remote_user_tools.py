@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from store.eventlog import EventStore
-from store.events import EpisodeFinished, LLMCalled, ToolReturned
+from store.events import EpisodeFinished, ToolReturned
 from tests.api.conftest import Project, Server
 from tests.rollout.chat_trainer import ChatTrainer
 from tests.rollout.mcp_server import McpServer
@@ -91,7 +91,8 @@ def request(trainer: ChatTrainer, run_id: str, *, tokenizer_name: str, **changes
             "messages": QUESTION, "callback_api_key": "trainer-secret",
             "sampling_params": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 64,
                                 "logprobs": True},
-            "tokenizer_name": tokenizer_name, "max_turns": 4, "max_tokens_total": 4096, "run_id": run_id, **changes}
+            "tokenizer_name": tokenizer_name, "max_turns": 4, "max_tokens_total": 4096,
+            "run_id": run_id, **changes}
 
 
 def tool_results(store: EventStore, episode_id: str) -> list[tuple[str, str, str | None]]:
