@@ -128,3 +128,23 @@ def test_an_mcp_server_lists_and_calls_its_tools(sse: bool) -> None:
             build_registry(mcp_servers=[mcp.url, other.url])
     with pytest.raises(ValueError, match="MCP server .* cannot be reached"):
         build_registry(mcp_servers=[mcp.url])
+
+
+def test_the_servers_tools_come_first_then_the_runs_and_the_requests(tmp_path: Path) -> None:
+    from store.settings import Settings
+    from workers.rollout.user_tools import offered_tools
+
+    assert offered_tools(Settings(data_dir=tmp_path)).names() == ["calculator"]
+    calc = write(tmp_path / "calc.py", CALC + "\nTOOLS = [add, multiply]\n")
+    extra = write(tmp_path / "extra.py", "def negate(x: int) -> int:\n    return -x\n")
+    settings = Settings(data_dir=tmp_path, rollout_tool_modules=f" {calc} ,")
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    with McpServer({"search": ("Search", schema, lambda q: q.upper())}) as mcp:
+        registry = offered_tools(settings, modules=[extra], tool_server_url=mcp.url)
+        assert registry.names() == ["add", "multiply", "negate", "search"]
+        assert registry.call("search", {"q": "x"}).output == "X"
+    # the same module named twice is one source; another module's add is a clash
+    assert offered_tools(settings, modules=[calc]).names() == ["add", "multiply"]
+    other = write(tmp_path / "other.py", "def add(x: int) -> int:\n    return x\n")
+    with pytest.raises(ValueError, match="tool name clash: 'add'"):
+        offered_tools(settings, modules=[other])
