@@ -105,10 +105,18 @@ class _Tap:
     def __init__(self, store: VersionedLog) -> None:
         self.store = store
         self.events: list[Event] = []
+        if getattr(store, "aappend", None) is not None:  # keep the store's batched writes
+            self.aappend = self._aappend
 
     def append(self, stream_id: str, events: Sequence[Event], expected_version: Any = ...
                ) -> Any:
         result = self.store.append(stream_id, events, expected_version)
+        self.events.extend(events)
+        return result
+
+    async def _aappend(self, stream_id: str, events: Sequence[Event],
+                       expected_version: Any = ...) -> Any:
+        result = await self.store.aappend(stream_id, events, expected_version)  # type: ignore[attr-defined]
         self.events.extend(events)
         return result
 
