@@ -304,6 +304,13 @@ class RolloutConfig(_Frozen):
     #: with ``seed`` (a seeded run samples alike in every run; which call meets which policy
     #: depends on when the trainer publishes it).
     continue_across_updates: bool = False
+    #: The user's tools a remote rollout of the run offers (``workers.rollout.user_tools``):
+    #: tool modules (dotted names or ``.py`` paths) and MCP server URLs, beside the
+    #: server's own (settings ``rollout_tool_modules``, ``rollout_mcp_servers``).
+    tool_modules: tuple[Annotated[str, Field(min_length=1, max_length=500)], ...] = Field(
+        default=(), max_length=32)
+    mcp_servers: tuple[Annotated[str, Field(min_length=1, max_length=2000)], ...] = Field(
+        default=(), max_length=32)
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutConfig:

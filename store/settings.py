@@ -342,6 +342,26 @@ class Settings(BaseSettings):
         description="Seconds POST /rollout waits for the rollout worker that plays the "
         "rollout to answer; then 504 naming the rollout id (the rollout may still be played).",
     )
+    rollout_tool_modules: str = Field(
+        default="",
+        description="Tool modules every remote rollout offers (POST /rollout, POST "
+        "/v1/rollout/init) and GET /tools lists: dotted module names or paths of .py files, "
+        "comma separated; a module's TOOLS list, else its public functions "
+        "(workers.rollout.user_tools). Empty, with no MCP server either: the calculator.",
+    )
+    rollout_mcp_servers: str = Field(
+        default="",
+        description="MCP servers (JSON-RPC over HTTP URLs, comma separated) whose tools every "
+        "remote rollout offers, beside rollout_tool_modules.",
+    )
+    rollout_waiting_per_project: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Synchronous rollouts (POST /rollout) one project may have waiting for "
+        "their answer at once, over all API processes; one more is answered 429 naming "
+        "this setting.",
+    )
     rollout_trainer_hosts: str = Field(
         default="",
         description="Addresses POST /rollout and POST /v1/rollout/init may call back as the "

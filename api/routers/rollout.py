@@ -8,7 +8,11 @@
   queued on the rollout queue; a rollout worker drives the agent loop, calling back the
   trainer at ``server_url`` (``/v1/chat/completions``, else ``/v1/completions``), and pushes
   the RolloutResponse back to this request, which waits for it up to
-  ``TRAJSTORE_ROLLOUT_WAIT_S`` (``workers.rollout.remote_dispatch``).
+  ``TRAJSTORE_ROLLOUT_WAIT_S`` (``workers.rollout.remote_dispatch``). The wait is awaited on
+  the event loop, holding no worker thread, and at most
+  ``TRAJSTORE_ROLLOUT_WAITING_PER_PROJECT`` of a project's rollouts wait at once (429).
+- ``GET /tools``: the tools a rollout offers (the server's, a run's), as the reference
+  RolloutServer lists them (``{"tools": [...]}``).
 - ``POST /v1/rollout/init``: the same as the asynchronous revision's RolloutServer: checked
   and queued the same way, answered 202 with the tools at once; the rollout worker plays it
   and posts the RolloutResponse to the trainer's ``/v1/rollout/completed``.
@@ -26,8 +30,9 @@ from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
-from api.deps import Ctx, IngestKey
+from api.deps import AnyKey, Ctx, IngestKey
 from api.errors import ERROR_RESPONSES, ApiError, refuse_unstorable
 from api.schemas.common import ErrorBody
 from api.schemas.remote import (
@@ -44,21 +49,23 @@ from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
 from workers.engines.tokenizers import allowed_roots, tokenizer_root_problem
 from workers.rollout.remote_dispatch import (
+    await_answer,
     claim_rollout,
     release_rollout,
+    release_waiting,
+    reserve_waiting,
     send_remote_rollout,
-    wait_answer,
 )
 from workers.rollout.remote_request import (
     DEFAULT_REMOTE_RUN_ID,
     TokenizerMismatchError,
     check_run_tokenizer,
     check_trainer_host,
-    default_tools,
     parse_rollout_request,
     remote_episode_id,
     resolve_tokenizer,
 )
+from workers.rollout.user_tools import offered_tools
 
 __all__ = ["router", "completion_events"]
 
@@ -184,11 +191,24 @@ def _request_error(exc: ValueError, fields: Any, names: dict[str, str]) -> ApiEr
     return ApiError(422, "invalid_request", message, field=field)
 
 
+def run_tools(ctx: Ctx, run_id: str | None, tool_server_url: str | None = None
+              ) -> list[dict[str, Any]]:
+    """The schemas of the tools a rollout of ``run_id`` offers (the server's, the run's, and
+    the MCP server ``tool_server_url``): ValueError naming the source that cannot be loaded
+    or the name two sources give."""
+    config = ctx.store.get_run(run_id).config.rollout if run_id else None
+    if tool_server_url:
+        check_trainer_host(tool_server_url, ctx.settings, field="tool_server_url")
+    return offered_tools(ctx.settings, modules=config.tool_modules if config else (),
+                         mcp_servers=config.mcp_servers if config else (),
+                         tool_server_url=tool_server_url).schemas()
+
+
 def _check(request: dict[str, Any], ctx: Ctx, *, run_id: str, fields: Any,
-           names: dict[str, str] | None = None) -> str:
+           names: dict[str, str] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """Check a RolloutRequest dict before anything is queued (422 naming the field: its
-    fields, the trainer host, the tokenizer and that it replays as the run's); returns the
-    rollout id."""
+    fields, the trainer host, the tokenizer and that it replays as the run's, the tools);
+    returns the rollout id and the schemas of the tools it offers."""
     run_tokenizer = ctx.store.get_run(run_id).config.tokenizer_name
     try:
         parsed = parse_rollout_request(request)
@@ -200,7 +220,14 @@ def _check(request: dict[str, Any], ctx: Ctx, *, run_id: str, fields: Any,
         check_run_tokenizer(run_id, run_tokenizer, parsed.tokenizer_name)
     except ValueError as exc:
         raise _request_error(exc, fields, names or {}) from None
-    return parsed.rollout_id
+    try:
+        tools = run_tools(ctx, run_id, parsed.tool_server_url)
+    except ValueError as exc:
+        field = "body.tool_server_url" if parsed.tool_server_url and (
+            parsed.tool_server_url in str(exc) or "tool_server_url" in str(exc)) else "body.run_id"
+        raise ApiError(422, "invalid_tools", f"the tools of this rollout: {exc}",
+                       field=field) from None
+    return parsed.rollout_id, tools
 
 
 def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool) -> None:
@@ -226,35 +253,50 @@ def _claim(ctx: Ctx, rollout_id: str) -> bool:
                          "finish_reason, error_message, metrics, episode_id."},
     409: {"model": ErrorBody, "description": "This rollout_id was recorded or queued "
                                              "before."},
+    429: {"model": ErrorBody, "description": "The project has "
+                                             "TRAJSTORE_ROLLOUT_WAITING_PER_PROJECT "
+                                             "rollouts waiting already."},
     503: {"model": ErrorBody, "description": "The broker cannot be reached."},
     504: {"model": ErrorBody, "description": "No rollout worker answered within "
                                              "TRAJSTORE_ROLLOUT_WAIT_S."}})
-def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
+async def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
     """Drive one remote rollout as the RolloutServer (the seed's ``RolloutRequest``),
     recording it as episode ``rollout-<rollout_id>`` of ``run_id``: checked here, played by
-    a worker of the rollout queue, answered with its RolloutResponse. Bad input, checked
-    before anything is queued: a field of the wrong type or out of range, an unknown field,
-    a value the store refuses, a trainer host that is not allowed, an unknown tokenizer:
-    422 naming the field; a tokenizer that is not the run's vocabulary: 422
-    ``tokenizer_mismatch``; another project's run: 403; an unknown run: 404; a rollout id
-    recorded or queued before: 409. No worker answering within ``TRAJSTORE_ROLLOUT_WAIT_S``:
-    504 naming the rollout id (the rollout may still be played later)."""
-    refuse_unstorable(body)
-    run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
-    ctx.access.check_run(key, run_id)
-    request = body.model_dump(mode="json", exclude_none=True)
-    rollout_id = _check(request, ctx, run_id=run_id, fields=RolloutRequest.model_fields)
-    episode_id = remote_episode_id(rollout_id)
-    if ctx.store.stream_version(episode_id) != 0 or not _claim(ctx, rollout_id):
-        raise ApiError(409, "already_exists", f"rollout_id {rollout_id!r} was recorded "
-                       f"(episode {episode_id!r}) or queued before")
-    _queue(request, ctx, answer=True)
-    wait = ctx.settings.rollout_wait_s
+    a worker of the rollout queue, answered with its RolloutResponse. The answer is awaited
+    on the event loop: a waiting rollout holds no worker thread, and a project has at most
+    ``TRAJSTORE_ROLLOUT_WAITING_PER_PROJECT`` waiting at once (one more: 429 naming the
+    setting, nothing queued). Bad input, checked before anything is queued: a field of the
+    wrong type or out of range, an unknown field, a value the store refuses, a trainer host
+    that is not allowed, an unknown tokenizer: 422 naming the field; a tokenizer that is not
+    the run's vocabulary: 422 ``tokenizer_mismatch``; tools that cannot be loaded (a module
+    that does not import, an MCP server that cannot be listed, a name two sources give): 422
+    ``invalid_tools`` naming them; another project's run: 403; an unknown run: 404; a
+    rollout id recorded or queued before: 409. No worker answering within
+    ``TRAJSTORE_ROLLOUT_WAIT_S``: 504 naming the rollout id (the rollout may still be played
+    later)."""
+    settings = ctx.settings
+    request, rollout_id, episode_id = await run_in_threadpool(_check_rollout, body, key, ctx)
+    limit = settings.rollout_waiting_per_project
     try:
-        answer = wait_answer(ctx.settings, rollout_id, timeout_s=wait)
+        waiting = await reserve_waiting(settings, key.project, limit=limit)
     except ConnectionError as exc:
-        raise ApiError(503, "unavailable", f"rollout {rollout_id!r} was queued, but {exc}"
-                       ) from None
+        raise ApiError(503, "unavailable", f"{exc}; retry later") from None
+    if waiting is None:
+        raise ApiError(429, "too_many_waiting", f"project {key.project!r} has {limit} "
+                       f"synchronous rollouts waiting for their answer already "
+                       f"(TRAJSTORE_ROLLOUT_WAITING_PER_PROJECT={limit}); retry when one has "
+                       f"answered, or start rollouts with POST /v1/rollout/init")
+    try:
+        await run_in_threadpool(_claim_and_queue, request, ctx, rollout_id, episode_id)
+        wait = settings.rollout_wait_s
+        try:
+            answer = await await_answer(settings, rollout_id, timeout_s=wait)
+        except ConnectionError as exc:
+            raise ApiError(503, "unavailable", f"rollout {rollout_id!r} was queued, but "
+                           f"{exc}") from None
+    finally:
+        with contextlib.suppress(ConnectionError):
+            await release_waiting(settings, key.project)
     if answer is None:
         raise ApiError(504, "timeout", f"rollout {rollout_id!r}: no rollout worker answered "
                        f"within {wait:g} s (TRAJSTORE_ROLLOUT_WAIT_S; is a worker of the "
@@ -264,6 +306,52 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
         raise ApiError(answer.status, answer.code or "rollout_failed",
                        answer.message or f"rollout {rollout_id!r} failed")
     return JSONResponse(answer.body)
+
+
+def _check_rollout(body: RolloutRequest, key: Any, ctx: Ctx
+                   ) -> tuple[dict[str, Any], str, str]:
+    """The checks of ``POST /rollout`` that read the store (run in a pool thread, briefly):
+    the request dict, its rollout id and episode id."""
+    refuse_unstorable(body)
+    run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
+    ctx.access.check_run(key, run_id)
+    request = body.model_dump(mode="json", exclude_none=True)
+    rollout_id, _ = _check(request, ctx, run_id=run_id, fields=RolloutRequest.model_fields)
+    episode_id = remote_episode_id(rollout_id)
+    if ctx.store.stream_version(episode_id) != 0:
+        raise _recorded(rollout_id, episode_id)
+    return request, rollout_id, episode_id
+
+
+def _recorded(rollout_id: str, episode_id: str) -> ApiError:
+    return ApiError(409, "already_exists", f"rollout_id {rollout_id!r} was recorded "
+                    f"(episode {episode_id!r}) or queued before")
+
+
+def _claim_and_queue(request: dict[str, Any], ctx: Ctx, rollout_id: str,
+                     episode_id: str) -> None:
+    if not _claim(ctx, rollout_id):
+        raise _recorded(rollout_id, episode_id)
+    _queue(request, ctx, answer=True)
+
+
+@router.get("/tools", responses={
+    200: {"description": "The tools a rollout offers, as the reference RolloutServer lists "
+                         "them: {\"tools\": [OpenAI function schemas]}."}})
+def list_tools(key: AnyKey, ctx: Ctx, run_id: str | None = None) -> JSONResponse:
+    """The tools a remote rollout offers the model, as the protocol's reference
+    RolloutServer serves ``GET /tools``: the server's (``TRAJSTORE_ROLLOUT_TOOL_MODULES``,
+    ``TRAJSTORE_ROLLOUT_MCP_SERVERS``; the calculator when it has none) and, with
+    ``run_id``, the run's (``config.rollout.tool_modules``, ``config.rollout.mcp_servers``).
+    Another project's run: 403; an unknown run: 404; tools that cannot be loaded: 422
+    ``invalid_tools`` naming them."""
+    if run_id is not None:
+        ctx.access.check_run(key, run_id)
+    try:
+        return JSONResponse({"tools": run_tools(ctx, run_id)})
+    except ValueError as exc:
+        raise ApiError(422, "invalid_tools", str(exc),
+                       field="query.run_id" if run_id else None) from None
 
 
 @router.post("/v1/rollout/init", status_code=202, response_model=RolloutInitAccepted,
@@ -300,10 +388,9 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
         "run_id": run_id, "group_id": body.group_id, "metadata": body.metadata,
         "tool_server_url": body.tool_server_url}
     request = {k: v for k, v in request.items() if v is not None}
-    _check(request, ctx, run_id=run_id, fields=RolloutInitRequest.model_fields,
-           names=_INIT_NAMES)
-    accepted = RolloutInitAccepted(rollout_id=body.rollout_id,
-                                   tools=default_tools().schemas())
+    _, tools = _check(request, ctx, run_id=run_id, fields=RolloutInitRequest.model_fields,
+                      names=_INIT_NAMES)
+    accepted = RolloutInitAccepted(rollout_id=body.rollout_id, tools=tools)
     episode_id = remote_episode_id(body.rollout_id)
     if ctx.store.stream_version(episode_id) != 0:
         ctx.access.check_episode(key, episode_id)  # recorded before: another project's?

@@ -36,6 +36,8 @@ from store.events import RunCreated as RunCreatedEvent
 from store.training_steps import exclusion_counts
 from store.validation import check_text
 from workers.engines.tokenizers import allowed_roots, tokenizer_problem
+from workers.rollout.remote_request import check_trainer_host
+from workers.rollout.user_tools import offered_tools
 
 __all__ = ["router", "run_out"]
 
@@ -96,6 +98,7 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
         raise ApiError(422, "invalid", problem,
                        field="body.config.tokenizer" if body.config.tokenizer or not
                        body.config.model else "body.config.model")
+    _check_tools(body.config.rollout, ctx)
     event = RunCreatedEvent(run_id=body.run_id, project=project, config=body.config,
                             event_id=body.event_id)
     try:
@@ -248,3 +251,24 @@ def policy_takeup(run_id: str, key: ReadKey, ctx: Ctx) -> PolicyTakeup:
         engines=[EngineTakeupOut(engine=e.engine, backend=e.backend, served_at=e.served_at,
                                  lag_seconds=e.lag_seconds, load_seconds=e.load_seconds,
                                  source=e.source) for e in v.engines]) for v in versions])
+
+
+def _check_tools(config: Any, ctx: Ctx) -> None:
+    """A run's own tools (``config.rollout.tool_modules``, ``config.rollout.mcp_servers``)
+    must load, beside the server's, before the run is stored: a module that cannot be
+    imported, an MCP server that is not an allowed address or cannot be listed, or a tool
+    name two sources give is 422 naming it."""
+    if not config.tool_modules and not config.mcp_servers:
+        return
+    field = "body.config.rollout.tool_modules"
+    try:
+        for url in config.mcp_servers:
+            field = "body.config.rollout.mcp_servers"
+            check_trainer_host(url, ctx.settings, field="config.rollout.mcp_servers")
+        field = "body.config.rollout.tool_modules"
+        offered_tools(ctx.settings, modules=config.tool_modules,
+                      mcp_servers=config.mcp_servers)
+    except ValueError as exc:
+        if "MCP server" in str(exc):
+            field = "body.config.rollout.mcp_servers"
+        raise ApiError(422, "invalid_tools", f"the run's tools: {exc}", field=field) from None

@@ -72,6 +72,7 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
             "rollout_id": uuid.uuid4().hex, "server_url": "http://203.0.113.7:9",
             "messages": [{"role": "user", "content": "hi"}], "run_id": run,
             "max_turns": 1}),
+        ("GET", "/tools", "any", lambda: None),
         ("GET", "/v1/models", "ingest", lambda: None),
         ("GET", "/v1/models/trajstore", "ingest", lambda: None),
         ("GET", f"/v1/runs/{run}/episodes/{episode}/models", "ingest", lambda: None),

@@ -192,7 +192,8 @@ class _Episode:
                  gate: asyncio.Semaphore | None,
                  branched_from: BranchedFrom | None = None,
                  resume: Sequence[Event] = (),
-                 call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> None:
+                 call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+                 last_turn_tools: bool = False) -> None:
         self.call_guard = call_guard
         self.task, self.backend, self.tools, self.sink = task, backend, tools, sink
         self.gate = gate
@@ -202,6 +203,7 @@ class _Episode:
         self.sampling, self.rollback, self.agent = sampling, rollback, agent
         self.max_turns = task.max_turns if task.max_turns is not None else max_turns
         self.max_total_tokens = max_total_tokens
+        self.last_turn_tools = last_turn_tools
         self.policy_version = policy_version
         self.tool_runner = tool_runner
         self.offered = {schema["function"]["name"] for schema in task.tools}
@@ -408,7 +410,7 @@ class _Episode:
             return "completed", None
         if parsed.well_formed and self.task.stop_at_tool_calls:
             return "completed", "the tool calls are the answer"
-        if parsed.well_formed and turn >= self.max_turns:
+        if parsed.well_formed and turn >= self.max_turns and not self.last_turn_tools:
             return "truncated", f"max_turns ({self.max_turns}) reached with tool calls pending"
         return None
 
@@ -594,7 +596,8 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
              prompt: RunPrompt | None, gate: asyncio.Semaphore | None = None,
              branched_from: BranchedFrom | Mapping[str, Any] | None = None,
              resume: Sequence[Event] | None = None,
-             call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> _Episode:
+             call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+             last_turn_tools: bool = False) -> _Episode:
     """Check the arguments of :func:`run_episode`/:func:`arun_episode` and build the state."""
     if not isinstance(task, Task):
         raise TypeError(f"task must be a Task, got {type(task).__name__}")
@@ -646,7 +649,7 @@ def _episode(*, task: Task, backend: Any, tools: ToolRegistry, sink: Any, run_id
                     policy_version=policy_version,
                     tool_runner=tool_runner if tool_runner is not None else default_tool_runner(),
                     prompt=prompt, gate=gate, branched_from=branched_from, resume=resume,
-                    call_guard=call_guard)
+                    call_guard=call_guard, last_turn_tools=last_turn_tools)
 
 
 async def arun_episode(
@@ -670,6 +673,7 @@ async def arun_episode(
     branched_from: BranchedFrom | Mapping[str, Any] | None = None,
     resume: Sequence[Event] | None = None,
     call_guard: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+    last_turn_tools: bool = False,
 ) -> EpisodeResult:
     """Play ``task`` with ``backend`` and ``tools``, appending its events to ``sink`` under
     ``episode_id`` (a new UUID string when None); see the module docstring for the event
@@ -708,6 +712,10 @@ async def arun_episode(
     continues on a policy published while it plays; each ``llm_called``
     records the version and log-probs of the weights that generated it
     (``GenerationResult.policy_version``), ``episode_started`` the version it started on.
+
+    ``last_turn_tools`` runs the tool calls of the turn that reaches ``max_turns`` (their
+    results are recorded and join the context) before the episode ends ``truncated``, as the
+    remote protocol's reference RolloutServer does; by default they are left pending.
     """
     episode = _episode(task=task, backend=backend, tools=tools, sink=sink, run_id=run_id,
                        sampling=sampling, rollback=rollback, group_id=group_id,
@@ -715,7 +723,8 @@ async def arun_episode(
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
                        prompt=prompt, gate=gate, branched_from=branched_from,
-                       resume=resume, call_guard=call_guard)
+                       resume=resume, call_guard=call_guard,
+                       last_turn_tools=last_turn_tools)
     return await episode.run()
 
 
@@ -737,6 +746,7 @@ def run_episode(
     tool_runner: ToolRunner | None = None,
     prompt: RunPrompt | None = None,
     resume: Sequence[Event] | None = None,
+    last_turn_tools: bool = False,
 ) -> EpisodeResult:
     """:func:`arun_episode` for callers without an event loop: plays the one episode to its
     end and returns its result (same arguments, same errors). Called from a thread that runs
@@ -746,5 +756,5 @@ def run_episode(
                        episode_id=episode_id, max_turns=max_turns,
                        max_total_tokens=max_total_tokens, agent=agent,
                        policy_version=policy_version, tool_runner=tool_runner,
-                       prompt=prompt, resume=resume)
+                       prompt=prompt, resume=resume, last_turn_tools=last_turn_tools)
     return run_sync(episode.run())

@@ -15,7 +15,8 @@ format there), this process drives the agent loop and generates at the trainer's
                  "duration_s": …,
                  # the reference RolloutMetrics' names for the same counts:
                  "num_llm_calls": …, "num_tool_calls": …, "response_tokens": …,
-                 "total_latency_ms": …}}
+                 "total_latency_ms": …, "llm_latency_ms": …, "tool_latency_ms": …,
+                 "prompt_tokens": …, "max_context_tokens": …}}
 
 Semantics:
 
@@ -55,32 +56,34 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from store.errors import ConflictError, IdempotencyError
-from store.events import RollbackConfig
+from store.errors import ConflictError, IdempotencyError, NotFoundError
+from store.events import Event, LLMCalled, RollbackConfig, RunConfig, ToolReturned
 from store.settings import Settings
 from workers.engines.backend_remote import RemoteTrainerBackend
 from workers.rollout.agent_tasks import Task
-from workers.rollout.calculator import Calculator
 from workers.rollout.episode_writer import EpisodeWriter, VersionedLog
 from workers.rollout.loop import EpisodeResult, run_episode
 from workers.rollout.remote_dispatch import RolloutAnswer, push_answer
 from workers.rollout.remote_request import (
     DuplicateRolloutError,
+    RolloutRequest,
     check_trainer_host,
     parse_rollout_request,
     remote_episode_id,
     resolve_tokenizer,
 )
 from workers.rollout.tools import ToolRegistry
+from workers.rollout.user_tools import offered_tools
 
 __all__ = [
     "completion_url",
     "play_and_answer",
     "play_and_report",
     "post_rollout_completed",
+    "rollout_tools",
     "run_remote_rollout",
 ]
 
@@ -96,6 +99,68 @@ def _finish_reason(result: EpisodeResult) -> str | None:
     return "stop"
 
 
+class _Tap:
+    """The store, passed through, keeping the events appended (for the metrics)."""
+
+    def __init__(self, store: VersionedLog) -> None:
+        self.store = store
+        self.events: list[Event] = []
+        if getattr(store, "aappend", None) is not None:  # keep the store's batched writes
+            self.aappend = self._aappend
+
+    def append(self, stream_id: str, events: Sequence[Event], expected_version: Any = ...
+               ) -> Any:
+        result = self.store.append(stream_id, events, expected_version)
+        self.events.extend(events)
+        return result
+
+    async def _aappend(self, stream_id: str, events: Sequence[Event],
+                       expected_version: Any = ...) -> Any:
+        result = await self.store.aappend(stream_id, events, expected_version)  # type: ignore[attr-defined]
+        self.events.extend(events)
+        return result
+
+    def stream_version(self, stream_id: str) -> int:
+        return self.store.stream_version(stream_id)
+
+
+def _run_config(store: Any, run_id: str) -> RunConfig:
+    """The run's configuration where the log can say (defaults otherwise: a run that does not
+    exist yet, or a log that reads no runs)."""
+    for name in ("run_config", "get_run"):
+        read = getattr(store, name, None)
+        if read is None:
+            continue
+        try:
+            found = read(run_id)
+        except NotFoundError:
+            return RunConfig()
+        return found if isinstance(found, RunConfig) else found.config
+    return RunConfig()
+
+
+def rollout_tools(parsed: RolloutRequest, *, store: Any, settings: Settings) -> ToolRegistry:
+    """The tools rollout ``parsed`` offers: the server's, its run's and its request's
+    ``tool_server_url`` (:func:`~workers.rollout.user_tools.offered_tools`). ValueError naming
+    the source when one cannot be loaded or two give one name."""
+    if parsed.tool_server_url:
+        check_trainer_host(parsed.tool_server_url, settings, field="tool_server_url")
+    config = _run_config(store, parsed.run_id).rollout
+    return offered_tools(settings, modules=config.tool_modules, mcp_servers=config.mcp_servers,
+                         tool_server_url=parsed.tool_server_url)
+
+
+def _metrics(events: Sequence[Event]) -> dict[str, float | int]:
+    """The reference RolloutMetrics' latencies and token counts, from the recorded events."""
+    llm = [e for e in events if isinstance(e, LLMCalled)]
+    prompts = [int((e.usage or {}).get("prompt_tokens", len(e.prompt_ids))) for e in llm]
+    return {"llm_latency_ms": float(sum(e.latency_ms or 0.0 for e in llm)),
+            "tool_latency_ms": float(sum(e.duration_ms or 0.0 for e in events
+                                         if isinstance(e, ToolReturned))),
+            "prompt_tokens": sum(prompts),
+            "max_context_tokens": max(prompts, default=0)}
+
+
 def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
                        settings: Settings, tools: ToolRegistry | None = None,
                        timeout_s: float = 120.0) -> dict[str, Any]:
@@ -103,7 +168,10 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
 
     ``store`` the event log the episode is appended to; ``settings`` locate the data
     directory (the ``tiny`` tokenizer); ``tools`` the tools offered to the model (default:
-    the calculator); ``timeout_s`` per trainer call. Trainer and tool failures come back as
+    :func:`rollout_tools`, the server's, the run's and the request's; the calculator when
+    none is given); ``timeout_s`` per trainer call. Tool calls of the turn that reaches
+    ``max_turns`` run before the rollout ends (``finish_reason`` ``max_turns``), as the
+    reference RolloutServer runs them. Trainer and tool failures come back as
     status ``ERROR``; an invalid request raises ValueError naming the field, a rollout id
     recorded before :class:`DuplicateRolloutError`.
     """
@@ -111,7 +179,7 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be Settings, got {type(settings).__name__}")
     if tools is None:
-        tools = ToolRegistry([Calculator()])
+        tools = rollout_tools(parsed, store=store, settings=settings)
     if not isinstance(tools, ToolRegistry):
         raise TypeError(f"tools must be a ToolRegistry, got {type(tools).__name__}")
     check_trainer_host(parsed.server_url, settings)
@@ -122,7 +190,8 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
     duplicate = DuplicateRolloutError(
         f"rollout request field 'rollout_id': {parsed.rollout_id!r} was already recorded as "
         f"episode {episode_id!r}")
-    writer = EpisodeWriter(store, namespace=uuid.uuid5(_NAMESPACE, episode_id))
+    tap = _Tap(store)
+    writer = EpisodeWriter(tap, namespace=uuid.uuid5(_NAMESPACE, episode_id))
     if store.stream_version(episode_id) != 0:
         raise duplicate
     started = time.perf_counter()
@@ -136,7 +205,8 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
                 sampling=parsed.sampling, rollback=RollbackConfig(enable_tool_rollback=False),
                 group_id=parsed.group_id or f"{parsed.run_id}:{parsed.rollout_id}",
                 episode_id=episode_id, max_turns=parsed.max_turns,
-                max_total_tokens=parsed.max_tokens_total, policy_version=0)
+                max_total_tokens=parsed.max_tokens_total, policy_version=0,
+                last_turn_tools=True)
         except (ConflictError, IdempotencyError):  # the same rollout_id, concurrently
             raise duplicate from None
     error = backend.error if result.status == "error" else None
@@ -171,6 +241,7 @@ def run_remote_rollout(request: Mapping[str, Any], *, store: VersionedLog,
             "num_tool_calls": result.tool_calls,
             "response_tokens": result.generated_tokens,
             "total_latency_ms": duration * 1000.0,
+            **_metrics(tap.events),
         },
     }
 

@@ -8,8 +8,14 @@ it (:mod:`workers.rollout.remote`), so no agent loop runs inside a request handl
   ``trajstore.remote_rollout``; the worker plays the rollout and pushes a
   :class:`RolloutAnswer` (the HTTP status and body the route answers with) onto the Redis list
   :func:`answer_key` names (:func:`push_answer`, kept :data:`ANSWER_KEEP_S` seconds), and the
-  route waits on that list with BLPOP (:func:`wait_answer`). Celery has no result backend
-  here: the list is the one reply channel, and it needs no polling.
+  route waits on that list with BLPOP (:func:`await_answer` on the route's event loop, with
+  a connection of its own, so a waiting request holds no thread; :func:`wait_answer` for
+  callers without a loop). Celery has no result backend here: the list is the one reply
+  channel, and it needs no polling.
+- :func:`reserve_waiting` counts a project's synchronous rollouts waiting for their answer
+  (a Redis counter shared by every API process, kept :data:`WAITING_KEEP_S` seconds after
+  its last change) and refuses one over the cap; :func:`release_waiting` gives the place
+  back.
 - :func:`claim_rollout` marks a rollout id as queued (a Redis key set only if absent, kept
   :data:`CLAIM_S` seconds), so a request repeated before the worker has recorded anything is
   not queued twice; once the episode exists, the store says it was recorded.
@@ -38,12 +44,16 @@ __all__ = [
     "REMOTE_ROLLOUT_TASK",
     "RolloutAnswer",
     "answer_key",
+    "await_answer",
     "claim_rollout",
     "push_answer",
     "release_rollout",
+    "release_waiting",
+    "reserve_waiting",
     "send_remote_rollout",
     "send_rollout_task",
     "wait_answer",
+    "waiting_key",
 ]
 
 #: The task that plays a rollout and answers the waiting ``POST /rollout``.
@@ -55,6 +65,9 @@ ANSWER_KEEP_S = 300
 #: Seconds a queued rollout id stays claimed (longer than a rollout waits in the queue).
 CLAIM_S = 3600
 _WAIT_SLICE_S = 2.0
+#: Seconds a project's count of waiting rollouts outlives its last change (a process that
+#: died while waiting leaves no place taken for longer).
+WAITING_KEEP_S = 3600
 
 _lock = threading.Lock()
 _senders: dict[tuple[str, str], Any] = {}
@@ -238,3 +251,80 @@ def wait_answer(settings: Settings, rollout_id: str, *, timeout_s: float
         if got is not None:
             return RolloutAnswer.from_json(got[1])
     return None
+
+
+def _plain_url(settings: Settings) -> str:
+    url = _broker_url(settings)
+    return ("unix://" + url.removeprefix("redis+socket://")
+            if url.startswith("redis+socket://") else url)
+
+
+def _async_redis(settings: Settings) -> Any:
+    """A new asyncio Redis client of the broker (the caller closes it)."""
+    import redis.asyncio
+
+    return redis.asyncio.Redis.from_url(_plain_url(settings))
+
+
+def waiting_key(settings: Settings, project: str) -> str:
+    """The Redis counter of project ``project``'s rollouts waiting for their answer."""
+    return f"{settings.redis_key_prefix}remote-rollout:waiting:{project}"
+
+
+async def reserve_waiting(settings: Settings, project: str, *, limit: int) -> int | None:
+    """Take one of project ``project``'s ``limit`` places for a waiting rollout; the count
+    waiting now, or None (nothing taken) when all are taken. ConnectionError naming the
+    broker when it cannot be reached."""
+    import redis
+
+    key = waiting_key(settings, project)
+    client = _async_redis(settings)
+    try:
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.incr(key)
+            pipe.expire(key, WAITING_KEEP_S)
+            count = int((await pipe.execute())[0])
+        if count > limit:
+            await client.decr(key)
+            return None
+        return count
+    except redis.RedisError as exc:
+        raise _unreachable(settings, exc) from None
+    finally:
+        await client.aclose()
+
+
+async def release_waiting(settings: Settings, project: str) -> None:
+    """Give back a place :func:`reserve_waiting` took (never below 0)."""
+    import redis
+
+    key = waiting_key(settings, project)
+    client = _async_redis(settings)
+    try:
+        if int(await client.decr(key)) < 0:
+            await client.set(key, 0, ex=WAITING_KEEP_S)
+    except redis.RedisError as exc:
+        raise _unreachable(settings, exc) from None
+    finally:
+        await client.aclose()
+
+
+async def await_answer(settings: Settings, rollout_id: str, *, timeout_s: float
+                       ) -> RolloutAnswer | None:
+    """:func:`wait_answer` on the caller's event loop: BLPOP on a connection of its own,
+    holding no thread while it waits."""
+    import redis
+
+    key = answer_key(settings, rollout_id)
+    deadline = time.monotonic() + timeout_s
+    client = _async_redis(settings)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            got = await client.blpop([key], timeout=min(left, _WAIT_SLICE_S))
+            if got is not None:
+                return RolloutAnswer.from_json(got[1])
+        return None
+    except redis.RedisError as exc:
+        raise _unreachable(settings, exc) from None
+    finally:
+        await client.aclose()

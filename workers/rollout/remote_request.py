@@ -14,8 +14,10 @@ The request is a plain dict::
      "max_tokens_total": 8192,                      # optional, default 8192
      "callback_api_key": "…",                       # optional: Bearer token for the trainer
      "run_id": "remote", "group_id": "…",           # optional (this store's extensions)
-     "metadata": {…}, "tool_server_url": "…"}       # optional, later revisions: accepted,
-                                                    # checked for type, not used
+     "metadata": {…},                               # optional, accepted, not used
+     "tool_server_url": "http://tools:7000/mcp"}    # optional: an MCP server whose tools
+                                                    # the rollout offers (its host allowed
+                                                    # as a trainer's is)
 
 Everything here is a check or a name, nothing runs the agent loop, so the API validates a
 request with these functions (422 before anything is queued) and the rollout worker plays
@@ -87,6 +89,7 @@ class RolloutRequest:
     run_id: str = DEFAULT_REMOTE_RUN_ID
     group_id: str | None = None
     extra_sampling: dict[str, Any] = field(default_factory=dict)
+    tool_server_url: str | None = None
 
 
 def _string(data: Mapping[str, Any], name: str, *, limit: int, required: bool) -> str | None:
@@ -146,8 +149,12 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
     # fields of later protocol revisions: accepted (checked for type), not used here
     if data.get("metadata") is not None and not isinstance(data["metadata"], Mapping):
         raise ValueError("rollout request field 'metadata' must be an object")
-    if data.get("tool_server_url") is not None and not isinstance(data["tool_server_url"], str):
+    tool_server_url = data.get("tool_server_url")
+    if tool_server_url is not None and not isinstance(tool_server_url, str):
         raise ValueError("rollout request field 'tool_server_url' must be a string")
+    if tool_server_url and not re.match(r"^https?://[^/\s]+", tool_server_url):
+        raise ValueError(f"rollout request field 'tool_server_url' must be an http(s) URL "
+                         f"(an MCP server), got {tool_server_url!r}")
     missing = [name for name in _REQUIRED if data.get(name) is None]
     if missing:
         raise ValueError(f"rollout request field {missing[0]!r} is required")
@@ -180,7 +187,7 @@ def parse_rollout_request(data: Any) -> RolloutRequest:
         max_turns=_positive(data, "max_turns", 10),
         max_tokens_total=_positive(data, "max_tokens_total", 8192),
         callback_api_key=api_key or None, run_id=run_id, group_id=group_id,
-        extra_sampling=extra)
+        extra_sampling=extra, tool_server_url=tool_server_url or None)
 
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
@@ -200,7 +207,8 @@ def _host_port(entry: str) -> tuple[str, int]:
     return parts.hostname.lower(), port
 
 
-def check_trainer_host(server_url: str, settings: Settings) -> None:
+def check_trainer_host(server_url: str, settings: Settings, *,
+                       field: str = "server_url") -> None:
     """Refuse a ``server_url`` whose address may not be called back (the setting
     ``rollout_trainer_hosts``: exact ``host:port`` entries, comma separated; ``*`` any
     address; empty: loopback hosts only). The port of a URL without one is its scheme's
@@ -223,7 +231,7 @@ def check_trainer_host(server_url: str, settings: Settings) -> None:
         except ValueError:
             if host in _LOOPBACK:
                 return
-    raise ValueError(f"rollout request field 'server_url': {host!r} port {port} is not an "
+    raise ValueError(f"rollout request field {field!r}: {host!r} port {port} is not an "
                      "allowed trainer address (TRAJSTORE_ROLLOUT_TRAINER_HOSTS: host:port "
                      "entries; empty allows loopback only)")
 
