@@ -51,8 +51,8 @@ from typing import Any, Protocol
 
 import torch
 
-from store.eventlog import EventStore, run_stream_id
 from store.datasets import DatasetVersion
+from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig, TrainedSamples
 from store.leasing import Lease, LeaseExpired, Leasing
 from store.queries import episode_sampling_params
@@ -77,8 +77,8 @@ from workers.trainer.checkpoint import (
     save_checkpoint,
 )
 from workers.trainer.config import TrainerConfig
-from workers.trainer.dataset_source import dataset_lease, dataset_samples, resolve_dataset
 from workers.trainer.correction import Correction
+from workers.trainer.dataset_source import dataset_lease, dataset_samples, resolve_dataset
 from workers.trainer.optim import adamw
 from workers.trainer.ppo import PPOStats, Sharding
 from workers.trainer.temperature import scoring_temperatures
