@@ -498,11 +498,11 @@ class Trainer:
                                       groups=config.groups_per_step)
             if not samples:
                 return Taken(None, None)
-            lease = dataset_lease(self.run_id, samples, self.dataset.dataset_id)
+            rows = dataset_lease(self.run_id, samples, self.dataset.dataset_id)
             if hooks.after_lease is not None:
-                hooks.after_lease(lease)
-            batch, scoring = self._pad(lease)
-            return Taken(lease, batch, scoring, 0, current, lease.lease_id.hex[:8])
+                hooks.after_lease(rows)
+            batch, scoring = self._pad(rows)
+            return Taken(rows, batch, scoring, 0, current, rows.lease_id.hex[:8])
         lease = self.leasing.lease_batch(
             self.run_id, groups=config.groups_per_step, lease_seconds=config.lease_seconds,
             max_staleness=config.max_staleness, current_version=current, trainer=self.name)

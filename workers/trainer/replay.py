@@ -181,7 +181,7 @@ def replay_step(store: EventStore, run_id: str, step: int, *, version: int | Non
                                        "model (RunConfig.model) for its reference")
         reference = load_model(initial, device=torch_device, dtype=config.dtype)
         reference.requires_grad_(False)
-    tokenizer = load_tokenizer(run.config.tokenizer_name or initial or start)
+    tokenizer = load_tokenizer(run.config.tokenizer_name or initial or str(start))
     lease = Lease(lease_id=uuid.uuid4(), run_id=run_id,
                   groups=list(dict.fromkeys(s.group_id for s in samples)),
                   expires_at=dt.datetime.now(dt.UTC), samples=samples,
