@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from psycopg.rows import dict_row
 from safetensors.torch import load_file
 
 from store import errors
 from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated
 from store.leasing import Lease, LeasedSample
-from store.lineage import step_lineage
+from store.lineage import sample_rows, step_lineage
 from store.stored_sample import from_row
 from workers import checkpoint_urls
 from workers.engines.tokenizers import load_tokenizer
@@ -110,9 +109,7 @@ def _folder(location: str | None, what: str, cache: Path) -> Path:
 
 def _projection_samples(store: EventStore, ids: list[int], rewards: list[float]
                         ) -> list[LeasedSample]:
-    with store.db.connection() as conn:
-        rows = {r["sample_id"]: r for r in conn.cursor(row_factory=dict_row).execute(
-            "SELECT * FROM samples WHERE sample_id = ANY(%s)", (ids,)).fetchall()}
+    rows = sample_rows(store.db, ids)
     out = []
     for sample_id, reward in zip(ids, rewards, strict=True):
         if sample_id not in rows:
