@@ -60,6 +60,7 @@ __all__ = [
     "PROMPTS_SCHEMA",
     "atif_trajectory",
     "prepare",
+    "prepare_dataset",
     "prompt_row",
     "verl_batch",
     "verl_batch_tensors",
@@ -616,3 +617,179 @@ def text_survivors(calls: Sequence[LLMCalled]) -> list[LLMCalled]:
         *(message(m, "env") for m in call.messages),
         message({"role": "assistant", **call.response}, LLM_AUTHOR)]) for call in calls]
     return [calls[i] for i in plan_merge(timelines).survivors]
+
+
+# --- a dataset version -------------------------------------------------------------------
+
+#: Options each format takes when exporting a dataset version (its rows have no status).
+_DATASET_OPTIONS: dict[str, tuple[str, ...]] = {
+    fmt: tuple(o for o in options if o != "status") for fmt, options in _OPTIONS.items()}
+
+
+def _dataset_samples(store: EventStore, version: Any, *, group_id: str | None,
+                     kind: str | None) -> list[StoredSample]:
+    """The version's rows as samples, in row order, with the rewards the rules gave. A row
+    whose sample the run's projection holds (same episode, kind and timeline index) takes
+    that sample's id and policy version, so the export matches the run's export of the same
+    samples; other rows take their row index as id."""
+    from store.datasets import read_rows
+
+    rows = read_rows(store.db, version.dataset_id)
+    with store.db.connection() as conn:
+        known = {(e, k, t): (sid, pv) for sid, e, k, t, pv in conn.execute(
+            "SELECT sample_id, episode_id, kind, timeline_index, policy_version FROM samples"
+            " WHERE run_id = ANY(%s)", (list(version.run_ids),)).fetchall()}
+    out = []
+    for index, row in enumerate(rows):
+        if (group_id is not None and row.group_id != group_id) or (
+                kind is not None and row.kind != kind):
+            continue
+        sample_id, policy_version = known.get(row.key, (index, None))
+        mask = np.asarray(row.loss_mask, dtype=np.uint8)
+        out.append(StoredSample(
+            sample_id=sample_id, run_id=row.run_id, group_id=row.group_id,
+            episode_id=row.episode_id, agent=row.agent, kind=row.kind, reward=row.reward,
+            policy_version=policy_version, prompt_length=row.prompt_length,
+            token_ids=row.token_ids, loss_mask=mask, logprobs=row.logprobs,
+            num_trainable=int(np.count_nonzero(mask)), error_types=row.error_types))
+    return out
+
+
+def _dataset_episodes(store: EventStore, version: Any, *, finished_only: bool,
+                      min_reward: float | None) -> Iterator[dict[str, Any]]:
+    """The version's episodes as the run exports list them (start order, run by run), each
+    with the reward the rules gave it (its positive rows'), filtered by ``min_reward`` on
+    that reward."""
+    from store.datasets import read_row_summaries
+
+    rewards: dict[str, float | None] = {}
+    for row in read_row_summaries(store.db, version.dataset_id):
+        if row["kind"] == "positive":
+            rewards[row["episode_id"]] = row["reward"]
+        else:
+            rewards.setdefault(row["episode_id"], None)
+    for run_id in version.run_ids:
+        for rows in queries.iter_episode_starts(store, run_id, finished_only=finished_only):
+            for row in rows:
+                if row["episode_id"] not in rewards:
+                    continue
+                given = rewards[row["episode_id"]]
+                if given is not None:
+                    row = {**row, "reward": given}
+                if min_reward is not None and (row["reward"] is None
+                                               or row["reward"] < min_reward):
+                    continue
+                yield row
+
+
+def prepare_dataset(
+    store: EventStore,
+    version: Any,
+    fmt: str,
+    *,
+    group_id: str | None = None,
+    kind: str | None = None,
+    min_reward: float | None = None,
+    data_source: str | None = None,
+    pad_token_id: int | None = None,
+    rows_per_group: int = 256,
+    ground_truth: Callable[[str], Any] | None = None,
+    tokenizer_loader: Callable[[str | None], Any] | None = None,
+) -> Export:
+    """The export of a dataset version (``store.datasets.DatasetVersion``) in format
+    ``fmt``, built as :func:`prepare` builds a run's: ``samples`` and ``verl-batch`` from
+    its rows (with the rewards its rules gave), ``verl-prompts``, ``atif`` and ``sft`` from
+    its episodes' logs (``min_reward`` and the ``reward`` they carry: the version's). A
+    version derived from one run under rules that keep every sample and the recorded reward
+    exports to the same bytes as that run. The file is named ``NAME@VERSION``; for a
+    version of several runs ``run_id`` (verl-batch) and the default ``data_source`` are
+    ``NAME@VERSION``. Raises ApiError as :func:`prepare` does (``status`` is refused: a
+    version's rows have none)."""
+    if fmt in _DATASET_OPTIONS:
+        extra = [k for k, v in (("group_id", group_id), ("kind", kind),
+                                ("min_reward", min_reward), ("data_source", data_source),
+                                ("pad_token_id", pad_token_id))
+                 if v is not None and k not in _DATASET_OPTIONS[fmt]]
+        if extra:
+            raise ApiError(422, "invalid_request",
+                           f"format {fmt!r} does not take {', '.join(extra)} (it takes: "
+                           f"{', '.join(_DATASET_OPTIONS[fmt])})", field=extra[0])
+    _check_options(fmt, {"group_id": group_id, "kind": kind, "min_reward": min_reward,
+                         "data_source": data_source, "pad_token_id": pad_token_id})
+    if min_reward is not None and not np.isfinite(min_reward):
+        raise ApiError(422, "invalid_request", f"min_reward must be a finite number, got "
+                                               f"{min_reward}", field="min_reward")
+    if pad_token_id is not None and pad_token_id < 0:
+        raise ApiError(422, "invalid_request", f"pad_token_id must be >= 0, got "
+                                               f"{pad_token_id}", field="pad_token_id")
+    if data_source is not None and not data_source.strip():
+        raise ApiError(422, "invalid_request", "data_source must not be empty",
+                       field="data_source")
+    if rows_per_group < 1:
+        raise ValueError(f"rows_per_group must be >= 1, got {rows_per_group}")
+    ref = f"{version.name}@{version.version}"
+    source = version.run_ids[0] if len(version.run_ids) == 1 else ref
+    config = _run_config(store, version.run_ids[0])
+    matching = " matching the filters" if group_id or kind else ""
+    episodes = f" with reward >= {min_reward:g}" if min_reward is not None else ""
+    chunks: Iterator[bytes]
+    if fmt in ("samples", "verl-batch"):
+        samples = _dataset_samples(store, version, group_id=group_id, kind=kind)
+        if not samples:
+            raise ApiError(404, "not_found", f"dataset {ref} has no rows{matching}")
+        if fmt == "samples":
+            batches = (verl_columns.record_batch(samples[i:i + rows_per_group])
+                       for i in range(0, len(samples), rows_per_group))
+            chunks = stream_parquet(batches, verl_columns.ARROW_SCHEMA)
+            media, name = PARQUET_MEDIA_TYPE, f"{ref}.parquet"
+        else:
+            if pad_token_id is None:
+                pad_token_id = _pad_token_id(config, tokenizer_loader)
+            chunks = iter([verl_batch(samples, pad_token_id=pad_token_id, run_id=source)])
+            media, name = SAFETENSORS_MEDIA_TYPE, f"{ref}.verl.safetensors"
+    elif fmt == "verl-prompts":
+        rows = _dataset_episodes(store, version, finished_only=False, min_reward=None)
+        chosen = _prompt_rows_of(rows, data_source=data_source or source,
+                                 ground_truth=ground_truth)
+        batches = (pa.RecordBatch.from_pylist(chunk, schema=PROMPTS_SCHEMA)
+                   for chunk in iter(lambda: list(itertools.islice(chosen, rows_per_group)),
+                                     []))
+        chunks = stream_parquet(_some(batches, f"dataset {ref} has no episodes"),
+                                PROMPTS_SCHEMA)
+        media, name = PARQUET_MEDIA_TYPE, f"{ref}.prompts.parquet"
+    elif fmt == "atif":
+        chunks = _lines(atif_trajectory(store.read_stream(row["episode_id"]), row=row,
+                                        config=config)
+                        for row in _some(_dataset_episodes(store, version, finished_only=True,
+                                                           min_reward=min_reward),
+                                         f"dataset {ref} has no finished episode{episodes}"))
+        media, name = JSONL_MEDIA_TYPE, f"{ref}.atif.jsonl"
+    else:  # sft
+        finished = _some(_dataset_episodes(store, version, finished_only=True,
+                                           min_reward=min_reward),
+                         f"dataset {ref} has no finished episode{episodes}")
+        chunks = _lines(_some((line for row in finished
+                               for line in _sft_lines(store, row, tokenizer_loader)),
+                              f"no finished episode of dataset {ref}{episodes} gives an SFT "
+                              "line: replay refused each"))
+        media, name = JSONL_MEDIA_TYPE, f"{ref}.sft.jsonl"
+    first = list(itertools.islice(chunks, 1))
+    return Export(format=fmt, media_type=media, filename=name,
+                  chunks=itertools.chain(first, chunks))
+
+
+def _prompt_rows_of(rows: Iterable[dict[str, Any]], *, data_source: str,
+                    ground_truth: Callable[[str], Any] | None) -> Iterator[dict[str, Any]]:
+    """:func:`_prompt_rows` over the given episode rows."""
+    seen: set[str] = set()
+    for row in rows:
+        data = row["data"] or {}
+        key = _prompt_key(data)
+        if key in seen:
+            continue
+        seen.add(key)
+        task_id = data.get("task_id")
+        answer = ground_truth(task_id) if ground_truth is not None and task_id else None
+        yield prompt_row(data, index=len(seen) - 1, group_id=row["group_id"],
+                         episode_id=row["episode_id"], data_source=data_source,
+                         ground_truth=answer)

@@ -53,6 +53,10 @@ class Lease:
     expires_at: dt.datetime
     samples: list[LeasedSample] = field(default_factory=list)
     skipped_stale: int = 0
+    #: Set when the samples are rows of this dataset version (a trainer taking a dataset,
+    #: ``workers.trainer.dataset_source``): nothing is leased in the database, so there is
+    #: nothing to acknowledge, renew or release.
+    dataset_id: int | None = None
 
 
 def _sample(row: dict[str, Any]) -> LeasedSample:

@@ -17,6 +17,9 @@ policy versions, so a step's lineage is grouped by policy version.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from psycopg.rows import dict_row
 
 from store import errors
 from store.arguments import whole_number
@@ -24,7 +27,7 @@ from store.db import Database
 from store.stream_rules import run_stream_id
 
 __all__ = ["EpisodeStep", "StepLineage", "StepSample", "dataset_project", "episode_lineage",
-           "step_lineage", "STEP_QUERY", "EPISODE_QUERY"]
+           "sample_rows", "step_lineage", "STEP_QUERY", "EPISODE_QUERY"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,14 @@ def _text(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     return value
+
+
+def sample_rows(db: Database, sample_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """The ``samples`` rows (every column, tokens as bytes) of ``sample_ids`` the run's
+    projection still holds, by sample id (a step's samples, to replay it)."""
+    with db.connection() as conn:
+        return {r["sample_id"]: r for r in conn.cursor(row_factory=dict_row).execute(
+            "SELECT * FROM samples WHERE sample_id = ANY(%s)", (sample_ids,)).fetchall()}
 
 
 def step_lineage(db: Database, run_id: str, step: int) -> list[StepLineage]:

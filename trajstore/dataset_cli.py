@@ -236,6 +236,61 @@ def delete(
     typer.echo(f"deleted {name}@{version}")
 
 
+@dataset_app.command("export")
+def export(
+    ref: Annotated[str, typer.Argument(help="NAME@VERSION (NAME alone: the latest).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="File to write.")],
+    fmt: Annotated[str, typer.Option("--format", help="samples (Parquet, verl columns), "
+                                     "verl-prompts, verl-batch (safetensors), atif, sft "
+                                     "(JSONL): as trajstore export.")] = "samples",
+    min_reward: Annotated[float | None, typer.Option(
+        "--min-reward", help="atif, sft: only episodes whose reward (the version's) is at "
+        "least this.")] = None,
+    group: Annotated[str | None, typer.Option(
+        "--group", help="samples, verl-batch: only this group's rows.")] = None,
+    kind: Annotated[str | None, typer.Option(
+        "--kind", help="samples, verl-batch: positive or negative rows only.")] = None,
+    data_source: Annotated[str | None, typer.Option(
+        "--data-source", help="verl-prompts: the data_source column.")] = None,
+    pad_token_id: Annotated[int | None, typer.Option(
+        "--pad-token-id", min=0, help="verl-batch: padding token.")] = None,
+    project: Annotated[str, typer.Option("--project", help="Project.")] = "default",
+) -> None:
+    """Export a version in any format of trajstore export: the same bytes as exporting the
+    same samples from the run (docs/datasets.md)."""
+    from api.errors import ApiError
+    from api.exports import prepare_dataset
+    from store.datasets import get_version
+    from store.settings import get_settings
+    from trajstore.export_cli import _write
+    from trajstore.store_access import open_store
+    from workers.datasets.compare import parse_ref
+
+    if output.is_dir():
+        raise typer.BadParameter(f"{output} is a folder", param_hint="--output")
+    if not output.parent.is_dir() and str(output.parent):
+        raise typer.BadParameter(f"folder {output.parent} does not exist", param_hint="--output")
+    settings = get_settings()
+    store = open_store(settings)
+    try:
+        name, version = parse_ref(ref)
+        found = get_version(store.db, project, name, version)
+        if found is None:
+            raise errors.NotFoundError(f"no dataset {ref!r} in project {project!r}")
+        made = prepare_dataset(store, found, fmt, group_id=group, kind=kind,
+                               min_reward=min_reward, data_source=data_source,
+                               pad_token_id=pad_token_id,
+                               rows_per_group=settings.api_export_rows_per_group)
+        size = _write(made.chunks, output)
+    except ApiError as exc:
+        raise _fail(ValueError(exc.message)) from None
+    except (errors.StoreError, ValueError) as exc:
+        raise _fail(exc) from None
+    finally:
+        store.close()
+    typer.echo(f"wrote {output} ({fmt}, {size} bytes)")
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``dataset`` commands to ``app``."""
     app.add_typer(dataset_app)

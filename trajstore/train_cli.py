@@ -14,8 +14,9 @@ __all__ = ["register"]
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``train`` command to ``app``."""
+    """Add the ``train`` and ``replay-step`` commands to ``app``."""
     app.command()(train)
+    app.command("replay-step")(replay_step)
 
 
 def train(
@@ -44,11 +45,15 @@ def train(
                                         "before stopping early.")] = 0.0,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (FSDP2 ranks under torchrun); "
                                        "1 trains in this process.")] = 1,
+    dataset: Annotated[str | None, typer.Option(
+        "--dataset", help="Train this dataset version (NAME@VERSION, NAME for its latest, or "
+        "an id) instead of the run's own projection.")] = None,
     trackers: Annotated[str, typer.Option(
         envvar="TRAJSTORE_TRACKERS", help="Metrics trackers, comma-separated: jsonl, "
         "tensorboard, wandb (written under <data dir>/train/<run>).")] = "jsonl",
 ) -> None:
-    """Train a run in the foreground: lease, update, checkpoint, record, for --steps steps."""
+    """Train a run in the foreground: lease, update, checkpoint, record, for --steps steps
+    (with --dataset: that dataset version's rows instead of the run's own samples)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -72,6 +77,9 @@ def train(
         sinks = make_trackers(trackers, settings.data_dir / "train" / run)
     except (ImportError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--trackers") from None
+    if dataset is not None and nproc > 1:
+        raise typer.BadParameter("training a dataset version runs in one process",
+                                 param_hint="--nproc")
     store = open_store(settings)
     if nproc > 1:
         for sink in sinks:  # the ranks' steps are recorded in policy_updated only
@@ -87,8 +95,8 @@ def train(
         raise typer.Exit(code)
     try:
         try:
-            trainer = Trainer.open(store, run, config=config, model=model)
-        except (errors.NotFoundError, ValueError) as exc:
+            trainer = Trainer.open(store, run, config=config, model=model, dataset=dataset)
+        except (errors.NotFoundError, errors.ValidationError, ValueError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(1) from None
         with Progress(TextColumn("[bold]train[/bold] {task.fields[run]}"), BarColumn(),
@@ -119,6 +127,64 @@ def train(
         store.close()
         for sink in sinks:
             sink.close()
+
+
+def replay_step(
+    run: Annotated[str, typer.Argument(help="The run.")],
+    step: Annotated[int, typer.Option("--step", min=0,
+                                      help="The step number its policy_updated recorded.")],
+    version: Annotated[int | None, typer.Option(
+        "--version", min=0, help="The policy version, when two trainers recorded the step.")
+    ] = None,
+    tolerance: Annotated[float, typer.Option(
+        min=0.0, help="Largest absolute weight difference accepted.")] = 0.0,
+    device: Annotated[str, typer.Option(help="Where to recompute (cpu is deterministic).")
+                      ] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Recompute step K of RUN from the log (the samples it trained, the trainer
+    configuration and seed it ran with) and the checkpoint before it, and compare the
+    weights with the step's stored checkpoint. Exits 1 when they differ by more than
+    --tolerance, naming the largest difference; 1 with an error naming an unknown run or
+    step or a missing checkpoint."""
+    import json
+
+    from store import errors
+    from trajstore.store_access import open_store
+    from workers.trainer.replay import replay_step as replay
+
+    store = open_store()
+    try:
+        result = replay(store, run, step, version=version, device=device)
+    except (errors.StoreError, ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
+    same = result.within(tolerance)
+    if as_json:
+        typer.echo(json.dumps({
+            "run_id": result.run_id, "step": result.step,
+            "policy_version": result.policy_version, "started_from": result.started_from,
+            "checkpoint": result.checkpoint, "samples": result.samples,
+            "dataset_id": result.dataset_id, "max_abs_diff": result.max_abs_diff,
+            "worst_tensor": result.worst_tensor, "tensors": result.tensors,
+            "missing": result.missing, "tolerance": tolerance, "identical": same}))
+    else:
+        typer.echo(f"step {result.step} of run {result.run_id} (policy version "
+                   f"{result.policy_version}): {result.samples} samples from "
+                   + ("the run's projection" if result.dataset_id is None
+                      else f"dataset version {result.dataset_id}")
+                   + f", started from {result.started_from}")
+        typer.echo(f"{result.tensors} tensors compared with {result.checkpoint}: "
+                   f"max abs diff {result.max_abs_diff!r}"
+                   + (f" (in {result.worst_tensor})" if result.worst_tensor else ""))
+        if result.missing:
+            typer.echo(f"tensors the replay does not have: {', '.join(result.missing)}")
+        typer.echo("identical" if result.max_abs_diff == 0.0 and not result.missing
+                   else ("within" if same else "beyond") + f" tolerance {tolerance!r}")
+    if not same:
+        raise typer.Exit(1)
 
 
 def _train_distributed(store: Any, run: str, config: Any, *, nproc: int, steps: int,

@@ -7,10 +7,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
+from fastapi.responses import StreamingResponse
 
+from api import exports
 from api.context import ApiContext
 from api.deps import AdminKey, Ctx, IngestKey, ReadKey
 from api.errors import ERROR_RESPONSES, ApiError
+from api.parquet import PARQUET_MEDIA_TYPE
 from api.schemas.datasets import (
     DatasetDerive,
     DatasetDiffOut,
@@ -167,3 +170,29 @@ def delete(dataset: DatasetName, version: Version, key: AdminKey, ctx: Ctx) -> R
     except store_errors.RefusedError as exc:
         raise ApiError(409, "dataset_trained", str(exc)) from None
     return Response(status_code=204)
+
+
+@router.get("/{dataset}/versions/{version}/export", response_class=StreamingResponse,
+            responses={200: {"content": {PARQUET_MEDIA_TYPE: {},
+                                         exports.SAFETENSORS_MEDIA_TYPE: {},
+                                         exports.JSONL_MEDIA_TYPE: {}},
+                             "description": "The export, streamed (Parquet, safetensors or "
+                                            "JSON lines, by format)."}})
+def export(dataset: DatasetName, version: Version, key: ReadKey, ctx: Ctx,
+           format: exports.ExportFormat = "samples",  # noqa: A002 - the query parameter
+           group_id: str | None = None,
+           kind: Annotated[str | None, Query(pattern="^(positive|negative)$")] = None,
+           min_reward: float | None = None, data_source: str | None = None,
+           pad_token_id: Annotated[int | None, Query(ge=0)] = None) -> StreamingResponse:
+    """A version in any of the run export formats (docs/exports.md), built from its rows
+    (samples, verl-batch: the rewards its rules gave) or its episodes' logs (verl-prompts,
+    atif, sft): the same bytes as the run's export of the same samples. 404 for an unknown
+    version, 422 for an option the format does not take."""
+    found = _found(ctx, key.project, dataset, version)
+    made = exports.prepare_dataset(
+        ctx.store, found, format, group_id=group_id, kind=kind, min_reward=min_reward,
+        data_source=data_source, pad_token_id=pad_token_id,
+        rows_per_group=ctx.settings.api_export_rows_per_group)
+    return StreamingResponse(
+        made.chunks, media_type=made.media_type,
+        headers={"Content-Disposition": f'attachment; filename="{made.filename}"'})

@@ -96,6 +96,7 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("GET", "/v1/datasets/matrix-ds", "read", lambda: None),
         ("GET", "/v1/datasets/matrix-ds/versions/1", "read", lambda: None),
         ("GET", "/v1/datasets/matrix-ds/versions/1/rows", "read", lambda: None),
+        ("GET", "/v1/datasets/matrix-ds/versions/1/export", "read", lambda: None),
         ("DELETE", "/v1/datasets/matrix-ds/versions/1", "admin", lambda: None),
         ("GET", f"/v1/runs/{run}/steps/1/lineage", "read", lambda: None),
         ("GET", f"/v1/episodes/{episode}/lineage", "read", lambda: None),

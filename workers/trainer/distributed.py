@@ -335,7 +335,8 @@ class Ranks:
                 trainer.weights_ahead = False
                 if hooks.before_ack is not None:
                     hooks.before_ack(lease)
-                trainer.leasing.ack(lease.lease_id, policy_version=version)
+                if lease.dataset_id is None:
+                    trainer.leasing.ack(lease.lease_id, policy_version=version)
                 outcome = ("ok", version, str(path), values)
             except BaseException as exc:
                 _broadcast(("error", exc))

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
+from store.datasets import DatasetVersion
 from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated, RunConfig, TrainedSamples
 from store.leasing import Lease, LeaseExpired, Leasing
@@ -82,6 +83,7 @@ from workers.trainer.checkpoint import (
 )
 from workers.trainer.config import TrainerConfig
 from workers.trainer.correction import Correction
+from workers.trainer.dataset_source import dataset_lease, dataset_samples, resolve_dataset
 from workers.trainer.optim import adamw
 from workers.trainer.ppo import PPOStats, Sharding
 from workers.trainer.temperature import scoring_temperatures
@@ -194,7 +196,8 @@ class OneProcess:
         finally:
             if hooks.before_ack is not None:
                 hooks.before_ack(lease)
-            trainer.leasing.ack(lease.lease_id, policy_version=version)
+            if lease.dataset_id is None:
+                trainer.leasing.ack(lease.lease_id, policy_version=version)
         return version, path, values
 
 
@@ -221,11 +224,12 @@ class StepResult:
 
 def trained_samples(lease: Lease) -> TrainedSamples:
     """What the step trained from ``lease`` (its ``policy_updated``'s ``trained``): the
-    leased samples' ids, episodes and rewards, in batch order; the run's own projection (no
-    dataset)."""
+    leased samples' ids, episodes and rewards, in batch order, and the dataset version they
+    are rows of (None: the run's own projection; the ids are then row indexes)."""
     return TrainedSamples(sample_ids=[s.sample_id for s in lease.samples],
                           episode_ids=[s.episode_id for s in lease.samples],
-                          rewards=[s.reward for s in lease.samples])
+                          rewards=[s.reward for s in lease.samples],
+                          dataset_id=lease.dataset_id)
 
 
 def staleness_metrics(policy_versions: tuple[int | None, ...], current: int
@@ -331,7 +335,8 @@ class Trainer:
                  tokenizer: Any, config: TrainerConfig, data_dir: Path, device: torch.device,
                  engine: WeightUpdatable | None = None, reference: Any | None = None,
                  step: int = 0, name: str | None = None,
-                 distribution: Distribution | None = None) -> None:
+                 distribution: Distribution | None = None,
+                 dataset: DatasetVersion | None = None) -> None:
         self.store, self.run_id, self.run_config = store, run_id, run_config
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.data_dir, self.device, self.engine = data_dir, device, engine
@@ -364,17 +369,23 @@ class Trainer:
         #: The weights changed since the last checkpoint (set by an optimizer step).
         self.weights_ahead = False
         self.distribution: Distribution = distribution or OneProcess()
+        #: The dataset version the steps train (None: the run's own projection;
+        #: ``workers.trainer.dataset_source``).
+        self.dataset: DatasetVersion | None = dataset
 
     @classmethod
     def open(cls, store: EventStore, run_id: str, *, config: TrainerConfig | None = None,
              data_dir: str | os.PathLike[str] | None = None, model: str | None = None,
-             engine: WeightUpdatable | None = None, name: str | None = None) -> Trainer:
+             engine: WeightUpdatable | None = None, name: str | None = None,
+             dataset: str | int | None = None) -> Trainer:
         """A trainer for ``run_id``, resumed from the run's newest checkpoint (weights,
         optimizer moments and step count) or, before the first update, loaded from ``model``
         (default: the run's ``RunConfig.model``). The tokenizer is the run's
         (``RunConfig.tokenizer``, else the model's). Checkpoints go under ``data_dir``
         (default: the store's settings). ``engine`` receives the weights after each update,
-        and the resumed weights at once.
+        and the resumed weights at once. ``dataset`` (``"NAME@VERSION"``, ``"NAME"`` or a
+        dataset id of the run's project) makes every step train that version's rows instead
+        of the run's own projection (``workers.trainer.dataset_source``).
 
         Checkpoints go under ``config.checkpoint_root``, else the settings'
         ``checkpoint_root``, else ``<data_dir>/checkpoints``; a URL root is checked at once by
@@ -393,6 +404,8 @@ class Trainer:
         if checkpoint_urls.is_url(config.checkpoint_root):
             checkpoint_urls.check_writable(str(config.checkpoint_root))
         run = store.get_run(run_id)
+        source = (resolve_dataset(store.db, run.project, dataset) if dataset is not None
+                  else None)
         initial = model or run.config.model
         if initial is None:
             raise ValueError(f"run {run_id!r} names no model (RunConfig.model); pass model=")
@@ -410,7 +423,8 @@ class Trainer:
         trainer = cls(store=store, run_id=run_id, run_config=run.config, model=policy,
                       tokenizer=tokenizer, config=config,
                       data_dir=folder, device=device, engine=engine, reference=reference,
-                      step=int(read_state(resume).get("step", 0)) if resume else 0, name=name)
+                      step=int(read_state(resume).get("step", 0)) if resume else 0, name=name,
+                      dataset=source)
         if resume is not None:
             load_optimizer_state(resume, trainer.optimizer)
             for group in trainer.optimizer.param_groups:  # the configured settings win
@@ -488,7 +502,7 @@ class Trainer:
         except BaseException:
             if self.weights_ahead:
                 self.broken = True
-            if lease is not None:
+            if lease is not None and lease.dataset_id is None:
                 try:
                     self.leasing.release(lease.lease_id)
                 except LeaseExpired:
@@ -504,6 +518,16 @@ class Trainer:
         once leased releases the lease."""
         config = self.config
         current = self.leasing.current_policy_version(self.run_id)
+        if self.dataset is not None:
+            samples = dataset_samples(self.store.db, self.dataset, self.run_id,
+                                      groups=config.groups_per_step)
+            if not samples:
+                return Taken(None, None)
+            rows = dataset_lease(self.run_id, samples, self.dataset.dataset_id)
+            if hooks.after_lease is not None:
+                hooks.after_lease(rows)
+            batch, scoring = self._pad(rows)
+            return Taken(rows, batch, scoring, 0, current, rows.lease_id.hex[:8])
         lease = self.leasing.lease_batch(
             self.run_id, groups=config.groups_per_step, lease_seconds=config.lease_seconds,
             max_staleness=config.max_staleness, current_version=current, trainer=self.name)
@@ -619,6 +643,8 @@ class Trainer:
     def _keep_lease(self, lease: Lease, since: float) -> float:
         """Renew the lease when half of it has passed since ``since`` (a ``time.monotonic()``
         reading: the lease or its last renewal); returns the new reading."""
+        if lease.dataset_id is not None:
+            return since  # a dataset's rows are not leased
         now = time.monotonic()
         if now - since <= self.config.lease_seconds / 2:
             return since
