@@ -69,6 +69,7 @@ from workers.rollout.group import (
     episode_id_for,
     episode_seed,
     group_id_for,
+    seed_root,
 )
 from workers.rollout.group_log import GroupLog
 from workers.rollout.rewards import Reward, Transcript
@@ -102,6 +103,7 @@ class _Plan:
     protocol: str
     config: RunConfig
     policy_version: int
+    seed_root: str
     store_url: str
     tokenizer_name: str | None
     scrypt: tuple[int, int, int]
@@ -375,7 +377,9 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
                 return SlotOutcome(slot, episode_id, None, None, False, tuple(aborted))
             aborted.append(episode_id)
             continue
-        seed = episode_seed(episode_id)
+        # As the agent loop's groups: from the episode id, or from the run's seed and the
+        # episode's place in the run when the run sets one.
+        seed = episode_seed(episode_id_for(plan.seed_root, slot, attempt))
         rollout = plan.config.rollout
         try:
             await asyncio.to_thread(plan.log.append, episode_id, [EpisodeStarted(
@@ -431,6 +435,8 @@ async def aplay_remote_group(*, log: GroupLog, db: Any, project: str, run_id: st
         plan = _Plan(log=log, db=db, project=project, run_id=run_id, task=task,
                      group_id=group_id, agent=agent, protocol=protocol, config=config,
                      policy_version=policy_version,
+                     seed_root=seed_root(config, group_id, task.task_id, policy_version,
+                                         group_index),
                      store_url=settings.remote_agent_store_url.rstrip("/"),
                      tokenizer_name=agent.tokenizer_name or config.tokenizer_name,
                      scrypt=(settings.api_key_scrypt_n, settings.api_key_scrypt_r,
