@@ -86,6 +86,15 @@ class Access:
                                              f"project {key.project!r}")
         return run_id
 
+    @staticmethod
+    def check_scope(key: ApiKey, episode_id: str | None) -> None:
+        """ApiError 403 when ``key`` is the credential of one episode
+        (``ApiKey.episode_id``) and ``episode_id`` is another one, or none."""
+        if key.episode_id is not None and episode_id != key.episode_id:
+            named = "no episode" if episode_id is None else f"episode {episode_id[:60]!r}"
+            raise ApiError(403, "forbidden", f"this credential may record only episode "
+                                             f"{key.episode_id!r}, not {named}")
+
     def check_lease(self, key: ApiKey, lease_id: uuid.UUID) -> str:
         """The lease's run, after the checks of ``check_run`` (404 for an unknown lease)."""
         run_id = self._lease_run.get(lease_id)

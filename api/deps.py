@@ -37,7 +37,21 @@ async def get_context(request: Request) -> ApiContext:
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
 
+#: What the credential of one episode may call (``ApiKey.episode_id``): the completions
+#: endpoints, the completion report and the model list; paths under ``/v1/runs/`` only within
+#: its own episode (checked below). The routes check the episode a body names.
+_EPISODE_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions",
+                                "/v1/rollout/completed", "/v1/models"})
+
+
+def _episode_key_allows(key: ApiKey, path: str) -> bool:
+    if path in _EPISODE_KEY_PATHS or path.startswith("/v1/models/"):
+        return True
+    return path.startswith(f"/v1/runs/{key.run_id}/episodes/{key.episode_id}/")
+
+
 async def authenticate(
+    request: Request,
     ctx: Ctx,
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     header: Annotated[str | None, Security(_header)],
@@ -47,7 +61,9 @@ async def authenticate(
     malformed or revoked one, or a wrong secret; 429 with Retry-After when its key id had too
     many wrong secrets lately and this secret was not checked (``api.keys``). A key this
     process trusts is accepted without leaving the event loop; any other is checked against
-    the database in a worker thread."""
+    the database in a worker thread. The credential of one episode (``ApiKey.episode_id``)
+    reaches only the completions endpoints, the completion report, the model list and its
+    own episode's paths (403 for any other route)."""
     token = bearer.credentials if bearer is not None else header
     if not token and ctx.local_key is not None:
         return ctx.local_key
@@ -68,6 +84,10 @@ async def authenticate(
     if key is None:
         raise ApiError(401, "unauthorized", "the API key is unknown, malformed or revoked",
                        headers={"WWW-Authenticate": "Bearer"})
+    if key.episode_id is not None and not _episode_key_allows(key, request.url.path):
+        raise ApiError(403, "forbidden", f"this credential may record only episode "
+                                         f"{key.episode_id!r}: {request.url.path} is not "
+                                         "open to it")
     return key
 
 

@@ -70,8 +70,9 @@ ROLES = ("ingest", "read", "train", "admin")
 #: Roles that hold another role's rights besides their own (``admin`` holds every role).
 IMPLIED = {"train": frozenset({"read"})}
 #: The notification channel revocations are announced on.
-REVOKED_CHANNEL = "trajstore_api_keys_revoked"
-KEY_PREFIX = "tsk_"
+REVOKED_CHANNEL = table.REVOKED_CHANNEL
+KEY_PREFIX = table.KEY_PREFIX
+hash_secret = table.hash_secret
 SESSION_PREFIX = "tss1."
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 #: A session's expiry (epoch seconds) and nonce: ``<digits>-<16 hex digits>``.
@@ -112,6 +113,9 @@ class ApiKey:
     created_at: dt.datetime
     revoked_at: dt.datetime | None = None
     run_id: str | None = None
+    #: The one episode a credential may record into (a rollout worker's key for a user's
+    #: RolloutServer, ``store.api_keys.mint_episode_key``); None for any.
+    episode_id: str | None = None
 
     def allows(self, role: str) -> bool:
         """Whether this key may act in ``role`` (``admin`` may act in any, ``train`` also
@@ -139,15 +143,6 @@ def parse_key(token: str) -> tuple[str, str]:
     if not _SECRET.match(secret):
         raise ValueError("the secret part of the API key is malformed")
     return key_id, secret
-
-
-def hash_secret(secret: str, *, salt: bytes, n: int, r: int, p: int) -> bytes:
-    """scrypt of ``secret`` (32 bytes). Raises ValueError for parameters scrypt refuses
-    (``n`` not a power of 2 above 1, memory over 256 MiB)."""
-    if n < 2 or n & (n - 1):
-        raise ValueError(f"scrypt n must be a power of 2 above 1, got {n}")
-    return hashlib.scrypt(secret.encode(), salt=salt, n=n, r=r, p=p, maxmem=256 * 1024 * 1024,
-                          dklen=32)
 
 
 def _check_project(project: object) -> str:
@@ -264,7 +259,7 @@ class KeyStore:
             self._forget(key_id)
             self._remember_refusal(fingerprint, now)
             return None
-        key = _key(row[:6])
+        key = _key((*row[:6], *row[9:11]))
         if not right_before:
             match = _PARAMS.match(row[8])
             if match is None:
@@ -407,7 +402,7 @@ class KeyStore:
             return None
         if table.session_ended(self.db, hashlib.sha256(token.encode()).digest()):
             return None
-        return _key(row[:6])
+        return _key((*row[:6], *row[9:11]))
 
     def end_session(self, token: str) -> bool:
         """End the session of ``token`` on the server (signing out): from now on

@@ -1,13 +1,19 @@
 """The ``api_keys`` table: the SQL behind ``api.keys.KeyStore``.
 
 Rows are plain tuples in the order of :data:`KEY_COLUMNS` (``key_id, project, role, name,
-created_at, revoked_at``); :func:`key_secret_row` adds ``secret_hash, salt, hash_params``.
+created_at, revoked_at, run_id, episode_id``); :func:`key_secret_row` gives the first six,
+then ``secret_hash, salt, hash_params``, then ``run_id, episode_id``. A key past its
+``expires_at`` reads as revoked at that time. :func:`mint_episode_key` makes the short-lived
+credential of one episode (a rollout worker gives it to a user's RolloutServer).
 Hashing, parsing and caching keys are the API's business; storing them is this module's.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import re
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,17 +21,27 @@ from store.db import Database, connect
 
 __all__ = [
     "KEY_COLUMNS",
+    "KEY_PREFIX",
+    "REVOKED_CHANNEL",
     "RevocationListener",
     "end_session",
+    "hash_secret",
     "insert_key",
     "key_revoked",
     "key_secret_row",
     "list_keys",
+    "mint_episode_key",
     "revoke_key",
     "session_ended",
 ]
 
-KEY_COLUMNS = "key_id, project, role, name, created_at, revoked_at"
+_REVOKED = "coalesce(revoked_at, CASE WHEN expires_at <= now() THEN expires_at END)"
+_FIRST = f"key_id, project, role, name, created_at, {_REVOKED} AS revoked_at"
+KEY_COLUMNS = f"{_FIRST}, run_id, episode_id"
+#: The channel a revocation is announced on (every API process listens to it).
+REVOKED_CHANNEL = "trajstore_api_keys_revoked"
+#: The prefix of every key's token: ``tsk_<16 hex digits>_<secret>``.
+KEY_PREFIX = "tsk_"
 _CHANNEL = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -43,6 +59,36 @@ def insert_key(db: Database, *, key_id: str, project: str, role: str, name: str 
     return tuple(row)
 
 
+def hash_secret(secret: str, *, salt: bytes, n: int, r: int, p: int) -> bytes:
+    """scrypt of ``secret`` (32 bytes). Raises ValueError for parameters scrypt refuses
+    (``n`` not a power of 2 above 1, memory over 256 MiB)."""
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"scrypt n must be a power of 2 above 1, got {n}")
+    return hashlib.scrypt(secret.encode(), salt=salt, n=n, r=r, p=p, maxmem=256 * 1024 * 1024,
+                          dklen=32)
+
+
+def mint_episode_key(db: Database, *, project: str, run_id: str, episode_id: str,
+                     ttl_s: float, scrypt: tuple[int, int, int]) -> tuple[str, str]:
+    """Store a new ``ingest`` key of ``project`` that may record only episode
+    ``episode_id`` of run ``run_id`` and expires ``ttl_s`` seconds from now; returns
+    ``(key_id, token)`` (the token is shown this once). ``scrypt`` is ``(n, r, p)``."""
+    n, r, p = scrypt
+    key_id = secrets.token_hex(8)
+    secret = secrets.token_urlsafe(32)
+    salt = secrets.token_bytes(16)
+    digest = hash_secret(secret, salt=salt, n=n, r=r, p=p)
+    expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ttl_s)
+    with db.transaction() as conn:
+        conn.execute(
+            "INSERT INTO api_keys (key_id, project, role, name, secret_hash, salt, hash_params,"
+            " run_id, episode_id, expires_at) VALUES (%s, %s, 'ingest', %s, %s, %s, %s, %s,"
+            " %s, %s)",
+            (key_id, project, f"episode {episode_id[:180]}", digest, salt,
+             f"scrypt${n}${r}${p}", run_id, episode_id, expires))
+    return key_id, f"{KEY_PREFIX}{key_id}_{secret}"
+
+
 def list_keys(db: Database, *, project: str | None, include_revoked: bool
               ) -> list[tuple[Any, ...]]:
     """Key rows, oldest first, of one project (all when None); revoked ones only when
@@ -50,7 +96,8 @@ def list_keys(db: Database, *, project: str | None, include_revoked: bool
     with db.connection() as conn:
         rows = conn.execute(
             f"SELECT {KEY_COLUMNS} FROM api_keys"
-            " WHERE (%s::text IS NULL OR project = %s) AND (%s OR revoked_at IS NULL)"
+            " WHERE (%s::text IS NULL OR project = %s) AND (%s OR (revoked_at IS NULL"
+            " AND (expires_at IS NULL OR expires_at > now())))"
             " ORDER BY created_at, key_id",
             (project, project, include_revoked),
         ).fetchall()
@@ -77,7 +124,7 @@ def key_secret_row(db: Database, key_id: str) -> tuple[Any, ...] | None:
     id."""
     with db.connection() as conn:
         row = conn.execute(
-            f"SELECT {KEY_COLUMNS}, secret_hash, salt, hash_params FROM api_keys"
+            f"SELECT {_FIRST}, secret_hash, salt, hash_params, run_id, episode_id FROM api_keys"
             " WHERE key_id = %s",
             (key_id,),
         ).fetchone()
@@ -88,7 +135,7 @@ def key_revoked(db: Database, key_id: str) -> bool:
     """Whether key ``key_id`` is revoked (or unknown): what a revocation notice is checked
     against, since any role that can connect can send one (``NOTIFY`` has no privilege)."""
     with db.connection() as conn:
-        row = conn.execute("SELECT revoked_at IS NOT NULL FROM api_keys WHERE key_id = %s",
+        row = conn.execute(f"SELECT {_REVOKED} IS NOT NULL FROM api_keys WHERE key_id = %s",
                            (key_id,)).fetchone()
     return row is None or bool(row[0])
 

@@ -46,6 +46,7 @@ __all__ = [
     "RollbackConfig",
     "NegativeConfig",
     "RolloutConfig",
+    "RemoteAgentConfig",
     "RunConfig",
     "RunCreated",
     "BranchedFrom",
@@ -322,6 +323,47 @@ class RolloutConfig(_Frozen):
         return self
 
 
+#: The revisions of the remote-rollout (TrainGate) protocol a RolloutServer may speak:
+#: ``POST /rollout`` answered synchronously (its rollouts calling ``/v1/completions`` or
+#: ``/v1/chat/completions``), or ``POST /v1/rollout/init`` answered at once and the rollout's
+#: end reported to ``/v1/rollout/completed``. ``auto``: probed at the first rollout.
+RemoteProtocol = Literal["auto", "sync-completions", "sync-chat", "async"]
+
+
+class RemoteAgentConfig(_Frozen):
+    """A user's RolloutServer that plays a run's episodes (``workers.rollout.remote_agent``):
+    rollout workers create each episode, give the server a credential that records only it,
+    and call the server with this store as the trainer."""
+
+    url: str = Field(min_length=1, max_length=2000)
+    protocol: RemoteProtocol = "auto"
+    #: Rollouts of the run in flight at once in one rollout worker process.
+    max_in_flight: int = Field(default=8, ge=1, le=4096)
+    #: Seconds a rollout may take (the synchronous answer, or the completion report).
+    timeout_s: float = Field(default=900.0, gt=0, le=86_400, allow_inf_nan=False)
+    #: Further attempts at reaching the server when a call finds it unreachable or answering
+    #: 502/503/504 before the rollout recorded anything.
+    retries: int = Field(default=2, ge=0, le=10)
+    #: The tokenizer name sent to the server (``tokenizer_name``); None: the run's.
+    tokenizer_name: str | None = Field(default=None, min_length=1, max_length=500)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises for a port that is not a number
+        except ValueError as exc:
+            raise ValueError(f"not a URL: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"expected an http(s) URL with a host, got {url[:100]!r}")
+        if parts.query or parts.fragment:
+            raise ValueError("the RolloutServer's URL takes no query or fragment")
+        return url.rstrip("/")
+
+
 RejectionMode = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",
                         "seq_sum_k3", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
                         "seq_max_k2", "seq_max_k3"]
@@ -495,6 +537,9 @@ class RunConfig(_Frozen):
     model: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
+    #: A user's RolloutServer plays the run's episodes (None: the rollout workers' agent
+    #: loop does).
+    remote_agent: RemoteAgentConfig | None = None
 
     @field_validator("chat_template")
     @classmethod

@@ -376,6 +376,13 @@ class Settings(BaseSettings):
         "its key is not scoped to a run; created in the key's project when missing. Unset: "
         "such a call is 404 naming what is missing.",
     )
+    remote_agent_store_url: str | None = Field(
+        default=None,
+        description="This store's API as a run's RolloutServer reaches it (e.g. "
+        "http://trainer-host:8000): the server_url rollout workers send with each rollout "
+        "of a run that names a remote_agent. Unset: such rollouts end error naming this "
+        "setting.",
+    )
     gateway_upstream_url: str | None = Field(
         default=None,
         description="OpenAI-compatible server (vLLM) the capture gateway forwards to, "
@@ -448,6 +455,7 @@ class Settings(BaseSettings):
         "gateway_engine_model",
         "checkpoint_root",
         "remote_default_run",
+        "remote_agent_store_url",
         mode="before",
     )
     @classmethod

@@ -62,12 +62,21 @@ def default_children(*, with_api: bool) -> list[Child]:
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment of a child process: the parent's, with the database and Redis URLs
     it resolved (starting the embedded servers when the settings name none), and the
-    child running the parent's code (``trajstore.launch.child_environment``). A server that
+    child running the parent's code (``trajstore.launch.child_environment``), and the API's
+    own address as the store's URL for runs' RolloutServers unless the settings name one
+    (``remote_agent_store_url``). A server that
     does not answer is a ``ConfigurationError`` naming its setting."""
     env = child_environment()
     env["TRAJSTORE_DATABASE_URL"] = preflight.database_url(settings)
     env["TRAJSTORE_REDIS_URL"] = preflight.broker_url(settings)
     env["TRAJSTORE_DATA_DIR"] = str(settings.data_dir)
+    if settings.remote_agent_store_url is None:
+        # A run's own RolloutServer reaches the API ``up`` runs (on this machine unless the
+        # setting names the address it has from there).
+        host = settings.api_host if settings.api_host not in ("0.0.0.0", "::", "") \
+            else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        env["TRAJSTORE_REMOTE_AGENT_STORE_URL"] = f"http://{host}:{settings.api_port}"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

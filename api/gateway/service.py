@@ -521,6 +521,8 @@ class Gateway:
                      group: str | None, abandoned: str | None) -> Response:
         """The one capture path of both endpoints; ``form`` holds what differs."""
         refuse_unstorable(body)
+        self.access.check_scope(key, body.rollout_id if body.rollout_id is not None
+                                else episode)
         self._check_limits(body)
         if body.rollout_id is not None:
             self._no_abandon_for_remote(abandoned)

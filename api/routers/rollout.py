@@ -149,6 +149,7 @@ def rollout_completed(body: RolloutCompleted, key: IngestKey, ctx: Ctx) -> Rollo
     ``episode_finished``. A value the store refuses (NUL, a lone surrogate, …) is answered
     422 naming it; a reward that is not a finite number (a boolean included) too."""
     refuse_unstorable(body)
+    ctx.access.check_scope(key, body.rollout_id)
     ctx.access.check_episode(key, body.rollout_id)
     events, status, reward = completion_events(body)
     if not queries.episode_finished(ctx.store, body.rollout_id):

@@ -67,6 +67,7 @@ __all__ = [
     "episode_seed",
     "group_id_for",
     "play_group",
+    "seed_root",
 ]
 
 _NAMESPACE = uuid.UUID("0b7f4f6e-8d0e-4a59-8a57-5b2f3d1c9e21")
@@ -93,7 +94,7 @@ def episode_seed(episode_id: str) -> int:
     return uuid.uuid5(_NAMESPACE, episode_id).int % (2**31)
 
 
-def _seed_root(config: RunConfig, group_id: str, task_id: str, policy_version: int,
+def seed_root(config: RunConfig, group_id: str, task_id: str, policy_version: int,
                group_index: int) -> str:
     """What the seeds of a group's episodes derive from: with the run's sampling seed
     (``RolloutConfig.seed``), the group's place in the run; without, its id."""
@@ -294,7 +295,7 @@ async def aplay_group(
     plan = _Plan(log=log, run_id=run_id, task=task, group_id=group_id, backend=backend,
                  tools=tools, writer=EpisodeWriter(log, namespace=uuid.uuid5(_NAMESPACE,
                                                                              group_id)),
-                 config=config, seed_root=_seed_root(config, group_id, task.task_id,
+                 config=config, seed_root=seed_root(config, group_id, task.task_id,
                                                      policy_version, group_index),
                  sampling=sampling, policy_version=policy_version,
                  max_turns=max_turns, max_total_tokens=max_total_tokens,

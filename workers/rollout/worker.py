@@ -20,8 +20,9 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
 from store.arguments import whole_number
+from store.events import RunConfig
 from store.settings import Settings
-from workers.rollout.agent_tasks import resolve_task
+from workers.rollout.agent_tasks import Task, resolve_task
 from workers.rollout.group import GroupResult, aplay_group
 from workers.rollout.group_log import ApiGroupLog, GroupLog, StoreGroupLog
 from workers.rollout.runtime import WeightsGate, worker_runtime
@@ -107,6 +108,9 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     if policy_version is not None:
         whole_number("policy_version", policy_version, minimum=0)
     policy = log.policy(run_id, policy_version)
+    if config.remote_agent is not None:
+        return _remote_group(log, run_id, task, config, policy.version, settings=settings,
+                             group_index=group_index)
     engine = worker_engine(config, settings=settings)
     runtime = worker_runtime(settings.rollout_concurrency)
 
@@ -123,5 +127,30 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
                 log=log, run_id=run_id, task=task, backend=engine.backend, tools=tools,
                 policy_version=policy.version, group_index=group_index, run_config=config,
                 gate=runtime.episodes, call_guard=call_guard)
+
+    return runtime.call(play)
+
+
+def _remote_group(log: GroupLog, run_id: str, task: Task, config: RunConfig,
+                  policy_version: int, *, settings: Settings, group_index: int
+                  ) -> GroupResult:
+    """The group played by the run's RolloutServer (:mod:`workers.rollout.remote_agent`):
+    no engine is loaded here; the credentials are minted in the worker's database, so a
+    worker that writes through the API cannot play such a run (ValueError saying so)."""
+    from store import queries
+    from workers.rollout.remote_agent import aplay_remote_group
+
+    if not isinstance(log, StoreGroupLog):
+        raise ValueError(f"run {run_id!r} names a remote_agent: its rollouts need a worker "
+                         "with the database (api_url unset), which mints their credentials")
+    record = queries.run_record(log.store, run_id) or {}
+    project = str(record.get("data", {}).get("project") or "default")
+    runtime = worker_runtime(settings.rollout_concurrency)
+
+    async def play() -> GroupResult:
+        return await aplay_remote_group(
+            log=log, db=log.store.db, project=project, run_id=run_id, task=task,
+            config=config, policy_version=policy_version, settings=settings,
+            group_index=group_index, gate=runtime.episodes)
 
     return runtime.call(play)
