@@ -153,7 +153,7 @@ def _store_error(exc: store_errors.StoreError, request: Request | None = None) -
         return error_response(409, "version_conflict", str(exc), stream_id=exc.stream_id,
                               current_version=exc.actual)
     if isinstance(exc, store_errors.IdempotencyError):
-        known = {} if exc.position is None else {"position": exc.position}
+        known: dict[str, Any] = {} if exc.position is None else {"position": exc.position}
         return error_response(409, "idempotency_conflict", str(exc),
                               event_id=str(exc.event_id), **known)
     if isinstance(exc, store_errors.NotFoundError):
