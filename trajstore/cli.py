@@ -142,6 +142,10 @@ def migrate(
 
     settings = get_settings()
     url = preflight.database_url(settings)
+    if settings.database_url is None:  # the embedded server: migrated as its owner
+        from store import embedded
+
+        url = embedded.owner_database_url(settings)
     if down:
         migrations.downgrade(url, revision if revision != "head" else "base")
     else:
