@@ -56,3 +56,7 @@ def test_cli_migrate_and_example_on_the_embedded_default(tmp_path: Path) -> None
     status = _run(["status"], env)
     assert status.returncode == 0, status.stderr
     assert "trajstore_app" in status.stdout and "llm_called" in status.stdout
+    # Steps that create roles take the embedded server's owner, not the app role.
+    for args in (["app-role"], ["analytics", "grant", "--role", "reader_embedded"]):
+        done = _run(args, env)
+        assert done.returncode == 0, done.stdout + done.stderr
