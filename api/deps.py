@@ -50,6 +50,12 @@ def _episode_key_allows(key: ApiKey, path: str) -> bool:
     return path.startswith(f"/v1/runs/{key.run_id}/episodes/{key.episode_id}/")
 
 
+def source_address(request: Request) -> str:
+    """The client's address a request came from (the peer of the connection), which the
+    budget of wrong secrets is kept per (``api.keys``); empty when unknown."""
+    return request.client.host if request.client is not None else ""
+
+
 async def authenticate(
     request: Request,
     ctx: Ctx,
@@ -59,7 +65,8 @@ async def authenticate(
     """The live key the request carries (in local mode, the local key when it carries
     none); ApiError 401 when it carries none, or an unknown,
     malformed or revoked one, or a wrong secret; 429 with Retry-After when its key id had too
-    many wrong secrets lately and this secret was not checked (``api.keys``). A key this
+    many wrong secrets lately from this request's source address and this secret was not
+    checked (``api.keys``). A key this
     process trusts is accepted without leaving the event loop; any other is checked against
     the database in a worker thread. The credential of one episode (``ApiKey.episode_id``)
     reaches only the completions endpoints, the completion report, the model list and its
@@ -72,10 +79,11 @@ async def authenticate(
                        "an API key is required: Authorization: Bearer <key> or X-API-Key",
                        headers={"WWW-Authenticate": "Bearer"})
     token = token.strip()
+    source = source_address(request)
     try:
         key = ctx.keys.trusted(token) or (
-            None if ctx.keys.refused(token)
-            else await run_in_threadpool(ctx.keys.verify, token))
+            None if ctx.keys.refused(token, source)
+            else await run_in_threadpool(ctx.keys.verify, token, source))
     except KeyFailureBudgetExceeded as exc:
         raise ApiError(429, "too_many_requests",
                        "too many wrong secrets for this API key id lately; this one was not "

@@ -153,8 +153,9 @@ def _store_error(exc: store_errors.StoreError, request: Request | None = None) -
         return error_response(409, "version_conflict", str(exc), stream_id=exc.stream_id,
                               current_version=exc.actual)
     if isinstance(exc, store_errors.IdempotencyError):
+        known: dict[str, Any] = {} if exc.position is None else {"position": exc.position}
         return error_response(409, "idempotency_conflict", str(exc),
-                              event_id=str(exc.event_id), position=exc.position)
+                              event_id=str(exc.event_id), **known)
     if isinstance(exc, store_errors.NotFoundError):
         return error_response(404, "not_found", str(exc))
     if isinstance(exc, store_errors.TransientError):

@@ -25,13 +25,16 @@ Two guards keep that cost bounded, per API process:
 - a failure cache: a key refused once (unknown, revoked or wrong secret) is remembered by the
   SHA-256 of the whole presented key for ``api_key_failure_cache_s`` seconds and refused
   again (401) without reading its row or hashing;
-- a failure budget per key id: at most ``api_key_failure_budget`` wrong secrets of one key id
-  are hashed within ``api_key_failure_cache_s`` seconds; further secrets this process has not
-  seen right are answered 429 with ``Retry-After`` (``KeyFailureBudgetExceeded``), unhashed.
-  The right secret is never refused by the budget once this process has checked it: its
+- a failure budget per key id and source address: at most ``api_key_failure_budget`` wrong
+  secrets of one key id from one source (the client's address) are hashed within
+  ``api_key_failure_cache_s`` seconds; further secrets of that key id from that source which
+  this process has not seen right are answered 429 with ``Retry-After``
+  (``KeyFailureBudgetExceeded``), unhashed. A flood from one source therefore never throttles
+  the same key id from another source: its right secret is checked at once. The right secret
+  is never refused by the budget once this process has checked it (from any source): its
   fingerprint is remembered (until the key is revoked) and skips the hash; and even while a
-  key id is over budget, one unknown secret per second is still checked, so a right secret
-  this process has not seen before gets in on a retry.
+  source is over budget for a key id, one unknown secret per second from it is still
+  checked, so a right secret this process has not seen before gets in on a retry there too.
 """
 
 from __future__ import annotations
@@ -175,10 +178,10 @@ class KeyStore:
         self._right: OrderedDict[str, bytes] = OrderedDict()
         # fingerprint of a refused key -> when it was refused
         self._refused: OrderedDict[bytes, float] = OrderedDict()
-        # key_id -> times of its recent wrong secrets (at most the budget), and when an
-        # unknown secret was last checked while over budget
-        self._wrong: OrderedDict[str, deque[float]] = OrderedDict()
-        self._over_budget_checked: dict[str, float] = {}
+        # (key_id, source address) -> times of its recent wrong secrets (at most the
+        # budget), and when an unknown secret was last checked while over budget
+        self._wrong: OrderedDict[tuple[str, str], deque[float]] = OrderedDict()
+        self._over_budget_checked: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
         self._generation = 0  # bumped by every revocation heard
         self._listening = False
@@ -232,11 +235,11 @@ class KeyStore:
         fingerprint = hashlib.sha256(token.encode()).digest()
         return cached[1] if hmac.compare_digest(cached[0], fingerprint) else None
 
-    def verify(self, token: str) -> ApiKey | None:
+    def verify(self, token: str, source: str = "") -> ApiKey | None:
         """The live key ``token`` is, or None when it is malformed, unknown, revoked or its
         secret is wrong. Raises ``KeyFailureBudgetExceeded`` (nothing checked) when its key id
-        had too many wrong secrets lately and this secret is not one this process checked
-        right before (module docstring)."""
+        had too many wrong secrets lately from ``source`` (the client's address) and this
+        secret is not one this process checked right before (module docstring)."""
         key = self.trusted(token)
         if key is not None:
             return key
@@ -253,7 +256,7 @@ class KeyStore:
             known = self._right.get(key_id)
         right_before = known is not None and hmac.compare_digest(known, fingerprint)
         if not right_before:
-            self._spend_budget(key_id, now)
+            self._spend_budget((key_id, source), now)
         row = table.key_secret_row(self.db, key_id)
         if row is None or row[5] is not None:
             self._forget(key_id)
@@ -267,7 +270,8 @@ class KeyStore:
             n, r, p = (int(g) for g in match.groups())
             if not hmac.compare_digest(hash_secret(secret, salt=bytes(row[7]), n=n, r=r, p=p),
                                        bytes(row[6])):
-                self._remember_refusal(fingerprint, time.monotonic(), key_id=key_id)
+                self._remember_refusal(fingerprint, time.monotonic(),
+                                       budget=(key_id, source))
                 return None
         with self._lock:
             # A revocation heard while the row was being read may be about this key: do
@@ -299,9 +303,9 @@ class KeyStore:
         return True
 
     def _remember_refusal(self, fingerprint: bytes, now: float, *,
-                          key_id: str | None = None) -> None:
-        """Remember a refused key; a wrong secret of an existing ``key_id`` also counts
-        against that key id's budget."""
+                          budget: tuple[str, str] | None = None) -> None:
+        """Remember a refused key; a wrong secret of an existing key id also counts against
+        the budget of that key id from its source (``budget``)."""
         s = self.settings
         with self._lock:
             if s.api_key_failure_cache_s > 0:
@@ -309,48 +313,48 @@ class KeyStore:
                 self._refused.move_to_end(fingerprint)
                 while len(self._refused) > _MAX_ENTRIES:
                     self._refused.popitem(last=False)
-            if key_id is not None and s.api_key_failure_budget > 0:
-                times = self._wrong.get(key_id)
+            if budget is not None and s.api_key_failure_budget > 0:
+                times = self._wrong.get(budget)
                 if times is None:
-                    times = self._wrong[key_id] = deque(maxlen=s.api_key_failure_budget)
+                    times = self._wrong[budget] = deque(maxlen=s.api_key_failure_budget)
                 times.append(now)
-                self._wrong.move_to_end(key_id)
+                self._wrong.move_to_end(budget)
                 while len(self._wrong) > _MAX_ENTRIES:
                     self._wrong.popitem(last=False)
 
-    def _over_budget(self, key_id: str, now: float) -> int | None:
-        """Seconds until ``key_id`` is back within its budget of wrong secrets, or None when
-        it is within it (lock held)."""
+    def _over_budget(self, budget: tuple[str, str], now: float) -> int | None:
+        """Seconds until a key id from a source (``budget``) is back within its budget of
+        wrong secrets, or None when it is within it (lock held)."""
         s = self.settings
-        budget, window = s.api_key_failure_budget, s.api_key_failure_cache_s
-        if budget <= 0 or window <= 0:
+        which, limit, window = budget, s.api_key_failure_budget, s.api_key_failure_cache_s
+        if limit <= 0 or window <= 0:
             return None
-        times = self._wrong.get(key_id)
-        if times is None or len(times) < budget or now - times[0] >= window:
+        times = self._wrong.get(which)
+        if times is None or len(times) < limit or now - times[0] >= window:
             return None
         return max(1, math.ceil(window - (now - times[0])))
 
-    def _spend_budget(self, key_id: str, now: float) -> None:
-        """Raise ``KeyFailureBudgetExceeded`` when ``key_id`` is over its budget of wrong
-        secrets and an over-budget check was made less than a second ago; otherwise take
-        that check (when over budget) and return."""
+    def _spend_budget(self, budget: tuple[str, str], now: float) -> None:
+        """Raise ``KeyFailureBudgetExceeded`` when the key id is over its budget of wrong
+        secrets from this source (``budget``) and an over-budget check was made less than a
+        second ago; otherwise take that check (when over budget) and return."""
         with self._lock:
-            wait = self._over_budget(key_id, now)
+            wait = self._over_budget(budget, now)
             if wait is None:
                 return
-            if now - self._over_budget_checked.get(key_id, -math.inf) >= _OVER_BUDGET_CHECK_S:
-                self._over_budget_checked[key_id] = now
+            if now - self._over_budget_checked.get(budget, -math.inf) >= _OVER_BUDGET_CHECK_S:
+                self._over_budget_checked[budget] = now
                 if len(self._over_budget_checked) > _MAX_ENTRIES:
                     self._over_budget_checked.clear()
                 return
-        raise KeyFailureBudgetExceeded(key_id, wait)
+        raise KeyFailureBudgetExceeded(budget[0], wait)
 
-    def refused(self, token: str) -> bool:
+    def refused(self, token: str, source: str = "") -> bool:
         """Whether ``token`` is refused from memory: True when this very key was refused
         within ``api_key_failure_cache_s``. Raises ``KeyFailureBudgetExceeded`` when its key
-        id is over its budget, the secret is not one this process checked right, and no
-        check is due. Does no I/O and no hashing (the API calls it on its event loop); False
-        leaves the decision to ``verify``."""
+        id is over its budget from ``source``, the secret is not one this process checked
+        right, and no check is due. Does no I/O and no hashing (the API calls it on its
+        event loop); False leaves the decision to ``verify``."""
         if not token.startswith(KEY_PREFIX):
             return False
         key_id = token[len(KEY_PREFIX):len(KEY_PREFIX) + 16]
@@ -362,8 +366,9 @@ class KeyStore:
             known = self._right.get(key_id)
             if known is not None and hmac.compare_digest(known, fingerprint):
                 return False
-            wait = self._over_budget(key_id, now)
-            due = now - self._over_budget_checked.get(key_id, -math.inf) >= _OVER_BUDGET_CHECK_S
+            budget = (key_id, source)
+            wait = self._over_budget(budget, now)
+            due = now - self._over_budget_checked.get(budget, -math.inf) >= _OVER_BUDGET_CHECK_S
         if wait is not None and not due:
             raise KeyFailureBudgetExceeded(key_id, wait)
         return False

@@ -20,9 +20,9 @@ from typing import Any
 
 from store.settings import Settings
 
-__all__ = ["database_url", "redis_url", "embedded_postgres", "embedded_redis",
-           "embedded_redis_running", "running_servers", "stop_embedded", "stop_embedded_postgres",
-           "stop_embedded_redis"]
+__all__ = ["APP_ROLE", "database_url", "owner_database_url", "redis_url", "embedded_postgres",
+           "embedded_redis", "embedded_redis_running", "running_servers", "stop_embedded",
+           "stop_embedded_postgres", "stop_embedded_redis"]
 
 _lock = threading.Lock()
 _postgres: dict[Path, Any] = {}
@@ -109,11 +109,51 @@ def _stop_redis(server: Any, started: Path | None) -> None:
         _stop_pid(pid, signal.SIGTERM, 5.0)
 
 
+#: The role the processes connect to the embedded server as (``store.app_role``).
+APP_ROLE = "trajstore_app"
+#: Data directories whose embedded server was migrated and granted the app role here.
+_prepared: set[Path] = set()
+
+
+def owner_database_url(settings: Settings) -> str:
+    """The embedded server's URL as its owner (the superuser pgserver creates): for
+    migrations and role grants only, never for the processes (``database_url``)."""
+    return str(embedded_postgres(settings.embedded_pg_dir).get_uri())
+
+
 def database_url(settings: Settings) -> str:
-    """The PostgreSQL URL to use: the configured one, or the embedded server's."""
+    """The PostgreSQL URL to use: the configured one, or the embedded server's as the
+    application role ``trajstore_app``. For the embedded server, the schema is first brought
+    to the newest revision as the owner and the role created (no superuser, owns nothing,
+    ``SELECT`` and ``INSERT`` on ``events`` only; ``store.app_role``), once per process."""
     if settings.database_url:
         return settings.database_url
-    return str(embedded_postgres(settings.embedded_pg_dir).get_uri())
+    owner = owner_database_url(settings)
+    directory = Path(settings.embedded_pg_dir).expanduser().resolve()
+    with _lock:
+        if directory not in _prepared:
+            from store import migrate
+            from store.app_role import grant_app_role
+            from store.db import Database
+
+            migrate.upgrade(owner)
+            db = Database(owner, max_size=1)
+            try:
+                grant_app_role(db, APP_ROLE)
+            finally:
+                db.close()
+            _prepared.add(directory)
+    return _as_role(owner, APP_ROLE)
+
+
+def _as_role(url: str, role: str) -> str:
+    """``url`` with its user (and any password) replaced by ``role`` (the embedded server
+    trusts local connections)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{role}@{host}"))
 
 
 def redis_url(settings: Settings) -> str:

@@ -93,14 +93,22 @@ class SamplesTakenError(ConflictError):
 
 
 class IdempotencyError(StoreError):
-    """An event id was appended before with different content. Nothing was stored."""
+    """An event id was appended before with different content, or to another stream.
+    Nothing was stored. ``position`` is the stored event's log position when it lies in the
+    stream appended to (the caller's own event), None when it lies in another stream: an id
+    another stream holds (perhaps another project's) is answered without anything about it."""
 
-    def __init__(self, event_id: object, *, position: int):
+    def __init__(self, event_id: object, *, position: int | None):
         self.event_id = event_id
         self.position = position
-        super().__init__(
-            f"event id {event_id} is already stored at position {position} with different content"
-        )
+        if position is None:
+            message = (f"event id {event_id} is taken by an event of another stream; "
+                       "give each new event a fresh id (a retry sends the same events to "
+                       "the same stream)")
+        else:
+            message = (f"event id {event_id} is already stored at position {position} "
+                       "with different content")
+        super().__init__(message)
 
 
 class NotFoundError(StoreError, LookupError):

@@ -51,6 +51,14 @@ def database_url(settings: Settings, *, timeout_s: int = 10) -> str:
     return url
 
 
+def owner_database_url(settings: Settings, *, timeout_s: int = 10) -> str:
+    """The URL for steps that need the owner of the tables (migrations, creating roles): the
+    configured one (whoever it names), or the embedded server's as its owner, where
+    ``database_url`` gives the application role. Errors as ``database_url``."""
+    url = database_url(settings, timeout_s=timeout_s)
+    return url if settings.database_url is not None else embedded.owner_database_url(settings)
+
+
 def broker_url(settings: Settings, *, timeout_s: float = 10.0) -> str:
     """The Redis URL Celery should use: the configured one, once it answered a PING, or the
     embedded server's. One that does not answer is a ``ConfigurationError`` naming

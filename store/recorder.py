@@ -487,7 +487,9 @@ class Recorder:
         for event in events:
             row = by_id.get(event.event_id)
             if row is not None and row[2] != stream_id:
-                raise errors.IdempotencyError(event.event_id, position=row[1])
+                # Another stream's event (perhaps another project's): a conflict that
+                # tells nothing of it, neither its position nor its stream.
+                raise errors.IdempotencyError(event.event_id, position=None)
         if len(by_id) != len(events):
             new = [i for i, e in enumerate(events) if e.event_id not in by_id]
             raise errors.ValidationError(

@@ -199,16 +199,20 @@ def _grant(
         if not login:
             raise typer.BadParameter("--password-stdin needs --login", param_hint="--login")
         password = sys.stdin.readline().rstrip("\r\n")
-    store = _open_store()
+    from store import preflight
+    from store.db import Database
+
+    # Creating a role takes the owner (the embedded server's owner, not the app role).
+    db = Database(preflight.owner_database_url(get_settings()), max_size=1)
     try:
-        done = grant_read_only(store.db, role=role, login=login, password=password)
+        done = grant_read_only(db, role=role, login=login, password=password)
     except (TypeError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--role") from None
     except errors.StoreError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     finally:
-        store.close()
+        db.close()
     typer.echo(f"{'created' if done.created else 'updated'} role {done.role} "
                f"({'LOGIN' if done.login else 'NOLOGIN'}, read-only); it can read: "
                f"{', '.join(done.relations)}")

@@ -141,7 +141,7 @@ def migrate(
     from store import preflight
 
     settings = get_settings()
-    url = preflight.database_url(settings)
+    url = preflight.owner_database_url(settings)  # the embedded server's: as its owner
     if down:
         migrations.downgrade(url, revision if revision != "head" else "base")
     else:
@@ -762,7 +762,7 @@ def app_role(
         raise typer.BadParameter("the password must be non-empty and hold no NUL character",
                                  param_hint="--password-env" if password_env
                                  else "--password-stdin")
-    db = Database(preflight.database_url(get_settings()), max_size=1)
+    db = Database(preflight.owner_database_url(get_settings()), max_size=1)
     try:
         made = grant_app_role(db, role, password=password)
     except ValueError as exc:

@@ -71,6 +71,7 @@ from store.eventlog import EventStore
 from store.events import Event
 from store.settings import Settings
 from workers.engines.backend import GenerationRequest, GenerationResult, SamplingParams
+from workers.engines.content_tokens import ControlTokenInContent
 from workers.engines.prompt import decode_response
 from workers.engines.render import prompt_ids
 
@@ -112,7 +113,11 @@ def _engine_error(exc: Exception) -> ApiError:
 
 def _engine_failure(exc: BaseException) -> BaseException:
     """What a failed generation raises: 422 for a request the engine refuses (bad ids, too
-    long, a chat template error on odd messages), else the error itself."""
+    long, a chat template error on odd messages, content spelling a control token: named by
+    its field), else the error itself."""
+    if isinstance(exc, ControlTokenInContent):
+        return ApiError(422, "control_token_in_content", str(exc).replace(
+            exc.field, f"body.{exc.field}", 1), field=f"body.{exc.field}")
     if isinstance(exc, (ValueError, TypeError)) or type(exc).__module__.startswith("jinja2"):
         return _engine_error(exc)  # type: ignore[arg-type]
     return exc

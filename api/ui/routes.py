@@ -36,7 +36,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import Ctx
+from api.deps import Ctx, source_address
 from api.errors import ApiError
 from api.keys import SESSION_PREFIX, ApiKey, KeyFailureBudgetExceeded
 from api.routers.runs import run_out, run_summary
@@ -105,15 +105,16 @@ def _token_of(request: Request) -> str | None:
     return (request.headers.get("x-api-key") or request.cookies.get(COOKIE) or "").strip() or None
 
 
-async def _check(ctx: Any, token: str | None) -> ApiKey | None:
+async def _check(ctx: Any, token: str | None, request: Request) -> ApiKey | None:
     if not token:
         return None
     if token.startswith(SESSION_PREFIX):
         return await run_in_threadpool(ctx.keys.verify_session, token)
+    source = source_address(request)
     try:
         return ctx.keys.trusted(token) or (
-            None if ctx.keys.refused(token)
-            else await run_in_threadpool(ctx.keys.verify, token))
+            None if ctx.keys.refused(token, source)
+            else await run_in_threadpool(ctx.keys.verify, token, source))
     except KeyFailureBudgetExceeded as exc:
         raise PageError(429, f"Too many wrong keys lately; try again in {exc.retry_after_s} "
                         "seconds.") from None
@@ -135,7 +136,7 @@ async def page_key(request: Request, ctx: Ctx) -> ApiKey:
     token = _token_of(request)
     if token is None and ctx.local_key is not None:
         return ctx.local_key
-    key = await _check(ctx, token)
+    key = await _check(ctx, token, request)
     if key is None or not key.allows("read"):
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise LoginRequired(path)
@@ -208,7 +209,7 @@ async def login(request: Request, ctx: Ctx) -> Response:
     form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
     token = (form.get("key") or [""])[0].strip()
     target = _safe_next((form.get("next") or ["/ui"])[0])
-    key = await _check(ctx, token)
+    key = await _check(ctx, token, request)
     if key is None:
         return _page(request, "login.html", 401, next=target, key=None,
                      error="That key is unknown, malformed or revoked.")

@@ -173,3 +173,44 @@ def test_settings_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("TRAJSTORE_API_KEY_FAILURE_BUDGET", "7")
     s = Settings()
     assert (s.api_key_failure_cache_s, s.api_key_failure_budget) == (5.0, 7)
+
+
+def test_a_flood_from_one_source_never_throttles_another_source(
+        api_settings: Settings, api_store: EventStore, key_store: KeyStore,
+        project: Project) -> None:
+    """The budget is per key id and source address: a wrong-secret flood from one address
+    leaves the right secret, never seen by this process, checked at once from another."""
+    settings = api_settings.model_copy(update={"api_key_failure_cache_s": 60.0,
+                                               "api_key_failure_budget": 3})
+    token = key_store.create(project=project.name, role="read").token
+    attacker = TestClient(create_app(settings, store=api_store), client=("203.0.113.9", 4000))
+    with attacker, TestClient(attacker.app, client=("198.51.100.7", 5000)) as victim:
+        flood = [attacker.get(ME, headers=bearer(wrong(token, n))).status_code
+                 for n in range(24)]
+        assert flood.count(429) >= 20  # the flooding source is throttled
+        # The right secret from another address: in at the first try.
+        assert victim.get(ME, headers=bearer(token)).status_code == 200
+        # A wrong secret from that address is checked (401), not throttled by the flood.
+        assert victim.get(ME, headers=bearer(wrong(token, 99))).status_code == 401
+        # The flooding address stays throttled for unknown secrets...
+        assert attacker.get(ME, headers=bearer(wrong(token, 100))).status_code == 429
+        # ...but the right secret, now known right to this process, gets in from it too.
+        assert attacker.get(ME, headers=bearer(token)).status_code == 200
+
+
+def test_the_budget_is_kept_per_source_in_the_key_store(
+        api_settings: Settings, api_store: EventStore, key_store: KeyStore,
+        project: Project) -> None:
+    settings = api_settings.model_copy(update={"api_key_failure_cache_s": 60.0,
+                                               "api_key_failure_budget": 2})
+    keys = KeyStore(api_store.db, settings)
+    token = key_store.create(project=project.name, role="read").token
+    for n in range(3):
+        assert keys.verify(wrong(token, n), "10.0.0.1") is None
+    with pytest.raises(KeyFailureBudgetExceeded):
+        keys.verify(wrong(token, 3), "10.0.0.1")
+    with pytest.raises(KeyFailureBudgetExceeded):
+        keys.refused(wrong(token, 4), "10.0.0.1")
+    assert keys.refused(token, "10.0.0.2") is False
+    assert keys.verify(token, "10.0.0.2") is not None
+    keys.close()

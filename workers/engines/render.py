@@ -59,6 +59,8 @@ from typing import Any
 from jinja2 import compiler, idtracking, nodes, runtime, utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from workers.engines.content_tokens import check_content
+
 __all__ = ["ChatRenderer", "RenderBudgetExceeded", "prompt_ids", "render_budget"]
 
 #: Exact types whose instances have no attributes of their own: an attribute the type lacks
@@ -649,9 +651,13 @@ def prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
     tokenize=True)`` gives them; rendering the same messages as text with
     :class:`ChatRenderer` and encoding it without special tokens gives the same ids.
     ``messages`` and ``tools`` are copied, never changed. Raises ValueError when neither
-    the tokenizer nor the caller has a chat template; the template's own errors propagate."""
+    the tokenizer nor the caller has a chat template, ``ControlTokenInContent`` (a
+    ValueError) when a string of the messages or tools spells one of the tokenizer's control
+    tokens (``workers.engines.content_tokens``: refused, never rendered); the template's own
+    errors propagate."""
     if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("tokenizer has no chat_template; pass prompt_ids instead of messages")
+    check_content(tokenizer, messages, tools)
     kwargs: dict[str, Any] = {"tools": [dict(t) for t in tools] if tools else None,
                               "add_generation_prompt": True, "tokenize": True,
                               "return_dict": False}
