@@ -62,7 +62,8 @@ def worker_tools() -> ToolRegistry:
 
 
 def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
-                      group_index: int = 0, policy_version: int | None = None) -> GroupResult:
+                      group_index: int = 0, policy_version: int | None = None,
+                      lease: bool = False) -> GroupResult:
     """Play (or complete) the group of ``task_id`` at the run's newest policy version (at
     ``policy_version`` when given, so that which policy plays a group does not depend on
     when the worker takes it; ValueError when the run has no such version), with
@@ -70,7 +71,10 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     (:func:`~workers.rollout.group.aplay_group`). Raises ValueError for an unknown task, a
     bad ``group_index`` or a run whose model is not a local folder; ``TokenizerNotFound``
     when the run's tokenizer cannot be loaded here; ``NotFoundError`` for an unknown run;
-    ``TransientError`` when the log is unreachable (the task is retried)."""
+    ``TransientError`` when the log is unreachable (the task is retried). With ``lease``
+    (a Celery delivery), the group is leased while it plays, at the policy version resolved
+    here, so a surviving worker queues it again within seconds if this one dies
+    (:mod:`workers.rollout.liveness`)."""
     from workers.rollout.worker_engine import worker_engine
 
     log = worker_log(settings)
@@ -92,4 +96,10 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
                 policy_version=policy.version, group_index=group_index, run_config=config,
                 gate=runtime.episodes)
 
-    return runtime.call(play)
+    if not lease:
+        return runtime.call(play)
+    from workers.rollout.liveness import group_lease
+
+    with group_lease(settings, "trajstore.rollout_group", [run_id, task_id],
+                     {"group_index": group_index, "policy_version": policy.version}):
+        return runtime.call(play)
