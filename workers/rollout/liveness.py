@@ -43,7 +43,7 @@ from typing import Any
 
 from store.settings import Settings
 
-__all__ = ["Liveness", "group_lease", "liveness", "start_watcher", "stop_watcher"]
+__all__ = ["HeldLease", "Liveness", "group_lease", "liveness", "start_watcher", "stop_watcher"]
 
 _log = logging.getLogger(__name__)
 
@@ -102,6 +102,16 @@ class Liveness:
             {"worker": self.worker_id, "task": task, "args": args, "kwargs": kwargs,
              "taken_at": time.time()}))
         return lease
+
+    def pin(self, lease: str, kwargs: dict[str, Any]) -> None:
+        """Set the keyword arguments a requeue of ``lease`` sends (the policy version once the
+        task has resolved it); nothing when the lease is gone (requeued meanwhile)."""
+        raw = self.client.hget(self._leases, lease)
+        if raw is None:
+            return
+        entry = json.loads(raw)
+        entry["kwargs"] = kwargs
+        self.client.hset(self._leases, lease, json.dumps(entry))
 
     def release(self, lease: str) -> None:
         """The task returned (or raised): its lease is gone."""
@@ -207,14 +217,25 @@ def stop_watcher() -> None:
             _liveness = None
 
 
+class HeldLease:
+    """A lease held by :func:`group_lease`: its id, and :meth:`pin` to change what a
+    requeue sends."""
+
+    def __init__(self, live: Liveness, lease: str) -> None:
+        self.live, self.lease = live, lease
+
+    def pin(self, kwargs: dict[str, Any]) -> None:
+        self.live.pin(self.lease, kwargs)
+
+
 @contextmanager
 def group_lease(settings: Settings, task: str, args: list[Any],
-                kwargs: dict[str, Any]) -> Iterator[str]:
+                kwargs: dict[str, Any]) -> Iterator[HeldLease]:
     """Hold a lease on ``task`` while the block runs (module docstring)."""
     live = liveness(settings)
     lease = live.take(task, args, kwargs)
     try:
-        yield lease
+        yield HeldLease(live, lease)
     finally:
         try:
             live.release(lease)

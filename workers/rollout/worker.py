@@ -13,6 +13,8 @@ files of ``<data_dir>/tasks``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from store.arguments import whole_number
 from store.settings import Settings
@@ -75,6 +77,22 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     (a Celery delivery), the group is leased while it plays, at the policy version resolved
     here, so a surviving worker queues it again within seconds if this one dies
     (:mod:`workers.rollout.liveness`)."""
+    if not lease:
+        return _play_rollout_group(run_id, task_id, settings=settings, group_index=group_index,
+                                   policy_version=policy_version, pin=None)
+    from workers.rollout.liveness import group_lease
+
+    # Leased before anything else (the engine may take long to load): a worker killed at
+    # any moment of the task has its group queued again.
+    with group_lease(settings, "trajstore.rollout_group", [run_id, task_id],
+                     {"group_index": group_index, "policy_version": policy_version}) as held:
+        return _play_rollout_group(run_id, task_id, settings=settings, group_index=group_index,
+                                   policy_version=policy_version, pin=held.pin)
+
+
+def _play_rollout_group(run_id: str, task_id: str, *, settings: Settings, group_index: int,
+                        policy_version: int | None,
+                        pin: Callable[[dict[str, Any]], None] | None) -> GroupResult:
     from workers.rollout.worker_engine import worker_engine
 
     log = worker_log(settings)
@@ -84,6 +102,8 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     if policy_version is not None:
         whole_number("policy_version", policy_version, minimum=0)
     policy = log.policy(run_id, policy_version)
+    if pin is not None:  # a requeued group is this group, whatever the run's policy is by then
+        pin({"group_index": group_index, "policy_version": policy.version})
     engine = worker_engine(config, settings=settings)
     runtime = worker_runtime(settings.rollout_concurrency)
 
@@ -96,10 +116,4 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
                 policy_version=policy.version, group_index=group_index, run_config=config,
                 gate=runtime.episodes)
 
-    if not lease:
-        return runtime.call(play)
-    from workers.rollout.liveness import group_lease
-
-    with group_lease(settings, "trajstore.rollout_group", [run_id, task_id],
-                     {"group_index": group_index, "policy_version": policy.version}):
-        return runtime.call(play)
+    return runtime.call(play)
