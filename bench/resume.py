@@ -5,10 +5,11 @@ on the CPU, the tiny model), a scratch database and an embedded Redis of the ben
 broker's visibility timeout left at an hour so that only the rollout workers' heartbeats
 (``workers.rollout.liveness``) can bring a killed worker's groups back before it.
 
-Each round: the active worker takes ``--groups`` groups of ``--group-size`` episodes of the
-``arith`` task (the calculator tool; 8 × 8 = 64 episodes at once by default) while a
-replacement worker starts; once the replacement is ready, the active worker is SIGKILLed at a
-random moment (uniform in ``[0, --kill-window]`` seconds, seeded) with episodes in flight.
+Each round: a replacement worker is started beside the active one; once it is ready,
+``--groups`` groups of ``--group-size`` episodes of the ``arith`` task (the calculator tool;
+8 × 8 = 64 episodes by default) are queued, both workers may take them, and the active worker
+is SIGKILLed at a random moment (uniform in ``[0, --kill-window]`` seconds after the first
+episode started, seeded) with episodes in flight.
 The replacement's watcher finds the dead worker's heartbeat expired, queues its groups again
 and resumes their episodes from the log; it is the active worker of the next round.
 
@@ -213,6 +214,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             workers.append(active)
             active.wait_ready()
             for kill in range(args.kills):
+                # The replacement is ready before the groups are sent (it may take some of
+                # them: the active worker is killed with whatever it plays).
+                spare = Worker(env, tmp_dir / f"worker-{kill + 1}.log")
+                workers.append(spare)
+                spare.wait_ready()
                 for g in range(args.groups):
                     index = kill * args.groups + g
                     task = f"arith-{args.seed}-{index}"
@@ -220,10 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   kwargs={"group_index": index}, queue="rollout")
                     group_id = group_id_for(run_id, task, 0, index)
                     slots += [(group_id, s) for s in range(args.group_size)]
-                # The replacement starts while the active worker plays.
-                spare = Worker(env, tmp_dir / f"worker-{kill + 1}.log")
-                workers.append(spare)
-                spare.wait_ready()
+                while not _open_streams(store, run_id):
+                    time.sleep(0.1)
                 time.sleep(rng.uniform(0, args.kill_window))
                 inflight = _open_streams(store, run_id)
                 killed_at = time.time()
