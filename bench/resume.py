@@ -129,11 +129,11 @@ def _counted(store: EventStore, run_id: str, slots: list[tuple[str, int]]) -> di
         tool_twice = conn.execute(
             "SELECT count(*) FROM (SELECT stream_id, data->>'tool_call_id' FROM events"
             " WHERE run_id = %s AND type = 'tool_returned' GROUP BY 1, 2"
-            " HAVING count(*) > 1) t", (run_id,)).fetchone()[0]  # type: ignore[index]  # type: ignore[index]
+            " HAVING count(*) > 1) t", (run_id,)).fetchone()[0]  # type: ignore[index]
         call_twice = conn.execute(
             "SELECT count(*) FROM (SELECT stream_id, data->>'call_id' FROM events"
             " WHERE run_id = %s AND type = 'llm_called' AND data->>'call_id' IS NOT NULL"
-            " GROUP BY 1, 2 HAVING count(*) > 1) t", (run_id,)).fetchone()[0]  # type: ignore[index]  # type: ignore[index]
+            " GROUP BY 1, 2 HAVING count(*) > 1) t", (run_id,)).fetchone()[0]  # type: ignore[index]
         tools = conn.execute("SELECT count(*) FROM events WHERE run_id = %s"
                              " AND type = 'tool_returned'", (run_id,)).fetchone()[0]  # type: ignore[index]
     lost = 0
