@@ -14,7 +14,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 import platformdirs
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "get_settings", "check_url"]
@@ -200,6 +200,24 @@ class Settings(BaseSettings):
         le=86400,
         description="Deadline of one tool call; a call still running then is recorded as a "
         "TimeoutError outcome (the Python sandbox's own, lower limit kills its process).",
+    )
+    rollout_heartbeat_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        allow_inf_nan=False,
+        description="How often a rollout worker renews its heartbeat in Redis and looks for "
+        "the groups of dead rollout workers.",
+    )
+    rollout_dead_after_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="A rollout worker whose heartbeat is this old is dead: a surviving rollout "
+        "worker queues its groups again (once), and they resume from the log. Must exceed "
+        "rollout_heartbeat_s; a worker that only stalls this long has its groups resumed "
+        "beside it, and the first to append each event wins.",
     )
     render_budget_s: float = Field(
         default=2.0, ge=0, le=3600, allow_inf_nan=False,
@@ -473,6 +491,15 @@ class Settings(BaseSettings):
     def _run_id(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,200}", value):
             raise ValueError(f"not a run id (1 to 200 letters, digits or _.:-): {value[:60]!r}")
+        return value
+
+    @field_validator("rollout_dead_after_s")
+    @classmethod
+    def _after_heartbeat(cls, value: float, info: ValidationInfo) -> float:
+        beat = info.data.get("rollout_heartbeat_s")
+        if beat is not None and value <= beat:
+            raise ValueError(f"rollout_dead_after_s ({value}) must exceed rollout_heartbeat_s "
+                             f"({beat}): a live worker renews its heartbeat that often")
         return value
 
     @field_validator("api_key_scrypt_n")

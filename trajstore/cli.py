@@ -522,6 +522,8 @@ def worker(
     # A replay worker also follows the log and queues the replay of every finished episode,
     # whichever process appended it.
     celery_app.conf.trajstore_replay_dispatch = "replay" in names
+    # A rollout worker beats a heartbeat and requeues the groups of dead rollout workers.
+    celery_app.conf.trajstore_rollout_watch = "rollout" in names
     argv = ["worker", "-Q", ",".join(names), "-c", str(concurrency), "--pool", pool.value,
             "--loglevel", get_settings().log_level, "-n", f"trajstore-{'-'.join(names)}@%h",
             # Worker-to-worker chatter is not used, and its reconnect after a broker outage

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.signals import worker_ready, worker_shutdown
+
 from store.errors import TransientError
 from store.settings import get_settings
 from workers.app import app
 
 __all__ = ["branch_episode", "remote_rollout", "remote_rollout_init", "rollout_group"]
+
+
+@worker_ready.connect
+def _start_liveness(sender: Any = None, **_: Any) -> None:
+    """A worker that consumes the ``rollout`` queue beats a heartbeat and requeues the groups
+    of rollout workers whose heartbeat stopped (:mod:`workers.rollout.liveness`), from the
+    moment it is ready: a worker restarted after a kill picks up its own groups."""
+    if not app.conf.get("trajstore_rollout_watch"):
+        return
+    from workers.rollout.liveness import start_watcher
+
+    start_watcher(get_settings())
+
+
+@worker_shutdown.connect
+def _stop_liveness(**_: Any) -> None:
+    from workers.rollout.liveness import stop_watcher
+
+    stop_watcher()
 
 
 @app.task(name="trajstore.rollout_group", acks_late=True, autoretry_for=(TransientError,),
@@ -25,7 +46,8 @@ def rollout_group(run_id: str, task_id: str, *, group_index: int = 0,
     from workers.rollout.worker import run_rollout_group
 
     return run_rollout_group(run_id, task_id, settings=get_settings(),
-                             group_index=group_index, policy_version=policy_version).to_dict()
+                             group_index=group_index, policy_version=policy_version,
+                             lease=True).to_dict()
 
 
 # Remote rollouts are acknowledged on receipt (acks_late off): one cannot be resumed half-way
@@ -69,6 +91,11 @@ def branch_episode(episode_id: str, *, turn: int | None = None, checkpoint: str 
     the stored episode ``episode_id`` and play them (:mod:`workers.rollout.branch`; a
     redelivery completes the branch, it does not double it). Returns the group's summary."""
     from workers.rollout.branch import branch_task
+    from workers.rollout.liveness import group_lease
 
-    return branch_task(episode_id, settings=get_settings(), turn=turn, checkpoint=checkpoint,
-                       n=n, group_index=group_index).to_dict()
+    settings = get_settings()
+    with group_lease(settings, "trajstore.branch_episode", [episode_id],
+                     {"turn": turn, "checkpoint": checkpoint, "n": n,
+                      "group_index": group_index}):
+        return branch_task(episode_id, settings=settings, turn=turn, checkpoint=checkpoint,
+                           n=n, group_index=group_index).to_dict()

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from store.arguments import whole_number
 from store.events import RunConfig
@@ -90,7 +90,8 @@ async def _on_newest_policy(weights: WeightsGate, engine: RolloutEngine, log: Gr
 
 
 def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
-                      group_index: int = 0, policy_version: int | None = None) -> GroupResult:
+                      group_index: int = 0, policy_version: int | None = None,
+                      lease: bool = False) -> GroupResult:
     """Play (or complete) the group of ``task_id`` at the run's newest policy version (at
     ``policy_version`` when given, so that which policy plays a group does not depend on
     when the worker takes it; ValueError when the run has no such version), with
@@ -98,7 +99,26 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     (:func:`~workers.rollout.group.aplay_group`). Raises ValueError for an unknown task, a
     bad ``group_index`` or a run whose model is not a local folder; ``TokenizerNotFound``
     when the run's tokenizer cannot be loaded here; ``NotFoundError`` for an unknown run;
-    ``TransientError`` when the log is unreachable (the task is retried)."""
+    ``TransientError`` when the log is unreachable (the task is retried). With ``lease``
+    (a Celery delivery), the group is leased while it plays, at the policy version resolved
+    here, so a surviving worker queues it again within seconds if this one dies
+    (:mod:`workers.rollout.liveness`)."""
+    if not lease:
+        return _play_rollout_group(run_id, task_id, settings=settings, group_index=group_index,
+                                   policy_version=policy_version, pin=None)
+    from workers.rollout.liveness import group_lease
+
+    # Leased before anything else (the engine may take long to load): a worker killed at
+    # any moment of the task has its group queued again.
+    with group_lease(settings, "trajstore.rollout_group", [run_id, task_id],
+                     {"group_index": group_index, "policy_version": policy_version}) as held:
+        return _play_rollout_group(run_id, task_id, settings=settings, group_index=group_index,
+                                   policy_version=policy_version, pin=held.pin)
+
+
+def _play_rollout_group(run_id: str, task_id: str, *, settings: Settings, group_index: int,
+                        policy_version: int | None,
+                        pin: Callable[[dict[str, Any]], None] | None) -> GroupResult:
     from workers.rollout.worker_engine import worker_engine
 
     log = worker_log(settings)
@@ -108,6 +128,8 @@ def run_rollout_group(run_id: str, task_id: str, *, settings: Settings,
     if policy_version is not None:
         whole_number("policy_version", policy_version, minimum=0)
     policy = log.policy(run_id, policy_version)
+    if pin is not None:  # a requeued group is this group, whatever the run's policy is by then
+        pin({"group_index": group_index, "policy_version": policy.version})
     if config.remote_agent is not None:
         return _remote_group(log, run_id, task, config, policy.version, settings=settings,
                              group_index=group_index)
