@@ -43,6 +43,7 @@ from store.arguments import real_number
 from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
 from workers.engines.tokenizers import allowed_roots, tokenizer_root_problem
+from workers.rollout.fair import RolloutBudgetExceeded
 from workers.rollout.remote_dispatch import (
     claim_rollout,
     release_rollout,
@@ -203,11 +204,17 @@ def _check(request: dict[str, Any], ctx: Ctx, *, run_id: str, fields: Any,
     return parsed.rollout_id
 
 
-def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool) -> None:
-    """Send the checked ``request`` to the rollout queue (claimed by the caller); 503 when
-    the broker cannot be reached."""
+def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool, project: str) -> None:
+    """Send the checked ``request`` to the rollout queue (claimed by the caller) within
+    ``project``'s rollout budget; 429 naming the setting over it, 503 when the broker cannot
+    be reached (the claim given back either way)."""
     try:
-        send_remote_rollout(request, ctx.settings, answer=answer)
+        send_remote_rollout(request, ctx.settings, answer=answer, project=project)
+    except RolloutBudgetExceeded as exc:
+        with contextlib.suppress(ConnectionError):
+            release_rollout(ctx.settings, str(request["rollout_id"]))
+        raise ApiError(429, "too_many_requests", str(exc), headers={"Retry-After": "5"},
+                       limit=exc.limit) from None
     except ConnectionError as exc:
         with contextlib.suppress(ConnectionError):  # the claim expires on its own too
             release_rollout(ctx.settings, str(request["rollout_id"]))
@@ -226,6 +233,8 @@ def _claim(ctx: Ctx, rollout_id: str) -> bool:
                          "finish_reason, error_message, metrics, episode_id."},
     409: {"model": ErrorBody, "description": "This rollout_id was recorded or queued "
                                              "before."},
+    429: {"model": ErrorBody, "description": "The project has TRAJSTORE_ROLLOUT_PROJECT_QUEUED "
+                                             "rollouts queued or running."},
     503: {"model": ErrorBody, "description": "The broker cannot be reached."},
     504: {"model": ErrorBody, "description": "No rollout worker answered within "
                                              "TRAJSTORE_ROLLOUT_WAIT_S."}})
@@ -237,8 +246,10 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
     a value the store refuses, a trainer host that is not allowed, an unknown tokenizer:
     422 naming the field; a tokenizer that is not the run's vocabulary: 422
     ``tokenizer_mismatch``; another project's run: 403; an unknown run: 404; a rollout id
-    recorded or queued before: 409. No worker answering within ``TRAJSTORE_ROLLOUT_WAIT_S``:
-    504 naming the rollout id (the rollout may still be played later)."""
+    recorded or queued before: 409; the project's rollouts queued or running at
+    ``TRAJSTORE_ROLLOUT_PROJECT_QUEUED``: 429 naming it. No worker answering within
+    ``TRAJSTORE_ROLLOUT_WAIT_S``: 504 naming the rollout id (the rollout may still be
+    played later)."""
     refuse_unstorable(body)
     run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
     ctx.access.check_run(key, run_id)
@@ -248,7 +259,7 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
     if ctx.store.stream_version(episode_id) != 0 or not _claim(ctx, rollout_id):
         raise ApiError(409, "already_exists", f"rollout_id {rollout_id!r} was recorded "
                        f"(episode {episode_id!r}) or queued before")
-    _queue(request, ctx, answer=True)
+    _queue(request, ctx, answer=True, project=key.project)
     wait = ctx.settings.rollout_wait_s
     try:
         answer = wait_answer(ctx.settings, rollout_id, timeout_s=wait)
@@ -267,7 +278,11 @@ def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONResponse:
 
 
 @router.post("/v1/rollout/init", status_code=202, response_model=RolloutInitAccepted,
-             responses={503: {"model": ErrorBody,
+             responses={429: {"model": ErrorBody,
+                              "description": "The project has "
+                                             "TRAJSTORE_ROLLOUT_PROJECT_QUEUED rollouts "
+                                             "queued or running."},
+                        503: {"model": ErrorBody,
                               "description": "The broker cannot be reached."}})
 def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutInitAccepted:
     """Start one rollout of the protocol's asynchronous revision as the RolloutServer and
@@ -280,7 +295,8 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
     before anything is queued: a field of the wrong type or out of range, an unknown field, a
     value the store refuses, a run that names no tokenizer or a trainer host that is not
     allowed: 422 naming the field; another project's run or rollout: 403; an unknown run:
-    404; the broker unreachable: 503."""
+    404; the project's rollouts queued or running at ``TRAJSTORE_ROLLOUT_PROJECT_QUEUED``: 429
+    naming it; the broker unreachable: 503."""
     refuse_unstorable(body)
     run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
     ctx.access.check_run(key, run_id)
@@ -309,5 +325,5 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
         ctx.access.check_episode(key, episode_id)  # recorded before: another project's?
         return accepted
     if _claim(ctx, body.rollout_id):
-        _queue(request, ctx, answer=False)
+        _queue(request, ctx, answer=False, project=key.project)
     return accepted
