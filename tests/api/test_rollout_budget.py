@@ -53,7 +53,8 @@ class GatedTrainer(ChatTrainer):
 def trainer(tiny_model_dir: Path) -> Iterator[GatedTrainer]:
     from workers.engines.backend_transformers import TransformersBackend
 
-    with GatedTrainer(TransformersBackend(tiny_model_dir)) as server:
+    server = GatedTrainer(TransformersBackend(tiny_model_dir))
+    with server:
         yield server
         server.gate.set()
 
