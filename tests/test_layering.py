@@ -114,6 +114,8 @@ API_USES: dict[str, str] = {
                                             "when it starts, never by import api.app)",
     "workers.replay": "timelines and the UI run the pure replay core on stored events",
     "workers.rollout.remote_request": "a remote rollout's request is checked in the route",
+    "workers.rollout.fair": "the rollout and branch routes queue within the project's "
+                            "rollout budget and answer 429 over it",
     "workers.rollout.remote_dispatch": "the route queues a remote rollout and waits for its "
                                        "answer; a rollout worker plays it",
     "workers.rollout.branch_point": "the branch route finds the turn in the stored episode and "

@@ -43,11 +43,10 @@ from store.arguments import real_number
 from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
 from workers.engines.tokenizers import allowed_roots, tokenizer_root_problem
-from workers.rollout.fair import RolloutBudgetExceeded
+from workers.rollout.fair import RolloutBudgetExceeded, send_remote_budgeted
 from workers.rollout.remote_dispatch import (
     claim_rollout,
     release_rollout,
-    send_remote_rollout,
     wait_answer,
 )
 from workers.rollout.remote_request import (
@@ -209,7 +208,7 @@ def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool, project: str) -> 
     ``project``'s rollout budget; 429 naming the setting over it, 503 when the broker cannot
     be reached (the claim given back either way)."""
     try:
-        send_remote_rollout(request, ctx.settings, answer=answer, project=project)
+        send_remote_budgeted(request, ctx.settings, answer=answer, project=project)
     except RolloutBudgetExceeded as exc:
         with contextlib.suppress(ConnectionError):
             release_rollout(ctx.settings, str(request["rollout_id"]))

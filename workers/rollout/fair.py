@@ -34,6 +34,7 @@ from typing import Any
 from store.settings import Settings
 
 __all__ = ["RolloutBudgetExceeded", "finish", "in_use", "parked_count", "send_budgeted",
+           "send_remote_budgeted",
            "start"]
 
 _ADMIT = """
@@ -140,6 +141,16 @@ def send_budgeted(settings: Settings, project: str, name: str, *, args: list[Any
         except redis.RedisError:
             pass  # the ticket expires on its own
         raise
+
+
+def send_remote_budgeted(request: dict[str, Any], settings: Settings, *, answer: bool,
+                         project: str) -> None:
+    """:func:`workers.rollout.remote_dispatch.send_remote_rollout` within ``project``'s
+    budget (:func:`send_budgeted`)."""
+    from workers.rollout.remote_dispatch import REMOTE_ROLLOUT_INIT_TASK, REMOTE_ROLLOUT_TASK
+
+    send_budgeted(settings, project, REMOTE_ROLLOUT_TASK if answer else REMOTE_ROLLOUT_INIT_TASK,
+                  args=[dict(request)], argsrepr=f"(<rollout {request.get('rollout_id')!r}>,)")
 
 
 def start(settings: Settings, name: str, args: list[Any], kwargs: dict[str, Any],

@@ -181,20 +181,14 @@ def release_rollout(settings: Settings, rollout_id: str) -> None:
 
 
 def send_remote_rollout(request: Mapping[str, Any], settings: Settings, *,
-                        answer: bool, project: str | None = None) -> None:
+                        answer: bool) -> None:
     """Queue the remote rollout ``request`` (a checked RolloutRequest dict) on the rollout
     queue: answered through :func:`push_answer` when ``answer``, else reported to the
     trainer. The request (its ``callback_api_key`` included) travels in the message; task
-    events and worker logs show only the rollout id. With ``project``, within the project's
-    rollout budget (:mod:`workers.rollout.fair`: RolloutBudgetExceeded over it)."""
+    events and worker logs show only the rollout id."""
     name = REMOTE_ROLLOUT_TASK if answer else REMOTE_ROLLOUT_INIT_TASK
-    argsrepr = f"(<rollout {request.get('rollout_id')!r}>,)"
-    if project is None:
-        send_rollout_task(settings, name, args=[dict(request)], argsrepr=argsrepr)
-        return
-    from workers.rollout.fair import send_budgeted
-
-    send_budgeted(settings, project, name, args=[dict(request)], argsrepr=argsrepr)
+    send_rollout_task(settings, name, args=[dict(request)],
+                      argsrepr=f"(<rollout {request.get('rollout_id')!r}>,)")
 
 
 def send_rollout_task(settings: Settings, name: str, *, args: list[Any],
