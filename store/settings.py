@@ -352,6 +352,18 @@ class Settings(BaseSettings):
         "with Retry-After, unhashed (a secret this process checked right before is still "
         "accepted). 0: no budget.",
     )
+    rollout_project_running: int = Field(
+        default=4, ge=1, le=100_000,
+        description="Most rollout tasks (groups, branches, remote rollouts) of one project "
+        "running at once on the shared rollout workers; more wait parked, off the worker "
+        "slots, so other projects' rollouts pass them. Keep it below the rollout workers' "
+        "slots (rollout_groups per worker process) for another project to find one free.",
+    )
+    rollout_project_queued: int = Field(
+        default=256, ge=1, le=1_000_000,
+        description="Most rollout tasks of one project queued or running at once; one more "
+        "is answered 429 naming this setting.",
+    )
     rollout_wait_s: float = Field(
         default=900.0,
         gt=0,

@@ -116,6 +116,8 @@ API_USES: dict[str, str] = {
     "workers.rollout.remote_request": "a remote rollout's request is checked in the route",
     "workers.rollout.user_tools": "a run's and the server's tools are checked when a run is "
                                   "created and listed by GET /tools (imported, never run)",
+    "workers.rollout.fair": "the rollout and branch routes queue within the project's "
+                            "rollout budget and answer 429 over it",
     "workers.rollout.remote_dispatch": "the route queues a remote rollout and waits for its "
                                        "answer; a rollout worker plays it",
     "workers.rollout.branch_point": "the branch route finds the turn in the stored episode and "

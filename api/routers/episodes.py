@@ -276,7 +276,10 @@ def get_timelines(episode_id: str, key: ReadKey, ctx: Ctx, encoding: Encoding = 
 
 
 @router.post("/v1/episodes/{episode_id}/branches", status_code=202, response_model=BranchQueued,
-             responses={503: {"description": "The broker cannot be reached."}})
+             responses={429: {"description": "The project has "
+                                             "TRAJSTORE_ROLLOUT_PROJECT_QUEUED rollouts "
+                                             "queued or running."},
+                        503: {"description": "The broker cannot be reached."}})
 def branch_episode(episode_id: str, body: BranchCreate, key: IngestKey, ctx: Ctx
                    ) -> BranchQueued:
     """Start ``n`` new episodes (default: the run's group size) from a recorded ``turn`` (LLM
@@ -285,7 +288,9 @@ def branch_episode(episode_id: str, body: BranchCreate, key: IngestKey, ctx: Ctx
     (``trajstore.branch_episode`` on the rollout queue); their ``episode_started`` records
     ``branched_from``. Answers 202 with the group and the episode ids it will hold. An unknown
     episode, turn or checkpoint: 404 naming it; ``n`` out of [1, 256], a negative turn, both
-    or neither of turn and checkpoint: 422 naming the field; another project's episode: 403."""
+    or neither of turn and checkpoint: 422 naming the field; another project's episode: 403;
+    the project's rollouts queued or running at ``TRAJSTORE_ROLLOUT_PROJECT_QUEUED``: 429
+    naming it."""
     from workers.rollout.branch_point import (
         BranchNotFound,
         branch_episode_ids,
@@ -293,6 +298,7 @@ def branch_episode(episode_id: str, body: BranchCreate, key: IngestKey, ctx: Ctx
         branch_point,
         send_branch,
     )
+    from workers.rollout.fair import RolloutBudgetExceeded
 
     ctx.access.check_episode(key, episode_id)
     if (body.turn is None) == (body.checkpoint is None):
@@ -312,7 +318,11 @@ def branch_episode(episode_id: str, body: BranchCreate, key: IngestKey, ctx: Ctx
     group_id = branch_group_id(episode_id, point.turn, point.checkpoint, body.group_index)
     try:
         send_branch(ctx.settings, episode_id=episode_id, turn=body.turn,
-                    checkpoint=body.checkpoint, n=n, group_index=body.group_index)
+                    checkpoint=body.checkpoint, n=n, group_index=body.group_index,
+                    project=key.project)
+    except RolloutBudgetExceeded as exc:
+        raise ApiError(429, "too_many_requests", str(exc), headers={"Retry-After": "5"},
+                       limit=exc.limit) from None
     except ConnectionError as exc:
         raise ApiError(503, "unavailable", f"{exc}; retry later") from None
     return BranchQueued(parent=episode_id, run_id=run_id, turn=point.turn,

@@ -48,13 +48,13 @@ from store.arguments import real_number
 from store.eventlog import ANY, NO_STREAM
 from store.events import EpisodeFinished, Event, RewardAssigned
 from workers.engines.tokenizers import allowed_roots, tokenizer_root_problem
+from workers.rollout.fair import RolloutBudgetExceeded, send_remote_budgeted
 from workers.rollout.remote_dispatch import (
     await_answer,
     claim_rollout,
     release_rollout,
     release_waiting,
     reserve_waiting,
-    send_remote_rollout,
 )
 from workers.rollout.remote_request import (
     DEFAULT_REMOTE_RUN_ID,
@@ -231,11 +231,17 @@ def _check(request: dict[str, Any], ctx: Ctx, *, run_id: str, fields: Any,
     return parsed.rollout_id, tools
 
 
-def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool) -> None:
-    """Send the checked ``request`` to the rollout queue (claimed by the caller); 503 when
-    the broker cannot be reached."""
+def _queue(request: dict[str, Any], ctx: Ctx, *, answer: bool, project: str) -> None:
+    """Send the checked ``request`` to the rollout queue (claimed by the caller) within
+    ``project``'s rollout budget; 429 naming the setting over it, 503 when the broker cannot
+    be reached (the claim given back either way)."""
     try:
-        send_remote_rollout(request, ctx.settings, answer=answer)
+        send_remote_budgeted(request, ctx.settings, answer=answer, project=project)
+    except RolloutBudgetExceeded as exc:
+        with contextlib.suppress(ConnectionError):
+            release_rollout(ctx.settings, str(request["rollout_id"]))
+        raise ApiError(429, "too_many_requests", str(exc), headers={"Retry-After": "5"},
+                       limit=exc.limit) from None
     except ConnectionError as exc:
         with contextlib.suppress(ConnectionError):  # the claim expires on its own too
             release_rollout(ctx.settings, str(request["rollout_id"]))
@@ -256,7 +262,9 @@ def _claim(ctx: Ctx, rollout_id: str) -> bool:
                                              "before."},
     429: {"model": ErrorBody, "description": "The project has "
                                              "TRAJSTORE_ROLLOUT_WAITING_PER_PROJECT "
-                                             "rollouts waiting already."},
+                                             "rollouts waiting already, or "
+                                             "TRAJSTORE_ROLLOUT_PROJECT_QUEUED "
+                                             "rollouts queued or running."},
     503: {"model": ErrorBody, "description": "The broker cannot be reached."},
     504: {"model": ErrorBody, "description": "No rollout worker answered within "
                                              "TRAJSTORE_ROLLOUT_WAIT_S."}})
@@ -272,7 +280,8 @@ async def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONRespons
     the run's vocabulary: 422 ``tokenizer_mismatch``; tools that cannot be loaded (a module
     that does not import, an MCP server that cannot be listed, a name two sources give): 422
     ``invalid_tools`` naming them; another project's run: 403; an unknown run: 404; a
-    rollout id recorded or queued before: 409. No worker answering within
+    rollout id recorded or queued before: 409; the project's rollouts queued or
+    running at ``TRAJSTORE_ROLLOUT_PROJECT_QUEUED``: 429 naming it. No worker answering within
     ``TRAJSTORE_ROLLOUT_WAIT_S``: 504 naming the rollout id (the rollout may still be played
     later)."""
     settings = ctx.settings
@@ -288,7 +297,8 @@ async def rollout(body: RolloutRequest, key: IngestKey, ctx: Ctx) -> JSONRespons
                        f"(TRAJSTORE_ROLLOUT_WAITING_PER_PROJECT={limit}); retry when one has "
                        f"answered, or start rollouts with POST /v1/rollout/init")
     try:
-        await run_in_threadpool(_claim_and_queue, request, ctx, rollout_id, episode_id)
+        await run_in_threadpool(_claim_and_queue, request, ctx, rollout_id, episode_id,
+                                key.project)
         wait = settings.rollout_wait_s
         try:
             answer = await await_answer(settings, rollout_id, timeout_s=wait)
@@ -330,10 +340,10 @@ def _recorded(rollout_id: str, episode_id: str) -> ApiError:
 
 
 def _claim_and_queue(request: dict[str, Any], ctx: Ctx, rollout_id: str,
-                     episode_id: str) -> None:
+                     episode_id: str, project: str) -> None:
     if not _claim(ctx, rollout_id):
         raise _recorded(rollout_id, episode_id)
-    _queue(request, ctx, answer=True)
+    _queue(request, ctx, answer=True, project=project)
 
 
 @router.get("/tools", responses={
@@ -356,7 +366,11 @@ def list_tools(key: AnyKey, ctx: Ctx, run_id: str | None = None) -> JSONResponse
 
 
 @router.post("/v1/rollout/init", status_code=202, response_model=RolloutInitAccepted,
-             responses={503: {"model": ErrorBody,
+             responses={429: {"model": ErrorBody,
+                              "description": "The project has "
+                                             "TRAJSTORE_ROLLOUT_PROJECT_QUEUED rollouts "
+                                             "queued or running."},
+                        503: {"model": ErrorBody,
                               "description": "The broker cannot be reached."}})
 def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutInitAccepted:
     """Start one rollout of the protocol's asynchronous revision as the RolloutServer and
@@ -369,7 +383,8 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
     before anything is queued: a field of the wrong type or out of range, an unknown field, a
     value the store refuses, a run that names no tokenizer or a trainer host that is not
     allowed: 422 naming the field; another project's run or rollout: 403; an unknown run:
-    404; the broker unreachable: 503."""
+    404; the project's rollouts queued or running at ``TRAJSTORE_ROLLOUT_PROJECT_QUEUED``: 429
+    naming it; the broker unreachable: 503."""
     refuse_unstorable(body)
     run_id = body.run_id or DEFAULT_REMOTE_RUN_ID
     ctx.access.check_run(key, run_id)
@@ -397,5 +412,5 @@ def rollout_init(body: RolloutInitRequest, key: IngestKey, ctx: Ctx) -> RolloutI
         ctx.access.check_episode(key, episode_id)  # recorded before: another project's?
         return accepted
     if _claim(ctx, body.rollout_id):
-        _queue(request, ctx, answer=False)
+        _queue(request, ctx, answer=False, project=key.project)
     return accepted

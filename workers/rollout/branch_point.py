@@ -148,10 +148,16 @@ def branch_episode_ids(group_id: str, n: int) -> list[str]:
 
 
 def send_branch(settings: Settings, *, episode_id: str, turn: int | None,
-                checkpoint: str | None, n: int, group_index: int) -> None:
+                checkpoint: str | None, n: int, group_index: int,
+                project: str | None = None) -> None:
     """Queue the branch on the rollout queue (:data:`BRANCH_TASK`); ConnectionError naming
-    the broker when it cannot be reached."""
+    the broker when it cannot be reached. With ``project``, within the project's rollout
+    budget (:mod:`workers.rollout.fair`: RolloutBudgetExceeded over it)."""
+    from workers.rollout.fair import send_budgeted
     from workers.rollout.remote_dispatch import send_rollout_task
 
-    send_rollout_task(settings, BRANCH_TASK, args=[episode_id], kwargs={
-        "turn": turn, "checkpoint": checkpoint, "n": n, "group_index": group_index})
+    kwargs = {"turn": turn, "checkpoint": checkpoint, "n": n, "group_index": group_index}
+    if project is None:
+        send_rollout_task(settings, BRANCH_TASK, args=[episode_id], kwargs=kwargs)
+    else:
+        send_budgeted(settings, project, BRANCH_TASK, args=[episode_id], kwargs=kwargs)

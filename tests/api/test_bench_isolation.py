@@ -1,0 +1,22 @@
+"""bench/isolation.py runs end to end at a reduced size (a real server process, a scratch
+database): the RESULT line parses, the victim has no errors and the attacker is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.isolation import main
+
+
+@pytest.mark.timeout(300)
+def test_isolation_bench_runs_at_a_reduced_size(capsys: pytest.CaptureFixture[str]) -> None:
+    result = main(["--rounds", "3", "--attackers", "2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("RESULT ")
+    fields = dict(part.split("=", 1) for part in last.removeprefix("RESULT ").split())
+    assert set(fields) == {"victim_p99_ratio", "victim_errors", "refusals_413",
+                           "refusals_429", "refusals_other"}
+    assert float(fields["victim_p99_ratio"]) > 0
+    assert int(fields["victim_errors"]) == 0 == result["errors"]
+    assert int(fields["refusals_413"]) + int(fields["refusals_429"]) > 0
+    assert int(fields["refusals_other"]) == 0
