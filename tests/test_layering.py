@@ -105,6 +105,8 @@ API_USES: dict[str, str] = {
     "workers.engines.backend": "the gateway's requests and results are the engines' types",
     "workers.engines.prompt": "the gateway decodes a response as the local backends do",
     "workers.engines.render": "the capture gateway renders prompt ids with the one renderer",
+    "workers.engines.content_tokens": "the gateway refuses content that spells a control token "
+                                      "with the rule prompt rendering applies",
     "workers.engines.toolcall": "the OpenAI format parses tool calls as rollout does",
     "workers.engines.tokenizers": "the one rule for a run's tokenizer name (checked when a run "
                                   "is created; loaded for timelines, exports and the gateway)",

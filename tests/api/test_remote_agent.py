@@ -89,14 +89,17 @@ def new_run(server: Server, project: Project, tiny_model_dir: Path, remote: dict
 
 
 def play(broker: Celery, store: EventStore, run_id: str, task_id: str = "digits",
-         group_size: int = 2, timeout_s: float = 120) -> list[str]:
+         group_size: int = 2, timeout_s: float = 120, rewarded: bool = False) -> list[str]:
+    """The group's episode ids once each is finished (and, with ``rewarded``, has its reward:
+    after an asynchronous rollout's report the worker appends the run's reward last)."""
     broker.send_task("trajstore.rollout_group", args=[run_id, task_id], queue="rollout")
     group_id = group_id_for(run_id, task_id, 0, 0)
     ids = [episode_id_for(group_id, k) for k in range(group_size)]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rows = {e.episode_id: e for e in store.list_episodes(run_id)}
-        if all(i in rows and rows[i].status != "running" for i in ids):
+        if all(i in rows and rows[i].status != "running"
+               and (not rewarded or rows[i].reward is not None) for i in ids):
             return ids
         time.sleep(0.2)
     raise AssertionError(f"the group of {run_id} did not finish: "
@@ -126,7 +129,7 @@ def test_the_remote_agent_plays_groups_with_exact_masks_and_rewards(
     run_id = new_run(server, project, tiny_model_dir,
                      {"url": agent.url, "protocol": "auto" if revision == "async"
                       else revision})
-    episodes = play(broker, api_store, run_id)
+    episodes = play(broker, api_store, run_id, rewarded=True)
     for episode_id in episodes:
         stored = events(api_store, episode_id)
         # (after an asynchronous rollout's report the run's reward comes last, as the latest)
