@@ -23,7 +23,7 @@ def scratch_database(settings: Settings | None = None) -> Iterator[str]:
     """A new migrated database on the configured server (or the embedded one), dropped
     afterwards."""
     settings = settings or Settings()
-    admin = settings.test_database_url or embedded.database_url(settings)
+    admin = settings.test_database_url or embedded.owner_database_url(settings)
     name = f"trajstore_bench_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')

@@ -218,8 +218,8 @@ def test_a_first_call_failure_reads_as_unreachable(
     trainer.fail(request["rollout_id"], kind, on_call=1)
     response = run_remote_rollout(request, store=store, settings=settings)
     _unreachable(response, trainer.url)
-    if status_code is not None:
-        assert str(status_code) not in response["error_message"]
+    if status_code is not None:  # (the trainer's URL, whose port may hold the digits, aside)
+        assert str(status_code) not in response["error_message"].replace(trainer.url, "")
 
 
 def test_a_wrong_key_reads_as_unreachable(trainer: TrainerServer, tiny_model_dir: Path,
@@ -227,7 +227,7 @@ def test_a_wrong_key_reads_as_unreachable(trainer: TrainerServer, tiny_model_dir
     request = rollout_request(trainer, tiny_model_dir, callback_api_key="not-the-key")
     response = run_remote_rollout(request, store=store, settings=settings)
     _unreachable(response, trainer.url)
-    assert "401" not in response["error_message"]
+    assert "401" not in response["error_message"].replace(trainer.url, "")
 
 
 def test_closed_non_http_and_http_ports_read_the_same(

@@ -145,8 +145,8 @@ def test_the_rollout_task_takes_no_group_size() -> None:
     from workers.rollout.celery_tasks import rollout_group
 
     parameters = inspect.signature(rollout_group.run).parameters
-    assert list(parameters) == ["run_id", "task_id", "group_index", "policy_version"]
-    assert parameters["group_index"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert parameters["policy_version"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(parameters) == ["run_id", "task_id", "group_index", "policy_version", "budget"]
+    for name in ("group_index", "policy_version", "budget"):
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
     with pytest.raises(TypeError):
         rollout_group("run-x", "arith-0-0", 2)

@@ -8,11 +8,16 @@ its block. The rule: **content that spells a control token is refused**, naming 
 before anything is rendered or generated, so a recorded prompt never holds a control token
 that came from content.
 
-- Control tokens are the tokenizer's added tokens. In a system, user or tool message, in a
-  message of any other role but the assistant's, and in tool definitions, every added token
-  is refused (markup such as Qwen3's ``<tool_call>``, ``<tool_response>`` or ``<think>``
-  included); in an assistant message (the model's own earlier output, markup and all) only
-  the special ones (``special=True``: ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``…).
+- Control tokens are the tokenizer's special tokens (``special=True`` among its added tokens,
+  and ``all_special_tokens``: Qwen3's ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``…),
+  which only the template writes: they are refused in every message, whatever its role, and
+  in tool definitions. Markup tokens that are not special (Qwen3's ``<think>``,
+  ``<tool_call>``, ``<tool_response>``) are words of the model's format that system prompts
+  and earlier assistant turns use as a matter of course (a system prompt that says "answer
+  in a <tool_call> block"): they are tokenized as every tokenizer of the model tokenizes
+  them, and left to the template and the model. A tool result that spells
+  ``</tool_response>`` can thus close its block early; that is the format's, not the
+  store's, and the recorded prompt shows it exactly as the model saw it.
 - Every string of a message is checked (content, text parts, names, tool-call arguments),
   and every string of a tool definition. ``role`` is not content.
 - A raw prompt given as ids or as text (``/v1/completions``) is the client's own rendering
@@ -41,10 +46,9 @@ class ControlTokenInContent(ValueError):
         self.token = token
 
 
-#: tokenizer -> (pattern of every added token, pattern of the special ones)
-_patterns: weakref.WeakKeyDictionary[Any, tuple[re.Pattern[str] | None,
-                                                re.Pattern[str] | None]] = (
-    weakref.WeakKeyDictionary())
+#: tokenizer -> pattern of its special tokens (None: it has none)
+_patterns: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = weakref.WeakKeyDictionary()
+_NONE = re.compile(r"(?!)")  # cached stand-in for "no special token": matches nothing
 _lock = threading.Lock()
 
 
@@ -55,26 +59,22 @@ def _compile(tokens: set[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
 
 
-def _tokenizer_patterns(tokenizer: Any) -> tuple[re.Pattern[str] | None,
-                                                  re.Pattern[str] | None]:
+def _tokenizer_patterns(tokenizer: Any) -> re.Pattern[str] | None:
     try:
         with _lock:
             hit = _patterns.get(tokenizer)
     except TypeError:  # not weakly referenceable: computed every time
         hit = None
     if hit is not None:
-        return hit
-    added: set[str] = set()
+        return None if hit is _NONE else hit
     special: set[str] = set(getattr(tokenizer, "all_special_tokens", None) or ())
     for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        text = str(getattr(token, "content", token))
-        added.add(text)
         if getattr(token, "special", True):
-            special.add(text)
-    result = (_compile(added | special), _compile(special))
+            special.add(str(getattr(token, "content", token)))
+    result = _compile(special)
     try:
         with _lock:
-            _patterns[tokenizer] = result
+            _patterns[tokenizer] = _NONE if result is None else result
     except TypeError:
         pass
     return result
@@ -97,15 +97,12 @@ def check_content(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
                   tools: Sequence[Mapping[str, Any]] | None = None) -> None:
     """Raise ``ControlTokenInContent`` naming the first string of ``messages`` or ``tools``
     that spells a control token of ``tokenizer`` (module docstring)."""
-    every, special = _tokenizer_patterns(tokenizer)
-    if every is None:
+    special = _tokenizer_patterns(tokenizer)
+    if special is None:
         return
     for i, message in enumerate(messages):
-        pattern = special if message.get("role") == "assistant" else every
-        if pattern is None:
-            continue
         for key, value in message.items():
             if key != "role":
-                _walk(value, f"messages[{i}].{key}", pattern)
+                _walk(value, f"messages[{i}].{key}", special)
     for i, tool in enumerate(tools or ()):
-        _walk(tool, f"tools[{i}]", every)
+        _walk(tool, f"tools[{i}]", special)
