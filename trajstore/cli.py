@@ -375,7 +375,11 @@ def demo(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from trajstore.demo import DemoOptions, closing_line, json_summary, run_demo, write_charts
+    from workers.engines.portable import portable_cpu_environment
 
+    # Before torch computes anything, here and in every process started from here: the
+    # same seed gives the same numbers on any x86-64 machine (workers/engines/portable.py).
+    portable_cpu_environment()
     settings = get_settings()
     register(settings.data_dir, "demo")
     options = DemoOptions(steps=steps, group_size=group_size, groups_per_step=groups,
