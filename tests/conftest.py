@@ -39,6 +39,7 @@ from store import migrate  # noqa: E402
 from store.db import Database  # noqa: E402
 from store.eventlog import EventStore  # noqa: E402
 from store.settings import Settings  # noqa: E402
+from tests import ordering  # noqa: E402  (longest files first: tests/ordering.py)
 from tests.isolation import (  # noqa: E402, F401  (the isolated marker's hooks)
     pytest_collection_modifyitems,
     pytest_runtest_protocol,
@@ -78,6 +79,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TRAJSTORE_TOKENIZER_ROOTS",
                           os.path.realpath(str(config.option.basetemp)))
     _isolation_configure(config)
+    if not config.pluginmanager.is_registered(ordering):
+        config.pluginmanager.register(ordering, "trajstore-file-order")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
