@@ -337,7 +337,8 @@ class RemoteAgentConfig(_Frozen):
 
     url: str = Field(min_length=1, max_length=2000)
     protocol: RemoteProtocol = "auto"
-    #: Rollouts of the run in flight at once in one rollout worker process.
+    #: Rollouts of the run in flight at once, across every rollout worker process
+    #: (``workers.rollout.run_slots``).
     max_in_flight: int = Field(default=8, ge=1, le=4096)
     #: Seconds a rollout may take (the synchronous answer, or the completion report).
     timeout_s: float = Field(default=900.0, gt=0, le=86_400, allow_inf_nan=False)

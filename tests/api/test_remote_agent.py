@@ -276,3 +276,49 @@ def test_a_slow_server_does_not_slow_another_projects_requests(
                       )
         assert r.status_code == 200
     assert agent.playing == 4
+
+
+def test_max_in_flight_holds_across_worker_processes(
+        server: Server, broker: Celery, api_store: EventStore, project: Project,
+        tiny_model_dir: Path, agents: Callable[..., AgentServer], api_settings: Settings,
+        rollout_broker: str, tmp_path: Path) -> None:
+    """Two rollout worker processes play a group each of a run with max_in_flight 2: the
+    RolloutServer never has more than 2 of the run's rollouts at once (each process alone
+    would allow 2, 4 together), and every episode ends."""
+    agent = agents("sync-chat", mode="slow", delay_s=1.0, turns=1)
+    run_id = new_run(server, project, tiny_model_dir,
+                     {"url": agent.url, "protocol": "sync-chat", "max_in_flight": 2},
+                     group_size=4)
+    workers = []
+    try:
+        for name in ("a", "b"):
+            settings = Settings(database_url=api_settings.database_url,
+                                redis_url=rollout_broker, data_dir=tmp_path / f"worker-{name}")
+            workers.append(Worker(settings, ["--queues", "rollout", "--concurrency", "1"],
+                                  tmp_path / f"worker-{name}.log",
+                                  TRAJSTORE_REMOTE_AGENT_STORE_URL=server.url,
+                                  TRAJSTORE_API_KEY_SCRYPT_N="1024",
+                                  TRAJSTORE_TOKENIZER_ROOTS=api_settings.tokenizer_roots))
+        for w in workers:
+            w.wait_ready()
+        for index in (0, 1):
+            broker.send_task("trajstore.rollout_group", args=[run_id, "digits"],
+                             kwargs={"group_index": index}, queue="rollout")
+        ids = [episode_id_for(group_id_for(run_id, "digits", 0, index), k)
+               for index in (0, 1) for k in range(4)]
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            rows = {e.episode_id: e for e in api_store.list_episodes(run_id)}
+            if all(i in rows and rows[i].status != "running" for i in ids):
+                break
+            time.sleep(0.2)
+        rows = {e.episode_id: e for e in api_store.list_episodes(run_id)}
+        assert all(i in rows and rows[i].status in ("completed", "truncated") for i in ids), \
+            [(i, rows[i].status if i in rows else None) for i in ids]
+        assert agent.max_playing == 2, agent.max_playing
+        # Both processes played: each recorded episodes of its own group.
+        logs = [(tmp_path / f"worker-{name}.log").read_text() for name in ("a", "b")]
+        assert all("trajstore.rollout_group" in text and "succeeded" in text for text in logs)
+    finally:
+        for w in workers:
+            w.stop()

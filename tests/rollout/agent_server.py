@@ -59,6 +59,8 @@ class AgentServer:
     keys: dict[str, str] = field(default_factory=dict)
     stolen: list[int] = field(default_factory=list)
     playing: int = 0
+    #: The most rollouts played at once so far.
+    max_playing: int = 0
 
     def __post_init__(self) -> None:
         from transformers import AutoTokenizer
@@ -125,6 +127,7 @@ class AgentServer:
         """Play one rollout against ``body['server_url']``; the RolloutResponse."""
         with self._lock:
             self.playing += 1
+            self.max_playing = max(self.max_playing, self.playing)
         try:
             return self._play(body, key=key, sampling=sampling)
         finally:

@@ -24,7 +24,9 @@ by the agent loop. For each slot of the group (``<group_id>-<k>``, as
 5. revokes the credential, whatever happened.
 
 Slots play concurrently, at most ``remote_agent.max_in_flight`` rollouts of one run at once
-in one worker process (and within the worker's bound on episodes in flight).
+across every rollout worker process (a semaphore in the process, then a slot of the run's in
+the broker, :mod:`workers.rollout.run_slots`), and within each worker's bound on episodes in
+flight.
 
 Failures end the episode ``error`` with the reason and never raise: a RolloutServer that
 cannot be reached (connection refused, DNS, timeout) or answers 502/503/504 before the
@@ -73,6 +75,7 @@ from workers.rollout.group import (
 )
 from workers.rollout.group_log import GroupLog
 from workers.rollout.rewards import Reward, Transcript
+from workers.rollout.run_slots import run_slot
 
 __all__ = ["RemoteAgentError", "aplay_remote_group", "detect_protocol", "rollout_body"]
 
@@ -110,6 +113,7 @@ class _Plan:
     client: httpx.AsyncClient
     gate: asyncio.Semaphore | None
     run_gate: asyncio.Semaphore
+    settings: Settings
 
 
 def _gate_of(run_id: str, limit: int) -> asyncio.Semaphore:
@@ -397,7 +401,9 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
             if isinstance(exc, ConflictError | IdempotencyError):
                 return SlotOutcome(slot, episode_id, None, None, False, tuple(aborted))
             raise
-        async with plan.run_gate:
+        # The run's bound: first among this process's episodes, then across processes.
+        async with plan.run_gate, run_slot(plan.settings, plan.run_id,
+                                           plan.agent.max_in_flight):
             if plan.gate is not None:
                 async with plan.gate:
                     status, reward = await _play_rollout(plan, episode_id, seed)
@@ -441,7 +447,8 @@ async def aplay_remote_group(*, log: GroupLog, db: Any, project: str, run_id: st
                      tokenizer_name=agent.tokenizer_name or config.tokenizer_name,
                      scrypt=(settings.api_key_scrypt_n, settings.api_key_scrypt_r,
                              settings.api_key_scrypt_p),
-                     client=client, gate=gate, run_gate=_gate_of(run_id, agent.max_in_flight))
+                     client=client, gate=gate, run_gate=_gate_of(run_id, agent.max_in_flight),
+                     settings=settings)
         if detect_error is not None:
             slots = await asyncio.gather(*(_fail_slot(plan, slot, detect_error)
                                            for slot in range(config.group_size)))
