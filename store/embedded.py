@@ -22,7 +22,7 @@ from store.settings import Settings
 
 __all__ = ["APP_ROLE", "database_url", "owner_database_url", "redis_url", "embedded_postgres",
            "embedded_redis", "embedded_redis_running", "running_servers", "stop_embedded",
-           "stop_embedded_postgres", "stop_embedded_redis"]
+           "stop_embedded_postgres", "stop_embedded_redis", "stop_started_redis"]
 
 _lock = threading.Lock()
 _postgres: dict[Path, Any] = {}
@@ -91,8 +91,28 @@ def embedded_redis(path: Path) -> Any:
             # always run, and only when no other client is connected (this process's own
             # Celery connections count): the process that started the server stops it at
             # exit; one that joined a running server leaves it to its owner.
-            atexit.register(_stop_redis, server, path if started else None)
+            _stops.append((server, path if started else None))
+            if len(_stops) == 1:
+                atexit.register(stop_started_redis)
         return server
+
+
+#: The embedded Redis servers this process joined, with the file of those it started.
+_stops: list[tuple[Any, Path | None]] = []
+
+
+def stop_started_redis() -> None:
+    """Stop the embedded Redis servers this process started and close its clients of the
+    others; run at exit, and callable earlier by a process that may not reach its exit
+    handlers (a pytest-xdist worker ends without them: the servers its tests started
+    outlived the run). Idempotent."""
+    with _lock:
+        stops = list(_stops)
+        _stops.clear()
+        for path in [p for p, server in _redis.items() if any(server is s for s, _ in stops)]:
+            del _redis[path]
+    for server, started in stops:
+        _stop_redis(server, started)
 
 
 def _stop_redis(server: Any, started: Path | None) -> None:

