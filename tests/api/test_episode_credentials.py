@@ -1,12 +1,15 @@
 """``POST /v1/episodes/{id}/credentials`` and ``DELETE …/credentials/{key_id}``: an admin key
 mints the credential of one unfinished episode (what a rollout worker without the database
 gives a user's RolloutServer) and revokes it; every refusal names what is wrong. The app runs
-in process on the session's PostgreSQL database."""
+in process on the session's PostgreSQL database; a worker's refused mint is played against a
+real ``trajstore serve``."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,9 +18,16 @@ from fastapi.testclient import TestClient
 from api.keys import KeyStore, parse_key
 from store import api_keys
 from store.eventlog import EventStore
-from store.events import EpisodeFinished, EpisodeStarted
-from tests.api.conftest import Project
+from store.events import EpisodeFinished, EpisodeStarted, RunConfig, RunCreated
+from store.settings import Settings
+from store.stream_rules import run_stream_id
+from tests.api.conftest import Project, Server
 from tests.api.episodes import create_run
+from tests.servers import free_port
+from workers.rollout.agent_tasks import DIGITS_TASK
+from workers.rollout.credentials import ApiCredentials
+from workers.rollout.group_log import ApiGroupLog
+from workers.rollout.remote_agent import aplay_remote_group
 
 
 def new_episode(store: EventStore, project: Project, *, finished: bool = False
@@ -153,3 +163,33 @@ def test_revoking_a_key_that_is_not_the_episodes_credential_is_404(
     # Neither the other episode's credential nor the project's key was revoked.
     assert not api_keys.key_revoked(key_store.db, others)
     assert not api_keys.key_revoked(key_store.db, project_key)
+
+
+def test_a_worker_key_that_may_not_mint_ends_the_episodes_error_naming_why(
+        start_server: Callable[..., Server], api_store: EventStore, key_store: KeyStore,
+        project: Project, api_settings: Settings, rollout_broker: str) -> None:
+    """The remote agent's group through the API with an ``ingest`` key for the credentials:
+    the API refuses each (403), so each episode ends ``error`` with the API's words and no
+    RolloutServer is called (its URL answers nothing)."""
+    server = start_server()
+    run_id = f"cred-{uuid.uuid4().hex[:8]}"
+    config = RunConfig(group_size=2, tokenizer="qwen3", remote_agent={
+        "url": f"http://127.0.0.1:{free_port()}", "protocol": "sync-chat", "retries": 0})
+    api_store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project=project.name,
+                                                        config=config)], "no_stream")
+    log = ApiGroupLog(server.url, api_key=project.admin)
+    refused = ApiCredentials(ApiGroupLog(server.url, api_key=project.ingest))
+    settings = api_settings.model_copy(update={"remote_agent_store_url": server.url,
+                                               "redis_url": rollout_broker})
+    result = asyncio.run(aplay_remote_group(
+        log=log, credentials=refused, run_id=run_id, task=DIGITS_TASK,
+        config=log.run_config(run_id), policy_version=0, settings=settings))
+    assert [s.status for s in result.slots] == ["error", "error"]
+    for slot in result.slots:
+        last = [r.event for r in api_store.read_stream(slot.episode_id)][-1]
+        assert last.type == "episode_finished" and last.status == "error"
+        assert "credential could not be minted" in (last.reason or ""), last.reason
+        assert "needs 'admin'" in (last.reason or ""), last.reason
+    episodes = {s.episode_id for s in result.slots}
+    assert not [k for k in key_store.list(project=project.name, include_revoked=True)
+                if k.episode_id in episodes]
