@@ -23,6 +23,7 @@ from api.openapi import install_openapi
 from api.routers import (
     analytics,
     completions,
+    credentials,
     datasets,
     episodes,
     health,
@@ -84,8 +85,8 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_request_bytes)
     app.add_middleware(NoNulInUrl)
     install_error_handlers(app)
-    for module in (health, metrics, runs, episodes, samples, leases, completions, rollout,
-                   analytics, traces, datasets, lineage):
+    for module in (health, metrics, runs, episodes, credentials, samples, leases, completions,
+                   rollout, analytics, traces, datasets, lineage):
         app.include_router(module.router)
     ui.install(app)
     install_openapi(app)

@@ -60,6 +60,7 @@ __all__ = [
     "ROLES",
     "KEY_PREFIX",
     "ApiKey",
+    "EpisodeCredential",
     "NewKey",
     "KeyStore",
     "KeyFailureBudgetExceeded",
@@ -132,6 +133,16 @@ class NewKey:
 
     key: ApiKey
     token: str
+
+
+@dataclass(frozen=True)
+class EpisodeCredential:
+    """The credential of one episode, just minted (``KeyStore.mint_episode``): ``token`` is
+    shown this once; the key reads as revoked from ``expires_at`` on."""
+
+    key_id: str
+    token: str
+    expires_at: dt.datetime
 
 
 def parse_key(token: str) -> tuple[str, str]:
@@ -219,6 +230,31 @@ class KeyStore:
             raise errors.NotFoundError(f"no API key {key_id!r}")
         self._forget(key_id)
         return _key(row)
+
+    def mint_episode(self, *, project: str, run_id: str, episode_id: str, ttl_s: float
+                     ) -> EpisodeCredential:
+        """A new credential of ``project`` that may record only episode ``episode_id`` of run
+        ``run_id`` (``store.api_keys.mint_episode_key``), hashed at this store's scrypt cost,
+        expiring ``ttl_s`` seconds from now. The caller checks that the episode exists and
+        bounds ``ttl_s`` (a negative one makes a key that is expired already)."""
+        s = self.settings
+        now = dt.datetime.now(dt.UTC)
+        key_id, token = table.mint_episode_key(
+            self.db, project=project, run_id=run_id, episode_id=episode_id, ttl_s=ttl_s,
+            scrypt=(s.api_key_scrypt_n, s.api_key_scrypt_r, s.api_key_scrypt_p), now=now)
+        return EpisodeCredential(key_id, token, now + dt.timedelta(seconds=ttl_s))
+
+    def revoke_episode(self, episode_id: str, key_id: str) -> ApiKey:
+        """Revoke ``key_id``, a credential of episode ``episode_id`` (``revoke``: twice keeps
+        the first time). Raises ``NotFoundError`` naming both when there is no such key or it
+        is not that episode's credential (a key of the whole project is never revoked
+        here)."""
+        row = table.key_secret_row(self.db, key_id)
+        # The row: the key's columns, then secret_hash, salt, hash_params, run_id, episode_id.
+        if row is None or row[10] != episode_id:
+            raise errors.NotFoundError(f"no credential {key_id[:40]!r} of episode "
+                                       f"{episode_id!r}")
+        return self.revoke(key_id)
 
     def trusted(self, token: str) -> ApiKey | None:
         """The key ``token`` is when this process trusts it without reading its row (module

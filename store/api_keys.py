@@ -22,6 +22,7 @@ from store.db import Database, connect
 __all__ = [
     "KEY_COLUMNS",
     "KEY_PREFIX",
+    "MAX_EPISODE_KEY_TTL_S",
     "REVOKED_CHANNEL",
     "RevocationListener",
     "end_session",
@@ -43,6 +44,9 @@ REVOKED_CHANNEL = "trajstore_api_keys_revoked"
 #: The prefix of every key's token: ``tsk_<16 hex digits>_<secret>``.
 KEY_PREFIX = "tsk_"
 _CHANNEL = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+#: The longest life of an episode's credential, in seconds: the longest rollout
+#: (``RemoteAgentConfig.timeout_s``, one day) and the minute a rollout worker adds to it.
+MAX_EPISODE_KEY_TTL_S = 86_400 + 60
 
 
 def insert_key(db: Database, *, key_id: str, project: str, role: str, name: str | None,
@@ -69,16 +73,21 @@ def hash_secret(secret: str, *, salt: bytes, n: int, r: int, p: int) -> bytes:
 
 
 def mint_episode_key(db: Database, *, project: str, run_id: str, episode_id: str,
-                     ttl_s: float, scrypt: tuple[int, int, int]) -> tuple[str, str]:
+                     ttl_s: float, scrypt: tuple[int, int, int],
+                     now: dt.datetime | None = None) -> tuple[str, str]:
     """Store a new ``ingest`` key of ``project`` that may record only episode
-    ``episode_id`` of run ``run_id`` and expires ``ttl_s`` seconds from now; returns
-    ``(key_id, token)`` (the token is shown this once). ``scrypt`` is ``(n, r, p)``."""
+    ``episode_id`` of run ``run_id`` and expires ``ttl_s`` seconds after ``now`` (default:
+    the current time; a caller that reports the expiry passes the ``now`` it adds to);
+    returns ``(key_id, token)`` (the token is shown this once). ``scrypt`` is ``(n, r, p)``.
+    The ttl is not checked here (a negative one makes a key that is expired already); the
+    API's route bounds it by :data:`MAX_EPISODE_KEY_TTL_S`. Raises ValueError for scrypt
+    parameters :func:`hash_secret` refuses."""
     n, r, p = scrypt
     key_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
     salt = secrets.token_bytes(16)
     digest = hash_secret(secret, salt=salt, n=n, r=r, p=p)
-    expires = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ttl_s)
+    expires = (now or dt.datetime.now(dt.UTC)) + dt.timedelta(seconds=ttl_s)
     with db.transaction() as conn:
         conn.execute(
             "INSERT INTO api_keys (key_id, project, role, name, secret_hash, salt, hash_params,"

@@ -155,12 +155,13 @@ class Settings(BaseSettings):
     api_url: str | None = Field(
         default=None,
         description="Base URL of a trajstore API (http://host:8600). Set on rollout workers "
-        "that append episodes through HTTP instead of the database.",
+        "that append episodes through HTTP instead of the database (and mint the credentials "
+        "of remote-agent episodes there).",
     )
     api_key: str | None = Field(
         default=None,
         description="API key the workers send to api_url (role admin: they read runs and "
-        "episodes and append events).",
+        "episodes, append events and mint remote-agent episodes' credentials).",
     )
     rollout_backend: Literal["transformers", "vllm"] = Field(
         default="transformers",

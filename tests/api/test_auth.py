@@ -100,6 +100,10 @@ def routes(run: str, episode: str, lease: str) -> list[tuple[str, str, str, Call
         ("DELETE", "/v1/datasets/matrix-ds/versions/1", "admin", lambda: None),
         ("GET", f"/v1/runs/{run}/steps/1/lineage", "read", lambda: None),
         ("GET", f"/v1/episodes/{episode}/lineage", "read", lambda: None),
+        ("POST", f"/v1/episodes/{episode}/credentials", "admin", lambda: {"ttl_s": 60}),
+        # A key id that is no credential of the episode: 404 after the key's checks.
+        ("DELETE", f"/v1/episodes/{episode}/credentials/0123456789abcdef", "admin",
+         lambda: None),
         # A turn the episode does not hold: 404 after the key's checks, nothing queued.
         ("POST", f"/v1/episodes/{episode}/branches", "ingest", lambda: {"turn": 999}),
         # Last: it closes the episode the routes above write to.
@@ -139,6 +143,7 @@ def test_every_route_needs_a_valid_key_and_the_right_role_and_project(
     templated = {(m, p.replace(run, "{run_id}").replace(episode, "{episode_id}")
                   .replace(str(lease.lease_id), "{lease_id}")
                   .replace("/models/trajstore", "/models/{model_id}")
+                  .replace("/credentials/0123456789abcdef", "/credentials/{key_id}")
                   .replace("/matrix-ds", "/{dataset}")
                   .replace("/versions/1", "/versions/{version}")
                   .replace("/steps/1/", "/steps/{step}/"))

@@ -2,7 +2,8 @@
 a real ``trajstore serve`` (the tiny model as its engine), a real rollout worker and
 ``tests.rollout.agent_server``, a RolloutServer written from the protocol's wire contract,
 in each revision. The worker creates each episode, gives the server a credential that
-records only it, calls it, records the reward and revokes the credential; the server's
+records only it (in its database, or through the API for a worker with ``api_url``),
+calls it, records the reward and revokes the credential; the server's
 generations go through the store's completions endpoints, whose masks the samples keep token
 by token."""
 
@@ -171,6 +172,53 @@ def test_the_remote_agent_plays_groups_with_exact_masks_and_rewards(
     tokens = {agent.keys[e] for e in episodes}
     assert len(tokens) == len(episodes) and all(t.startswith("tsk_") for t in tokens)
     for token in tokens:
+        r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 401, r.text
+
+
+def test_a_worker_writing_through_the_api_plays_a_remote_agent_run(
+        server: Server, broker: Celery, api_store: EventStore, project: Project,
+        tiny_model_dir: Path, agents: Callable[..., AgentServer], api_settings: Settings,
+        key_store: KeyStore, rollout_broker: str, tmp_path: Path) -> None:
+    """A rollout worker with ``api_url`` (and the project's admin key) mints each episode's
+    credential through the API, whose scrypt cost the keys carry (the worker's own is
+    another), and revokes it there once the episode ended."""
+    from api.keys import parse_key
+    from store import api_keys
+
+    agent = agents("sync-chat", turns=1)
+    run_id = new_run(server, project, tiny_model_dir, {"url": agent.url,
+                                                       "protocol": "sync-chat"})
+    settings = Settings(database_url=api_settings.database_url, redis_url=rollout_broker,
+                        data_dir=tmp_path / "api-worker")
+    w = Worker(settings, ["--queues", "rollout", "--concurrency", "1"],
+               tmp_path / "api-worker.log", TRAJSTORE_API_URL=server.url,
+               TRAJSTORE_API_KEY=project.admin, TRAJSTORE_REMOTE_AGENT_STORE_URL=server.url,
+               TRAJSTORE_API_KEY_SCRYPT_N="2048",
+               TRAJSTORE_TOKENIZER_ROOTS=api_settings.tokenizer_roots)
+    try:
+        w.wait_ready()
+        episodes = play(broker, api_store, run_id, rewarded=True)
+    finally:
+        w.stop()
+    text = w.log_path.read_text()
+    assert "trajstore.rollout_group" in text and "succeeded" in text, text[-3000:]
+    assert "could not revoke" not in text, text[-3000:]
+    for episode_id in episodes:
+        stored = events(api_store, episode_id)
+        assert stored[-1].type == "episode_finished", stored[-1]
+        assert stored[-1].status in ("completed", "truncated"), stored[-1].reason
+        rewards = [e for e in stored if e.type == "reward_assigned"]
+        assert rewards and rewards[-1].source == "task"
+        assert [e.type for e in stored].count("llm_called") == 1
+    tokens = {agent.keys[e] for e in episodes}
+    assert len(tokens) == len(episodes) and all(t.startswith("tsk_") for t in tokens)
+    for token in tokens:
+        row = api_keys.key_secret_row(key_store.db, parse_key(token)[0])
+        assert row is not None
+        # Minted by the API (its scrypt cost), for this episode of this run, and revoked.
+        assert row[8] == f"scrypt${api_settings.api_key_scrypt_n}$8$1", row[8]
+        assert row[9] == run_id and row[10] in episodes and row[5] is not None
         r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 401, r.text
 

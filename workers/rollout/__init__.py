@@ -17,7 +17,9 @@ light module (a remote rollout's request checks, say) loads no agent loop:
   :mod:`~workers.rollout.celery_tasks`;
 - remote rollouts: :mod:`~workers.rollout.remote` (played on rollout workers), their request
   checks :mod:`~workers.rollout.remote_request` and their queueing
-  :mod:`~workers.rollout.remote_dispatch` (both of which the API imports).
+  :mod:`~workers.rollout.remote_dispatch` (both of which the API imports); a user's
+  RolloutServer as a run's agent: :mod:`~workers.rollout.remote_agent`, the credentials it
+  is given minted by :mod:`~workers.rollout.credentials` (the database, or the API).
 
 Talking to a model (request and result types, the backends, prompts, tokenizers, tool-call
 parsing) is :mod:`workers.engines`, a room below this one.

@@ -12,7 +12,8 @@ records which policy version the worker's engine took (``policy_served``,
   /v1/episodes/{id}/events`` to append, ``GET /v1/episodes/{id}`` (``?tokens=false`` except
   to resume an episode) and ``GET /v1/runs/{id}`` to read, ``POST /v1/runs/{id}/served`` to
   report the policy version an engine took, with a key that may read and ingest (role
-  ``admin``). The API's
+  ``admin``; the same client mints the credentials of a remote agent's episodes,
+  :class:`~workers.rollout.credentials.ApiCredentials`). The API's
   answers are translated into the store's errors (409 → ``ConflictError`` /
   ``IdempotencyError``, 422 → ``ValidationError``, 404 → ``NotFoundError``, 5xx and network
   failures → ``TransientError``, other refusals (401, 403, 413) → ``StoreError``), so callers
@@ -190,8 +191,11 @@ class ApiGroupLog:
         """Close the HTTP connection pool."""
         self.client.close()
 
-    def _request(self, method: str, path: str, *, stream_id: str = "",
-                 expected: object = None, **kwargs: Any) -> Any:
+    def request(self, method: str, path: str, *, stream_id: str = "",
+                expected: object = None, **kwargs: Any) -> Any:
+        """One call to the API (``kwargs`` go to httpx): its JSON answer (None for 204 No
+        Content), or the store's error for a refusal (module docstring; ``stream_id`` and
+        ``expected`` fill a ``ConflictError``)."""
         import httpx
 
         try:
@@ -199,6 +203,8 @@ class ApiGroupLog:
         except httpx.TransportError as exc:
             raise errors.TransientError(f"{method} {path}: {type(exc).__name__}: {exc}"
                                         ) from None
+        if response.status_code == 204:
+            return None
         if response.status_code < 400:
             return response.json()
         try:
@@ -227,7 +233,7 @@ class ApiGroupLog:
                ) -> Any:
         body = {"expected_version": expected_version,
                 "events": [_wire(event) for event in events]}
-        return self._request("POST", f"/v1/episodes/{stream_id}/events", json=body,
+        return self.request("POST", f"/v1/episodes/{stream_id}/events", json=body,
                              stream_id=stream_id, expected=expected_version)
 
     def stream_version(self, stream_id: str) -> int:
@@ -237,7 +243,7 @@ class ApiGroupLog:
         from store.events import parse_event
 
         try:
-            detail = self._request("GET", f"/v1/episodes/{stream_id}",
+            detail = self.request("GET", f"/v1/episodes/{stream_id}",
                                    params={"tokens": "false"})
         except errors.NotFoundError:
             return StreamState(0)
@@ -256,7 +262,7 @@ class ApiGroupLog:
         from store.events import parse_event
 
         try:
-            detail = self._request("GET", f"/v1/episodes/{stream_id}",
+            detail = self.request("GET", f"/v1/episodes/{stream_id}",
                                    params={"tokens": "true", "encoding": "json"})
         except errors.NotFoundError:
             return []
@@ -267,21 +273,21 @@ class ApiGroupLog:
                 for e in detail.get("events") or []]
 
     def run_config(self, run_id: str) -> RunConfig:
-        return RunConfig.model_validate(self._request("GET", f"/v1/runs/{run_id}")["config"])
+        return RunConfig.model_validate(self.request("GET", f"/v1/runs/{run_id}")["config"])
 
     def read_episode(self, episode_id: str) -> list[Event]:
         """Every event of an episode, with its token payloads (``GET /v1/episodes/{id}``),
         in stream order; ``NotFoundError`` naming it when there is no such episode."""
         from store.events import parse_event
 
-        detail = self._request("GET", f"/v1/episodes/{episode_id}",
+        detail = self.request("GET", f"/v1/episodes/{episode_id}",
                                params={"tokens": "true", "encoding": "json"})
         return [parse_event(e["type"], e["data"], tokens=e.get("tokens") or None,
                             event_id=e["event_id"], stored=True)
                 for e in detail.get("events") or []]
 
     def policy(self, run_id: str, version: int | None = None) -> PolicyState:
-        run = self._request("GET", f"/v1/runs/{run_id}")
+        run = self.request("GET", f"/v1/runs/{run_id}")
         newest = int(run.get("policy_version") or 0)
         if version is not None and version != newest:
             raise ValueError(f"run {run_id!r} serves policy version {newest}, not {version} "
@@ -290,6 +296,6 @@ class ApiGroupLog:
 
     def policy_served(self, run_id: str, *, version: int, engine: str, backend: str,
                       source: str | None = None, load_seconds: float | None = None) -> None:
-        self._request("POST", f"/v1/runs/{run_id}/served", json={
+        self.request("POST", f"/v1/runs/{run_id}/served", json={
             "version": version, "engine": engine, "backend": backend, "source": source,
             "load_seconds": load_seconds})

@@ -7,9 +7,13 @@ by the agent loop. For each slot of the group (``<group_id>-<k>``, as
 
 1. appends the episode's ``episode_started`` (run, group, task, prompt, tools, sampling,
    policy version);
-2. mints a credential that can record only that episode (``store.api_keys.mint_episode_key``:
-   an ``ingest`` key scoped to the run and the episode, expiring ``timeout_s`` + 60 s from
-   now); any other episode or route is 403 with it;
+2. mints a credential that can record only that episode (an ``ingest`` key scoped to the
+   run and the episode, expiring ``timeout_s`` + 60 s from now), in the worker's database or
+   through the API it writes to (:mod:`workers.rollout.credentials`); any other episode or
+   route is 403 with it. A credential that cannot be minted for a reason other than an
+   unreachable database or API (a worker key that is not ``admin``, say) ends the episode
+   ``error`` with the reason; an unreachable one raises ``TransientError`` (the group's
+   task is retried, and replays the slot);
 3. calls the RolloutServer with ``rollout_id`` = the episode id, ``server_url`` = this
    store's API (``TRAJSTORE_REMOTE_AGENT_STORE_URL``) and the credential as
    ``callback_api_key`` (``api_key`` in the asynchronous revision): ``POST {url}/rollout``,
@@ -21,7 +25,8 @@ by the agent loop. For each slot of the group (``<group_id>-<k>``, as
    task scored elsewhere (``unscored``), the reward the server reports; then
    ``episode_finished`` (``completed``, ``truncated`` for a turn or token limit, ``error``
    with the reason);
-5. revokes the credential, whatever happened.
+5. revokes the credential, whatever happened (a revocation that fails is logged: the
+   credential still expires on its own).
 
 Slots play concurrently, at most ``remote_agent.max_in_flight`` rollouts of one run at once
 across every rollout worker process (a semaphore in the process, then a slot of the run's in
@@ -45,13 +50,14 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from store import api_keys
+from store import errors
 from store.events import (
     EpisodeFinished,
     EpisodeStarted,
@@ -63,6 +69,7 @@ from store.events import (
 )
 from store.settings import Settings
 from workers.rollout.agent_tasks import Task
+from workers.rollout.credentials import EpisodeCredentials
 from workers.rollout.group import (
     MAX_ATTEMPTS,
     GroupResult,
@@ -78,6 +85,8 @@ from workers.rollout.rewards import Reward, Transcript
 from workers.rollout.run_slots import run_slot
 
 __all__ = ["RemoteAgentError", "aplay_remote_group", "detect_protocol", "rollout_body"]
+
+log = logging.getLogger(__name__)
 
 _NAMESPACE = uuid.UUID("2d1e6f0a-5b7c-4e3d-9f21-8a6b4c3d2e10")
 _RETRY_STATUS = frozenset({502, 503, 504})
@@ -97,8 +106,7 @@ class RemoteAgentError(Exception):
 @dataclass(frozen=True)
 class _Plan:
     log: GroupLog
-    db: Any
-    project: str
+    credentials: EpisodeCredentials
     run_id: str
     task: Task
     group_id: str
@@ -109,7 +117,6 @@ class _Plan:
     seed_root: str
     store_url: str
     tokenizer_name: str | None
-    scrypt: tuple[int, int, int]
     client: httpx.AsyncClient
     gate: asyncio.Semaphore | None
     run_gate: asyncio.Semaphore
@@ -345,9 +352,16 @@ async def _play_async(plan: _Plan, episode_id: str, token: str, seed: int
 
 async def _play_rollout(plan: _Plan, episode_id: str, seed: int) -> tuple[str, float | None]:
     """Mint the credential, call the server, finish the episode, revoke the credential."""
-    key_id, token = await asyncio.to_thread(
-        api_keys.mint_episode_key, plan.db, project=plan.project, run_id=plan.run_id,
-        episode_id=episode_id, ttl_s=plan.agent.timeout_s + 60.0, scrypt=plan.scrypt)
+    try:
+        key_id, token = await asyncio.to_thread(
+            plan.credentials.mint, run_id=plan.run_id, episode_id=episode_id,
+            ttl_s=plan.agent.timeout_s + 60.0)
+    except errors.TransientError:
+        raise
+    except errors.StoreError as exc:
+        reason = f"the episode's credential could not be minted: {exc}"
+        await _finish(plan, episode_id, "error", reason, Reward(0.0, {}, source="error"))
+        return "error", 0.0
     try:
         try:
             if plan.protocol == "async":
@@ -359,8 +373,14 @@ async def _play_rollout(plan: _Plan, episode_id: str, seed: int) -> tuple[str, f
             await _finish(plan, episode_id, "error", str(exc), Reward(0.0, {}, source="error"))
             return "error", 0.0
     finally:
-        await asyncio.to_thread(api_keys.revoke_key, plan.db, key_id,
-                                channel=api_keys.REVOKED_CHANNEL)
+        try:
+            await asyncio.to_thread(plan.credentials.revoke, episode_id=episode_id,
+                                    key_id=key_id)
+        except errors.StoreError as exc:
+            # The episode is recorded whatever happens here; the key expires on its own.
+            log.warning("could not revoke credential %s of episode %s (%s); it expires "
+                        "%g s after it was minted", key_id, episode_id, exc,
+                        plan.agent.timeout_s + 60.0)
 
 
 async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
@@ -414,15 +434,16 @@ async def _play_slot(plan: _Plan, slot: int) -> SlotOutcome:
                        None, False, tuple(aborted))
 
 
-async def aplay_remote_group(*, log: GroupLog, db: Any, project: str, run_id: str,
+async def aplay_remote_group(*, log: GroupLog, credentials: EpisodeCredentials, run_id: str,
                              task: Task, config: RunConfig, policy_version: int,
                              settings: Settings, group_index: int = 0,
                              gate: asyncio.Semaphore | None = None) -> GroupResult:
     """Play the group of ``task`` at ``policy_version`` through the run's RolloutServer
     (module docstring): ``config.group_size`` rollouts, recorded in ``log``, their
-    credentials minted in database ``db`` for ``project``. Raises ValueError when the run
-    names no remote agent or ``remote_agent_store_url`` is not set; failures of the server
-    end episodes ``error`` and do not raise."""
+    credentials minted and revoked by ``credentials`` (the database's, or the API's). Raises
+    ValueError when the run names no remote agent or ``remote_agent_store_url`` is not set;
+    ``TransientError`` when the log or ``credentials`` cannot be reached; failures of the
+    server end episodes ``error`` and do not raise."""
     agent = config.remote_agent
     if agent is None:
         raise ValueError(f"run {run_id!r} names no remote_agent")
@@ -438,15 +459,13 @@ async def aplay_remote_group(*, log: GroupLog, db: Any, project: str, run_id: st
                 protocol = await detect_protocol(client, agent.url)
             except RemoteAgentError as exc:
                 detect_error = str(exc)
-        plan = _Plan(log=log, db=db, project=project, run_id=run_id, task=task,
+        plan = _Plan(log=log, credentials=credentials, run_id=run_id, task=task,
                      group_id=group_id, agent=agent, protocol=protocol, config=config,
                      policy_version=policy_version,
                      seed_root=seed_root(config, group_id, task.task_id, policy_version,
                                          group_index),
                      store_url=settings.remote_agent_store_url.rstrip("/"),
                      tokenizer_name=agent.tokenizer_name or config.tokenizer_name,
-                     scrypt=(settings.api_key_scrypt_n, settings.api_key_scrypt_r,
-                             settings.api_key_scrypt_p),
                      client=client, gate=gate, run_gate=_gate_of(run_id, agent.max_in_flight),
                      settings=settings)
         if detect_error is not None:

@@ -2,7 +2,8 @@
 
 The log is the database (the worker process's store; replay workers follow the log and queue
 the replay of each finished episode) unless the settings name an ``api_url``: then events go
-through the HTTP API with ``api_key``. The engine is the process's
+through the HTTP API with ``api_key``, and the credentials of a remote agent's episodes are
+minted there too. The engine is the process's
 :func:`~workers.rollout.worker_engine.worker_engine`, brought to the run's newest policy; the group
 plays on the process's :mod:`~workers.rollout.runtime` event loop, its episodes concurrent with
 those of the other groups the worker's threads hand it. Tasks are
@@ -29,9 +30,10 @@ from workers.rollout.runtime import WeightsGate, worker_runtime
 from workers.rollout.tools import ToolRegistry
 
 if TYPE_CHECKING:
+    from workers.rollout.credentials import EpisodeCredentials
     from workers.rollout.worker_engine import RolloutEngine
 
-__all__ = ["run_rollout_group", "worker_log", "worker_tools"]
+__all__ = ["episode_credentials", "run_rollout_group", "worker_log", "worker_tools"]
 
 _lock = threading.Lock()
 _logs: dict[tuple[str, str], GroupLog] = {}
@@ -153,26 +155,42 @@ def _play_rollout_group(run_id: str, task_id: str, *, settings: Settings, group_
     return runtime.call(play)
 
 
+def episode_credentials(log: GroupLog, run_id: str, *, settings: Settings
+                        ) -> EpisodeCredentials:
+    """Who mints the credentials of ``run_id``'s remote-agent episodes for a worker writing
+    to ``log`` (:mod:`workers.rollout.credentials`): the worker's database (keys of the
+    run's project, at the worker's scrypt cost), or the API it writes through (with its
+    ``admin`` key). Raises TypeError for a log that is neither."""
+    from workers.rollout.credentials import ApiCredentials, StoreCredentials
+
+    if isinstance(log, ApiGroupLog):
+        return ApiCredentials(log)
+    if isinstance(log, StoreGroupLog):
+        from store import queries
+
+        record = queries.run_record(log.store, run_id) or {}
+        project = str(record.get("data", {}).get("project") or "default")
+        return StoreCredentials(log.store.db, project=project, scrypt=(
+            settings.api_key_scrypt_n, settings.api_key_scrypt_r, settings.api_key_scrypt_p))
+    raise TypeError(f"cannot mint credentials through a {type(log).__name__}: a "
+                    "StoreGroupLog or an ApiGroupLog mints them")
+
+
 def _remote_group(log: GroupLog, run_id: str, task: Task, config: RunConfig,
                   policy_version: int, *, settings: Settings, group_index: int
                   ) -> GroupResult:
     """The group played by the run's RolloutServer (:mod:`workers.rollout.remote_agent`):
-    no engine is loaded here; the credentials are minted in the worker's database, so a
-    worker that writes through the API cannot play such a run (ValueError saying so)."""
-    from store import queries
+    no engine is loaded here; the episodes' credentials are minted where the worker writes
+    (:func:`episode_credentials`: its database, or the API of ``api_url``)."""
     from workers.rollout.remote_agent import aplay_remote_group
 
-    if not isinstance(log, StoreGroupLog):
-        raise ValueError(f"run {run_id!r} names a remote_agent: its rollouts need a worker "
-                         "with the database (api_url unset), which mints their credentials")
-    record = queries.run_record(log.store, run_id) or {}
-    project = str(record.get("data", {}).get("project") or "default")
+    credentials = episode_credentials(log, run_id, settings=settings)
     runtime = worker_runtime(settings.rollout_concurrency)
 
     async def play() -> GroupResult:
         return await aplay_remote_group(
-            log=log, db=log.store.db, project=project, run_id=run_id, task=task,
-            config=config, policy_version=policy_version, settings=settings,
-            group_index=group_index, gate=runtime.episodes)
+            log=log, credentials=credentials, run_id=run_id, task=task, config=config,
+            policy_version=policy_version, settings=settings, group_index=group_index,
+            gate=runtime.episodes)
 
     return runtime.call(play)
