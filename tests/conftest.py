@@ -176,6 +176,15 @@ def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServ
     server.drop_all()
 
 
+@pytest.fixture
+def bench_database(pg_server: PostgresServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A benchmark run in the test makes its scratch databases on the session's server
+    (``bench/common.py`` reads ``TRAJSTORE_TEST_DATABASE_URL``), never on the embedded server
+    of the user's default data directory, which it uses when that is unset."""
+    monkeypatch.setenv("TRAJSTORE_TEST_DATABASE_URL", pg_server.admin_url)
+    return pg_server.admin_url
+
+
 @pytest.fixture(scope="session")
 def pg_url(pg_server: PostgresServer) -> str:
     """A migrated database shared by the session's store tests."""

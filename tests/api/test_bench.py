@@ -6,6 +6,9 @@ import pytest
 
 from bench.api import episode_events, main, to_json
 
+# Scratch databases on the session's server, not the user's default data directory.
+pytestmark = pytest.mark.usefixtures("bench_database")
+
 
 def test_episode_events_shape_and_bad_size() -> None:
     events = episode_events(run_id="r", group_id="g", n_events=9, prompt=4, response=2, seed=0)

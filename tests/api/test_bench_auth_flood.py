@@ -6,6 +6,9 @@ import pytest
 
 from bench.auth_flood import main
 
+# Scratch databases on the session's server, not the user's default data directory.
+pytestmark = pytest.mark.usefixtures("bench_database")
+
 
 @pytest.mark.timeout(300)
 def test_auth_flood_bench_runs_at_tiny_sizes(capsys: pytest.CaptureFixture[str]) -> None:

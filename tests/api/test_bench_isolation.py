@@ -7,6 +7,9 @@ import pytest
 
 from bench.isolation import main
 
+# Scratch databases on the session's server, not the user's default data directory.
+pytestmark = pytest.mark.usefixtures("bench_database")
+
 
 @pytest.mark.timeout(300)
 def test_isolation_bench_runs_at_a_reduced_size(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,11 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+# Scratch databases on the session's server, not the user's default data directory.
+pytestmark = pytest.mark.usefixtures("bench_database")
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "merge.py"
 
 
