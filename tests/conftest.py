@@ -78,6 +78,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # this process and the servers and workers it starts.
     os.environ.setdefault("TRAJSTORE_TOKENIZER_ROOTS",
                           os.path.realpath(str(config.option.basetemp)))
+    # The default data directory (platformdirs: $XDG_DATA_HOME/trajstore) is the session's
+    # too, in this process and every one it starts, even those given an environment without
+    # TRAJSTORE_*: a test never starts or leaves servers in the user's own data directory.
+    if not hasattr(config, "workerinput"):
+        os.environ["XDG_DATA_HOME"] = os.path.join(
+            os.path.realpath(str(config.option.basetemp)), "xdg-data")
     _isolation_configure(config)
     if not config.pluginmanager.is_registered(ordering):
         config.pluginmanager.register(ordering, "trajstore-file-order")
