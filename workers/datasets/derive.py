@@ -144,6 +144,7 @@ class _Builder:
                 out.append(EpisodeOutcome(episode_id, run_id or "", "", excluded="invalid",
                                           detail=str(exc)))
                 continue
+            assert run_id is not None  # a config was found for it
             applied = self.applied.get(run_id)
             if applied is None:
                 applied = self.applied[run_id] = apply_rules_to_config(config, self.rules)
