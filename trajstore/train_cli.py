@@ -140,13 +140,16 @@ def replay_step(
         min=0.0, help="Largest absolute weight difference accepted.")] = 0.0,
     device: Annotated[str, typer.Option(help="Where to recompute (cpu is deterministic).")
                       ] = "cpu",
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Initial model folder for a first step (and the KL reference) instead "
+        "of the one the step's checkpoint recorded.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Recompute step K of RUN from the log (the samples it trained, the trainer
     configuration and seed it ran with) and the checkpoint before it, and compare the
     weights with the step's stored checkpoint. Exits 1 when they differ by more than
     --tolerance, naming the largest difference; 1 with an error naming an unknown run or
-    step or a missing checkpoint."""
+    step, a missing checkpoint or a missing initial model folder."""
     import json
 
     from store import errors
@@ -155,7 +158,7 @@ def replay_step(
 
     store = open_store()
     try:
-        result = replay(store, run, step, version=version, device=device)
+        result = replay(store, run, step, version=version, device=device, model=model)
     except (errors.StoreError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -167,7 +170,8 @@ def replay_step(
             "run_id": result.run_id, "step": result.step,
             "policy_version": result.policy_version, "started_from": result.started_from,
             "checkpoint": result.checkpoint, "samples": result.samples,
-            "dataset_id": result.dataset_id, "max_abs_diff": result.max_abs_diff,
+            "dataset_id": result.dataset_id, "initial_model": result.initial_model,
+            "initial_from": result.initial_from, "max_abs_diff": result.max_abs_diff,
             "worst_tensor": result.worst_tensor, "tensors": result.tensors,
             "missing": result.missing, "tolerance": tolerance, "identical": same}))
     else:
@@ -176,6 +180,11 @@ def replay_step(
                    + ("the run's projection" if result.dataset_id is None
                       else f"dataset version {result.dataset_id}")
                    + f", started from {result.started_from}")
+        if result.initial_model is not None:
+            typer.echo(f"initial model {result.initial_model} (" + {
+                "override": "given with --model", "recorded": "recorded by the trainer",
+                "run": "the run's; the checkpoint records none"}[str(result.initial_from)]
+                + ")")
         typer.echo(f"{result.tensors} tensors compared with {result.checkpoint}: "
                    f"max abs diff {result.max_abs_diff!r}"
                    + (f" (in {result.worst_tensor})" if result.worst_tensor else ""))

@@ -23,7 +23,7 @@ def test_derive_benchmark_runs_at_a_tiny_size(capsys) -> None:
     ratios = module.main(["--episodes", "4", "--turns", "2", "--rounds", "1", "--last-turn"])
     assert set(ratios) == {"1p", "2p"} and all(r > 0 for r in ratios.values())
     out = capsys.readouterr().out
-    assert "4 episodes x 2 turns per round (last turn only)" in out
+    assert "4 episodes x 2 turns per round (last turn only), fastest of 3" in out
     assert "derive, 2 processes" in out
     last = out.splitlines()[-1]
     assert last.startswith("RESULT derive_vs_read_1p=") and " derive_vs_read_2p=" in last

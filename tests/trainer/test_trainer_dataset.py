@@ -178,3 +178,74 @@ def test_replay_step_gives_the_stored_weights(trainer_store, tiny_model: Path, c
     shutil.rmtree(second.checkpoint)
     with pytest.raises(errors.NotFoundError, match="checkpoint of step 2 .* is missing"):
         replay_step(trainer_store, run_id, 2)
+
+
+def _shifted_copy(model: Path, target: Path) -> Path:
+    """A copy of the model folder with every weight moved by 0.01: another initial model."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, target)
+    weights = target / "model.safetensors"
+    save_file({k: v + 0.01 for k, v in load_file(str(weights)).items()}, str(weights),
+              metadata={"format": "pt"})
+    return target
+
+
+def test_replay_step_starts_from_the_model_the_trainer_started_from(
+        trainer_store, tiny_model: Path, cli, tmp_path: Path) -> None:
+    run_id = new_run(trainer_store, tiny_model, group_size=2)
+    engine = TransformersBackend(tiny_model)
+    for seed in (1, 2):
+        record_group(trainer_store, engine, run_id, size=2, seed=seed)
+    other = _shifted_copy(tiny_model, tmp_path / "other-model")
+    # Another initial model than the run's, with a KL term: the first step starts from it and
+    # every step's reference is it.
+    trainer = Trainer.open(trainer_store, run_id, config=CONFIG.replace(kl_coef=0.1),
+                           model=str(other))
+    assert [r.step for r in trainer.train(2)] == [1, 2]
+    first, second = _updates(trainer_store, run_id)
+    assert first.checkpoint and second.checkpoint
+    state = json.loads((Path(first.checkpoint) / "trainer_state.json").read_text())
+    assert state["trainer"]["initial_model"] == str(other)
+
+    for step in (1, 2):
+        result = replay_step(trainer_store, run_id, step)
+        assert result.max_abs_diff == 0.0, (step, result)
+        assert result.initial_model == str(other) and result.initial_from == "recorded"
+    assert replay_step(trainer_store, run_id, 1).started_from == str(other)
+
+    r = cli("replay-step", run_id, "--step", "1")
+    assert r.exit_code == 0, r.output
+    assert f"initial model {other} (recorded by the trainer)" in r.stdout
+    assert "max abs diff 0.0" in r.stdout and "identical" in r.stdout
+
+    # --model overrides what was recorded, and says so: the run's model is not the one the
+    # step started from, so the weights differ.
+    r = cli("replay-step", run_id, "--step", "1", "--model", str(tiny_model), "--json")
+    assert r.exit_code == 1, r.output
+    body = json.loads(r.stdout)
+    assert body["initial_model"] == str(tiny_model) and body["initial_from"] == "override"
+    assert body["max_abs_diff"] > 0.0 and body["started_from"] == str(tiny_model)
+    r = cli("replay-step", run_id, "--step", "2", "--model", str(other))
+    assert r.exit_code == 0 and "(given with --model)" in r.stdout, r.output
+
+    # Bad input: an override pointing to a missing folder is an error naming it.
+    missing = tmp_path / "no-such-model"
+    r = cli("replay-step", run_id, "--step", "1", "--model", str(missing))
+    assert r.exit_code == 1 and str(missing) in r.stderr and "--model" in r.stderr, r.output
+    with pytest.raises(errors.NotFoundError, match="no-such-model"):
+        replay_step(trainer_store, run_id, 2, model=missing)
+
+    # A checkpoint written before the initial model was recorded: the run's model is used
+    # (and named); here it is not the one the step started from.
+    path = Path(first.checkpoint) / "trainer_state.json"
+    record = json.loads(path.read_text())
+    del record["trainer"]["initial_model"]
+    path.write_text(json.dumps(record))
+    old = replay_step(trainer_store, run_id, 1)
+    assert old.initial_from == "run" and old.initial_model == str(tiny_model)
+    assert old.max_abs_diff > 0.0
+    # A recorded initial model that is gone is named as well.
+    shutil.rmtree(other)
+    with pytest.raises(errors.NotFoundError, match="initial model .* recorded is missing"):
+        replay_step(trainer_store, run_id, 2)

@@ -221,11 +221,14 @@ def _row(episode: Episode, *, agent: str, kind: str, timeline_index: int, token_
 
 def build_episode(episode_id: str, events: Sequence[Event], *, config: RunConfig,
                   tokenizer: Any, rules: DatasetRules,
-                  reward_function: Callable[[Episode], Any] | None = None) -> EpisodeOutcome:
+                  reward_function: Callable[[Episode], Any] | None = None,
+                  applied: RunConfig | None = None) -> EpisodeOutcome:
     """The candidate rows of one episode under ``rules`` (see ``EpisodeOutcome``).
-    ``config`` is the run's configuration (the rules are put over it here); ``tokenizer``
-    the run's tokenizer (None will do when no call carries token ids); ``reward_function``
-    the loaded ``rules.reward.function``. Raises DatasetBuildError naming the episode when
+    ``config`` is the run's configuration (the rules are put over it here, unless
+    ``applied`` gives ``apply_rules_to_config(config, rules)`` already: a caller building
+    many episodes of one run computes it once); ``tokenizer`` the run's tokenizer (None
+    will do when no call carries token ids); ``reward_function`` the loaded
+    ``rules.reward.function``. Raises DatasetBuildError naming the episode when
     the reward function raises or returns anything but a finite number; an episode that
     cannot be replayed is ``invalid``, not an error."""
     items = list(events)
@@ -248,8 +251,10 @@ def build_episode(episode_id: str, events: Sequence[Event], *, config: RunConfig
         if recorded is None:
             return EpisodeOutcome(**out, excluded="no_reward")
         reward = recorded
+    if applied is None:
+        applied = apply_rules_to_config(config, rules)
     try:
-        result = replay_episode(items, config=apply_rules_to_config(config, rules),
+        result = replay_episode(items, config=applied,
                                 tokenizer=tokenizer if needs_tokenizer(items) else None,
                                 episode_id=episode_id)
     except ReplayError as exc:
@@ -269,7 +274,7 @@ def build_episode(episode_id: str, events: Sequence[Event], *, config: RunConfig
             if row is not None:
                 positives.append(row)
     negatives = []
-    keep_negatives = apply_rules_to_config(config, rules).rollback.save_negative_samples
+    keep_negatives = applied.rollback.save_negative_samples
     for n in result.failures if keep_negatives else []:
         s = n.sample
         if agents is not None and s.agent not in agents:

@@ -10,6 +10,7 @@ raises, rules that select nothing) writes nothing. No model is called.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import multiprocessing
@@ -29,6 +30,7 @@ from store.streams import read_run_events, read_streams
 from workers.datasets.build import (
     EmptySelectionError,
     EpisodeOutcome,
+    apply_rules_to_config,
     build_episode,
     content_hash,
     finish_rows,
@@ -54,9 +56,11 @@ class DerivedDataset:
     excluded: dict[str, int]
 
 
+@functools.cache
 def code_version() -> str:
     """The version of the code that builds a dataset: the installed ``trajstore``
-    distribution's (``unknown`` from a checkout that was not installed)."""
+    distribution's (``unknown`` from a checkout that was not installed), read once per
+    process."""
     try:
         return f"trajstore {importlib.metadata.version('trajstore')}"
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
@@ -97,12 +101,17 @@ class _Builder:
     run configurations between batches."""
 
     def __init__(self, store: EventStore, rules: DatasetRules,
-                 tokenizer_loader: Callable[[str | None], Any]) -> None:
+                 tokenizer_loader: Callable[[str | None], Any],
+                 runs: dict[str, RecordedEvent] | None = None) -> None:
         self.store = store
         self.rules = rules
         self.loader = tokenizer_loader
         self.tokenizers: dict[str | None, Any] = {}
         self.configs: dict[str, RunConfig | None] = {}
+        #: Each run's configuration with the rules over it (``apply_rules_to_config``).
+        self.applied: dict[str, RunConfig] = {}
+        for run_id in runs or {}:  # run_created events the caller read already
+            self._config(runs or {}, run_id)
         spec = rules.reward.function
         self.reward = load_reward_function(spec) if spec is not None else None
 
@@ -135,8 +144,13 @@ class _Builder:
                 out.append(EpisodeOutcome(episode_id, run_id or "", "", excluded="invalid",
                                           detail=str(exc)))
                 continue
+            assert run_id is not None  # a config was found for it
+            applied = self.applied.get(run_id)
+            if applied is None:
+                applied = self.applied[run_id] = apply_rules_to_config(config, self.rules)
             out.append(build_episode(episode_id, events, config=config, tokenizer=tokenizer,
-                                     rules=self.rules, reward_function=self.reward))
+                                     rules=self.rules, reward_function=self.reward,
+                                     applied=applied))
         return out
 
     def _tokenizer(self, config: RunConfig) -> Any:
@@ -259,6 +273,8 @@ def derive_dataset(
             raise errors.ValidationError(str(exc), field="rules.reward.function") from None
 
     episode_ids = tables.run_episode_ids(store, runs)
+    with store.db.connection() as conn:
+        configs = read_run_events(store, set(runs), conn=conn)
     processes = pool.jobs if pool is not None else jobs
     size = max(1, min(batch, -(-len(episode_ids) // processes)))
     batches = [episode_ids[i:i + size] for i in range(0, len(episode_ids), size)]
@@ -266,7 +282,7 @@ def derive_dataset(
     if pool is not None:
         outcomes = pool.build(parsed, batches)
     elif jobs == 1 or len(batches) <= 1:
-        builder = _Builder(store, parsed, tokenizer_loader)
+        builder = _Builder(store, parsed, tokenizer_loader, configs)
         for ids in batches:
             outcomes.extend(builder.build(ids))
     else:
@@ -277,8 +293,6 @@ def derive_dataset(
     for o in outcomes:
         if o.excluded is not None:
             excluded[o.excluded] = excluded.get(o.excluded, 0) + 1
-    with store.db.connection() as conn:
-        configs = read_run_events(store, set(runs), conn=conn)
     caps = {r: e.event.config.negatives.max_negative_samples_per_group
             for r, e in configs.items() if isinstance(e.event, RunCreated)}
     rows = finish_rows(outcomes, parsed, caps)

@@ -447,7 +447,7 @@ class DistributedTrainer(Trainer):
                             data_dir=folder, run_id=run_id)
                 resume = _latest_checkpoint(store, run_id,
                                             cache_dir=folder / checkpoint_urls.CHECKPOINT_CACHE)
-                plan = {"run_config": run.config, "initial": str(initial),
+                plan = {"run_config": run.config, "initial": str(Path(initial).absolute()),
                         "resume": str(resume) if resume else None, "data_dir": str(folder),
                         "step": int(read_state(resume).get("step", 0)) if resume else 0}
             except BaseException as exc:  # every rank must hear of it
@@ -474,7 +474,7 @@ class DistributedTrainer(Trainer):
                       else cast(EventStore, _Offline()),
                       run_id=run_id, run_config=run_config, model=lm, tokenizer=tokenizer,
                       config=config, data_dir=Path(plan["data_dir"]), device=device,
-                      step=plan["step"], name=name)
+                      step=plan["step"], name=name, initial_model=plan["initial"])
         trainer.root = root
         trainer.sharding = RankSharding(root, rank, world)
         trainer.distribution = Ranks(trainer.sharding, reference_sharding)
@@ -543,8 +543,7 @@ class DistributedTrainer(Trainer):
             local, url = self._checkpoint_target(version, lease.lease_id.hex[:8])
             path = save_checkpoint(
                 local, model=model, tokenizer=self.tokenizer,
-                state={"run_id": self.run_id, "version": version, "step": self.steps_done,
-                       "metrics": metrics, "config": self.config.to_dict(),
+                state={**self._state(version, metrics),
                        "world_size": self.sharding.world_size})
             # shutil.move: a checkpoint root may be on another file system than the staging.
             shutil.move(optimizer_dir, path / OPTIMIZER_DIR)

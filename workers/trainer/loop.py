@@ -336,7 +336,8 @@ class Trainer:
                  engine: WeightUpdatable | None = None, reference: Any | None = None,
                  step: int = 0, name: str | None = None,
                  distribution: Distribution | None = None,
-                 dataset: DatasetVersion | None = None) -> None:
+                 dataset: DatasetVersion | None = None,
+                 initial_model: str | None = None) -> None:
         self.store, self.run_id, self.run_config = store, run_id, run_config
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.data_dir, self.device, self.engine = data_dir, device, engine
@@ -372,6 +373,10 @@ class Trainer:
         #: The dataset version the steps train (None: the run's own projection;
         #: ``workers.trainer.dataset_source``).
         self.dataset: DatasetVersion | None = dataset
+        #: The initial model this trainer started from (``Trainer.open``'s ``model``, else the
+        #: run's ``RunConfig.model``): the first step's starting weights and the KL
+        #: reference. Each checkpoint records it as ``initial_model`` for ``replay-step``.
+        self.initial_model = initial_model
 
     @classmethod
     def open(cls, store: EventStore, run_id: str, *, config: TrainerConfig | None = None,
@@ -424,7 +429,7 @@ class Trainer:
                       tokenizer=tokenizer, config=config,
                       data_dir=folder, device=device, engine=engine, reference=reference,
                       step=int(read_state(resume).get("step", 0)) if resume else 0, name=name,
-                      dataset=source)
+                      dataset=source, initial_model=str(Path(initial).absolute()))
         if resume is not None:
             load_optimizer_state(resume, trainer.optimizer)
             for group in trainer.optimizer.param_groups:  # the configured settings win
@@ -609,8 +614,7 @@ class Trainer:
             local, url = self._checkpoint_target(version, lease.lease_id.hex[:8])
             path = save_checkpoint(
                 local, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
-                state={"run_id": self.run_id, "version": version, "step": self.steps_done,
-                       "metrics": metrics, "config": self.config.to_dict()})
+                state=self._state(version, metrics))
             if url is not None:
                 try:
                     checkpoint_urls.upload(path, url)
@@ -629,6 +633,13 @@ class Trainer:
                 return version, url
             prune_checkpoints(path.parent, keep=self.config.keep_checkpoints)
             return version, path
+
+    def _state(self, version: int, metrics: dict[str, float]) -> dict[str, Any]:
+        """The trainer state a checkpoint of ``version`` records (``trainer_state.json``):
+        run, version, step, metrics, the trainer configuration and the initial model."""
+        return {"run_id": self.run_id, "version": version, "step": self.steps_done,
+                "metrics": metrics, "config": self.config.to_dict(),
+                "initial_model": self.initial_model}
 
     def _push(self, version: int) -> None:
         """Push the weights into the attached engine and record that it serves ``version``

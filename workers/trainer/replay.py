@@ -6,8 +6,11 @@
   checkpoint and, in the checkpoint's ``trainer_state.json``, the trainer configuration the
   step ran with, seed included);
 - where it started: the checkpoint of the run's previous ``policy_updated`` (weights and
-  optimizer moments), or the run's initial model (``RunConfig.model``) with a fresh
-  optimizer when the step is the run's first;
+  optimizer moments), or the initial model with a fresh optimizer when the step is the
+  run's first. The initial model (also the KL reference) is the one the trainer recorded in
+  the step's checkpoint (``initial_model`` in ``trainer_state.json``: ``Trainer.open``'s
+  ``model``, else the run's), else, for a checkpoint written before it was recorded, the
+  run's ``RunConfig.model``; ``model=`` overrides both;
 - what it trained: its lineage (``store.lineage``): the samples in batch order with the
   rewards they were trained with, read from the run's projection or from the dataset
   version the step named.
@@ -21,7 +24,9 @@ Nothing is written: no event, no checkpoint, no lease.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +61,10 @@ class ReplayResult:
     """The outcome of a replay: the step and policy version replayed, where it started (a
     checkpoint folder, or the initial model), the stored checkpoint compared against, the
     number of samples, the largest absolute difference over every weight, the tensor it
-    was found in, and the tensors only one side has (none when the replay is faithful)."""
+    was found in, and the tensors only one side has (none when the replay is faithful).
+    ``initial_model`` is the initial model the replay used (None when it needed none: a later
+    step without a KL term) and ``initial_from`` where it came from: ``override`` (``model=``),
+    ``recorded`` (the step's checkpoint) or ``run`` (``RunConfig.model``)."""
 
     run_id: str
     step: int
@@ -69,6 +77,8 @@ class ReplayResult:
     worst_tensor: str | None
     tensors: int
     missing: list[str] = field(default_factory=list)
+    initial_model: str | None = None
+    initial_from: str | None = None
 
     def within(self, tolerance: float) -> bool:
         """True when every weight is within ``tolerance`` and no tensor is missing."""
@@ -121,13 +131,39 @@ def _projection_samples(store: EventStore, ids: list[int], rewards: list[float]
     return out
 
 
+def _initial_model(run_config_model: str | None, state: dict[str, Any],
+                   override: str | os.PathLike[str] | None) -> tuple[str | None, str | None]:
+    """The initial model a replay uses and where it came from (see ``ReplayResult``)."""
+    if override is not None:
+        return str(override), "override"
+    recorded = state.get("initial_model")
+    if recorded:
+        return str(recorded), "recorded"
+    if run_config_model:
+        return str(run_config_model), "run"
+    return None, None
+
+
+def _check_model(path: str, what: str) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise errors.NotFoundError(f"{what} is missing: {path}")
+    return folder
+
+
 def replay_step(store: EventStore, run_id: str, step: int, *, version: int | None = None,
-                device: str = "cpu", data_dir: Path | None = None) -> ReplayResult:
+                device: str = "cpu", data_dir: Path | None = None,
+                model: str | os.PathLike[str] | None = None) -> ReplayResult:
     """Recompute step ``step`` of ``run_id`` and compare it with its stored checkpoint
     (module docstring). ``version`` picks the policy version when two trainers recorded the
-    same step. Raises NotFoundError naming the run, the step, or the missing checkpoint or
-    sample, and ValueError for a step recorded under several versions without ``version``."""
+    same step. ``model`` is the initial model folder to use (the first step's starting
+    weights and the KL reference) instead of the one the step's checkpoint recorded.
+    Raises NotFoundError naming the run, the step, the missing checkpoint or sample, or the
+    missing initial model folder (``model`` is checked even when the step does not need
+    it), and ValueError for a step recorded under several versions without ``version``."""
     run = store.get_run(run_id)
+    if model is not None:
+        _check_model(str(model), "the initial model given (--model)")
     updates = sorted((r.event for r in store.read_stream(run_stream_id(run_id))
                       if isinstance(r.event, PolicyUpdated)), key=lambda e: e.version)
     matching = [e for e in updates if e.step == step
@@ -163,27 +199,36 @@ def replay_step(store: EventStore, run_id: str, step: int, *, version: int | Non
         samples = _projection_samples(store, ids, [s.reward for s in fed.samples])
     else:
         samples = rows_by_index(store.db, fed.dataset_id, ids)
-    initial = run.config.model
-    if previous is None and initial is None:
-        raise errors.NotFoundError(f"{what} is the run's first and the run names no model "
-                                   "(RunConfig.model) to start it from")
+    initial, initial_from = _initial_model(run.config.model, state, model)
+    needs_initial = previous is None or config.kl_coef > 0
+    if needs_initial and initial is None:
+        raise errors.NotFoundError(
+            f"{what} " + ("is the run's first" if previous is None else "used a KL term")
+            + ", its checkpoint records no initial model and the run names none "
+            "(RunConfig.model): pass one (--model)")
+    initial_path: Path | None = None
+    if needs_initial:
+        assert initial is not None
+        label = {"override": "the initial model given (--model)",
+                 "recorded": f"the initial model {what} recorded",
+                 "run": "the run's initial model (RunConfig.model)"}[str(initial_from)]
+        initial_path = _check_model(initial, label)
     torch.manual_seed(config.seed)
     torch_device = torch.device(device)
-    start = previous if previous is not None else Path(str(initial))
-    model = load_model(start, device=torch_device, dtype=config.dtype)
+    start = previous if previous is not None else initial_path
+    assert start is not None
+    policy = load_model(start, device=torch_device, dtype=config.dtype)
     reference = None
     if config.kl_coef > 0:
-        if initial is None:
-            raise errors.NotFoundError("the step used a KL term and the run names no initial "
-                                       "model (RunConfig.model) for its reference")
-        reference = load_model(initial, device=torch_device, dtype=config.dtype)
+        assert initial_path is not None
+        reference = load_model(initial_path, device=torch_device, dtype=config.dtype)
         reference.requires_grad_(False)
     tokenizer = load_tokenizer(run.config.tokenizer_name or initial or str(start))
     lease = Lease(lease_id=uuid.uuid4(), run_id=run_id,
                   groups=list(dict.fromkeys(s.group_id for s in samples)),
                   expires_at=dt.datetime.now(dt.UTC), samples=samples,
                   dataset_id=fed.dataset_id)
-    replayer = _Replayer(store=store, run_id=run_id, run_config=run.config, model=model,
+    replayer = _Replayer(store=store, run_id=run_id, run_config=run.config, model=policy,
                          tokenizer=tokenizer, config=config,
                          data_dir=data_dir or store.settings.data_dir, device=torch_device,
                          reference=reference,
@@ -196,8 +241,11 @@ def replay_step(store: EventStore, run_id: str, step: int, *, version: int | Non
     batch, scoring = replayer._pad(lease)
     replayer.distribution = _Given(Taken(lease, batch, scoring, 0, 0, "replay"))
     replayer.step()
-    return _compare(replayer.model, stored, run_id=run_id, step=step, target=target,
-                    started_from=str(start), samples=len(samples), dataset_id=fed.dataset_id)
+    result = _compare(replayer.model, stored, run_id=run_id, step=step, target=target,
+                      started_from=str(start), samples=len(samples),
+                      dataset_id=fed.dataset_id)
+    return dataclasses.replace(result, initial_model=initial if needs_initial else None,
+                               initial_from=initial_from if needs_initial else None)
 
 
 def _compare(model: Any, stored: Path, *, run_id: str, step: int, target: PolicyUpdated,
