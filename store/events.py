@@ -283,8 +283,17 @@ class RollbackConfig(_Frozen):
 
 
 class NegativeConfig(_Frozen):
+    """What a failed call's negative sample is worth (docs/training.md, "Advantages of
+    negative samples")."""
+
     negative_reward: float = Field(default=-1.0, allow_inf_nan=False)
     max_negative_samples_per_group: int = Field(default=1, ge=0)
+    #: ``group`` (seed ``000``): a negative sample joins its parent's GRPO group with
+    #: ``negative_reward`` and moves the group's mean and spread, so in a group whose episodes
+    #: all failed those episodes get a positive advantage. ``episodes``: the group's
+    #: advantages come from its episodes alone and a negative sample's advantage is
+    #: ``negative_reward`` itself; a group whose episodes all failed trains only its negatives.
+    baseline: Literal["group", "episodes"] = "group"
 
 
 class RolloutConfig(_Frozen):

@@ -4,7 +4,8 @@ Both estimators share one signature, so the training step resolves the configure
 and never branches on it: ``estimator(token_level_rewards, response_mask, index, *,
 entropies, responses, settings, units=None) -> advantages (bs, response_length)``; ``units``
 (one id per response) switches to rollout-level group statistics
-(:func:`workers.trainer.egpo.grpo_scalar_advantages`).
+(:func:`workers.trainer.egpo.grpo_scalar_advantages`). :func:`batch_advantages` applies the
+run's rule for negative samples (``NegativeConfig.baseline``) around the estimator.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageSettings",
     "THINK_TOKENS",
+    "batch_advantages",
     "choose_estimator",
     "think_token_ids",
 ]
@@ -34,9 +36,13 @@ THINK_TOKENS = ("<think>", "</think>")
 @dataclass(frozen=True, kw_only=True)
 class AdvantageSettings:
     """What the estimators need beyond the tensors: GRPO's std normalisation and EGPO's
-    λ, α, variant and CoT marker ids (unused by GRPO; None only when GRPO is used)."""
+    λ, α, variant and CoT marker ids (unused by GRPO; None only when GRPO is used), and
+    whether negative samples join their group's statistics (the run's
+    ``NegativeConfig.baseline``: ``group``) or take their reward as their advantage
+    (``episodes``; read by :func:`batch_advantages`)."""
 
     norm_adv_by_std: bool = True
+    negatives_in_baseline: bool = True
     lam: float = EGPO_LAM
     alpha: float = EGPO_ALPHA
     variant: str = "clip"
@@ -97,3 +103,38 @@ def think_token_ids(tokenizer: Any, *, start: int | None = None, end: int | None
 
     return (start if start is not None else lookup(THINK_TOKENS[0]),
             end if end is not None else lookup(THINK_TOKENS[1]))
+
+
+def batch_advantages(estimator: AdvantageFn, token_level_rewards: torch.Tensor,
+                     response_mask: torch.Tensor, index: Sequence[str],
+                     is_negative: torch.Tensor, *, entropies: torch.Tensor,
+                     responses: torch.Tensor, settings: AdvantageSettings,
+                     units: Sequence[str] | None = None) -> torch.Tensor:
+    """``estimator``'s advantages ``(bs, response_length)`` under the run's rule for negative
+    samples. With ``settings.negatives_in_baseline`` (``NegativeConfig.baseline == "group"``)
+    every row enters the estimator, negatives with their reward. Otherwise the estimator sees
+    the positive rows alone (a group's mean and spread are its episodes'), and each negative
+    row's advantage is its own reward (its row sum, the run's ``negative_reward``) on every
+    token of its mask: a group whose episodes all failed gives them 0 and trains only its
+    negatives, instead of lifting its failed episodes above the negative's reward.
+
+    Raises ValueError when ``is_negative`` is not one bool per row, and the estimator's
+    errors."""
+    if settings.negatives_in_baseline or not bool(is_negative.any()):
+        return estimator(token_level_rewards, response_mask, index, entropies=entropies,
+                         responses=responses, settings=settings, units=units)
+    rows = token_level_rewards.shape[0]
+    if is_negative.dtype != torch.bool or tuple(is_negative.shape) != (rows,):
+        raise ValueError(f"is_negative must be a bool tensor of shape ({rows},), got "
+                         f"{is_negative.dtype} {tuple(is_negative.shape)}")
+    negative = is_negative.to(token_level_rewards.device)
+    mask = response_mask.to(token_level_rewards.dtype)
+    out = token_level_rewards.sum(dim=1, keepdim=True) * mask
+    kept = torch.nonzero(~negative).flatten()
+    if kept.numel():
+        picked = kept.tolist()
+        out[kept] = estimator(
+            token_level_rewards[kept], response_mask[kept], [index[i] for i in picked],
+            entropies=entropies[kept], responses=responses[kept], settings=settings,
+            units=None if units is None else [units[i] for i in picked]).to(out.dtype)
+    return out

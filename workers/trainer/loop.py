@@ -69,6 +69,7 @@ from workers.engines.tokenizers import load_tokenizer
 from workers.trainer.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageSettings,
+    batch_advantages,
     choose_estimator,
     think_token_ids,
 )
@@ -355,7 +356,8 @@ class Trainer:
         self.advantage_settings = AdvantageSettings(
             norm_adv_by_std=config.norm_adv_by_std, lam=run_config.egpo.lam,
             alpha=run_config.egpo.alpha, variant=run_config.egpo.variant,
-            cot_start_id=start, cot_end_id=end)
+            cot_start_id=start, cot_end_id=end,
+            negatives_in_baseline=run_config.negatives.baseline == "group")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
             tokenizer.eos_token_id)
         self.pad_token_id = int(pad) if pad is not None else 0
@@ -670,9 +672,10 @@ class Trainer:
         ``<think>`` tokens gets none)."""
         rewards = token_level_rewards(batch.rewards, batch.response_mask,
                                       response_lengths=batch.response_lengths)
-        plain = ADVANTAGE_ESTIMATORS.get("grpo")(
-            rewards, batch.response_mask, batch.group_ids, entropies=entropies,
-            responses=batch.responses, settings=self.advantage_settings, units=units)
+        plain = batch_advantages(
+            ADVANTAGE_ESTIMATORS.get("grpo"), rewards, batch.response_mask, batch.group_ids,
+            batch.is_negative, entropies=entropies, responses=batch.responses,
+            settings=self.advantage_settings, units=units)
         mask = batch.response_mask
         rows = mask.sum(dim=1).clamp(min=1)
         bonus = ((advantages - plain).abs() * mask).sum(dim=1) / rows

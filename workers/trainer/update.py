@@ -35,7 +35,11 @@ from typing import Any
 
 import torch
 
-from workers.trainer.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings
+from workers.trainer.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageSettings,
+    batch_advantages,
+)
 from workers.trainer.batch import TrainingBatch, token_level_rewards
 from workers.trainer.config import TrainerConfig
 from workers.trainer.correction import (
@@ -134,9 +138,10 @@ def update_batch(model: Any, batch: TrainingBatch, *, optimizer: torch.optim.Opt
                                   response_lengths=batch.response_lengths)
 
     def advantages_of(entropies: torch.Tensor) -> torch.Tensor:
-        return advantage_fn(rewards, batch.response_mask, batch.group_ids, entropies=entropies,
-                            responses=batch.responses, settings=advantage_settings,
-                            units=units)
+        return batch_advantages(advantage_fn, rewards, batch.response_mask, batch.group_ids,
+                                batch.is_negative, entropies=entropies,
+                                responses=batch.responses, settings=advantage_settings,
+                                units=units)
 
     def weighted(weights: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         if unit_weights is None:
