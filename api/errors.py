@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.limits import LIMIT_CODES
 from store import errors as store_errors
 from store.validation import check_json
 
@@ -173,6 +174,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if exc.code in LIMIT_CODES:
+            request.state.limit_refusal = True  # counted by api.limits.RefusalBudget
         return error_response(exc.status, exc.code, exc.message, headers=exc.headers,
                               **exc.extra)
 
