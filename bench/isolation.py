@@ -1,7 +1,9 @@
 """Isolation between projects on one ``trajstore serve`` process: the victim project's
-ordinary requests, quiet and while an attacker project floods the shared resources, each
+ordinary requests, quiet and while attacker projects flood the shared resources, each
 flood from client processes of its own (an attacker is another client: its work of building
-and sending bodies does not share the interpreter that times the victim's requests).
+and sending bodies does not share the interpreter that times the victim's requests, and runs
+at a lower CPU priority, as it would run on a machine of its own; every flood still sends its
+next request as soon as the last is answered).
 
 The victim, one request at a time from this process: an episode appended (``ingest``), the
 runs listed (``query``), the episode read back (``read``); with ``gateway`` among the
@@ -9,7 +11,8 @@ workloads, a call through the capture gateway's in-process tiny engine (``gatewa
 ``template``, the time from its finished episode's append to the episode's samples written
 by the shared replay worker (``replay``, a real ``trajstore worker --queues replay``).
 
-The attacker's floods (``--workloads``, one process each, ``--attackers`` in all):
+The attackers' floods (``--workloads``, each from a project of its own, one process each,
+``--attackers`` in all):
 
 - ``otlp``: gzip OTLP exports over ``OTLP_MAX_SPANS`` (413, or 429 past
   ``OTLP_MAX_CONCURRENT`` and the refusal budget);
@@ -25,10 +28,10 @@ kind.
 
     python bench/isolation.py [--rounds 200 --workloads otlp,oversized,chunked,gateway,...]
 
-Ends with ``RESULT victim_p99_ratio=<worst p99 flood/quiet> victim_errors=<n>
-refusals_413=<n> refusals_429=<n> refusals_422=<n> refusals_other=<n> accepted=<n>``
-(target ratio <= 2.0, errors 0; ``accepted``: the attacker's requests answered 2xx, the
-hostile template's episodes).
+Ends with ``RESULT victim_p99_ratio=<worst p99 flood/quiet> api_p99_ratio=<worst of the API
+requests> [replay_p99_ratio=<replay>] victim_errors=<n> refusals_413=<n> refusals_429=<n>
+refusals_422=<n> refusals_other=<n> accepted=<n>`` (target ratio <= 2.0, errors 0;
+``accepted``: the attackers' requests answered 2xx, the hostile template's episodes).
 """
 
 from __future__ import annotations
@@ -109,6 +112,9 @@ def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
     ``stop`` is, one request at a time (the next as soon as the last is answered), then puts
     its answers by kind on ``counts``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # An attacker's client runs on a machine of its own in a deployment: here its own work
+    # (building, sending, reading) yields the shared cores to the server it floods.
+    os.nice(10)
     bad = {"Authorization": f"Bearer {token}"}
     out: dict[str, int] = {"413": 0, "429": 0, "422": 0, "other": 0, "accepted": 0}
     flood_otlp = _otlp_flood(20_000) if kind == "otlp" else b""
@@ -146,9 +152,12 @@ def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
                         "run_id": f"a-tok-{uuid.uuid4().hex[:10]}",
                         "config": {"group_size": 1, "tokenizer": folder}})
                 elif kind == "template":
+                    body = json.loads(extra["template_bodies"][n % len(
+                        extra["template_bodies"])])
+                    for event in body["events"]:
+                        event["event_id"] = str(uuid.uuid4())
                     a = c.post(f"/v1/episodes/a-{uuid.uuid4().hex[:10]}/events",
-                               content=extra["template_bodies"][n % len(
-                                   extra["template_bodies"])], headers=json_headers)
+                               content=json.dumps(body).encode(), headers=json_headers)
                     # One episode a second: the replay worker's slots, not the API, are the
                     # resource this flood aims at.
                     stop.wait(1.0)
@@ -249,8 +258,9 @@ def _start_replay_worker(url: str, tmp: Path, render_budget_s: float
     raise RuntimeError("the replay worker did not start")
 
 
-def measure(url: str, victim: _Victim, attacker: str, *, rounds: int, workloads: list[str],
-            attackers: int, extra: dict[str, Any], block: int = 10) -> dict[str, Any]:
+def measure(url: str, victim: _Victim, attackers_keys: dict[str, str], *, rounds: int,
+            workloads: list[str], attackers: int, extra: dict[str, Any], block: int = 10
+            ) -> dict[str, Any]:
     """The victim's p99s quiet and under the floods, its errors, the attacker's answers.
     Quiet and flood alternate in blocks of ``block`` rounds (the attackers wait between
     floods), so that what else the machine runs weighs on both alike."""
@@ -261,8 +271,8 @@ def measure(url: str, victim: _Victim, attacker: str, *, rounds: int, workloads:
     ctx = multiprocessing.get_context("spawn")
     stop, flooding, counts = ctx.Event(), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_attack, daemon=True, args=(
-        url, attacker, workloads[k % len(workloads)], extra, stop, flooding, counts))
-        for k in range(attackers)]
+        url, attackers_keys[workloads[k % len(workloads)]], workloads[k % len(workloads)],
+        extra, stop, flooding, counts)) for k in range(attackers)]
     for p in procs:
         p.start()
     errors = 0
@@ -326,7 +336,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             keys = KeyStore(db, settings)
             victim_key = keys.create(project="victim", role="ingest").token
             reader = keys.create(project="victim", role="read").token
-            attacker = keys.create(project="attacker", role="ingest").token
+            # Each flood from a project of its own: the refusal budget of one does not stop
+            # the others (the hostile template's episodes are accepted, not refused).
+            attacking = {w: keys.create(project=f"attacker-{w}", role="ingest").token
+                         for w in workloads}
             keys.close()
         gateway = "gateway" in workloads
         env = {"TRAJSTORE_API_MAX_REQUEST_BYTES": str(_MAX_BODY),
@@ -345,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 replay_db = Database(url, max_size=1)
                 hostile = f"a-hostile-{uuid.uuid4().hex[:8]}"
                 r = httpx.post(f"{server.url}/v1/runs", headers={
-                    "Authorization": f"Bearer {attacker}"}, json={
+                    "Authorization": f"Bearer {attacking['template']}"}, json={
                     "run_id": hostile, "config": {"group_size": 1, "tokenizer": "qwen3",
                                                   "chat_template": _BUSY +
                                                   tokenizer.chat_template}}, timeout=60)
@@ -355,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                             for i in range(4)]
             victim = _Victim(server.url, victim_key, reader, gateway=gateway,
                              replay_db=replay_db, tokenizer=tokenizer)
-            result = measure(server.url, victim, attacker, rounds=args.rounds,
+            result = measure(server.url, victim, attacking, rounds=args.rounds,
                              workloads=workloads, attackers=attackers, extra=extra)
             victim.http.close()
         finally:
@@ -373,7 +386,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = result["answers"]
     print(f"victim errors {result['errors']}; attacker answers {a}")
     worst = max(result["ratios"].values())
-    print(f"RESULT victim_p99_ratio={worst:.2f} victim_errors={result['errors']} "
+    api = max(v for k, v in result["ratios"].items() if k != "replay")
+    replay = f" replay_p99_ratio={result['ratios']['replay']:.2f}" \
+        if "replay" in result["ratios"] else ""
+    print(f"RESULT victim_p99_ratio={worst:.2f} api_p99_ratio={api:.2f}{replay} "
+          f"victim_errors={result['errors']} "
           f"refusals_413={a.get('413', 0)} refusals_429={a.get('429', 0)} "
           f"refusals_422={a.get('422', 0)} refusals_other={a.get('other', 0)} "
           f"accepted={a.get('accepted', 0)}")
