@@ -4,7 +4,15 @@ The request size limit: a body over ``api_max_request_bytes`` is answered 413 be
 any route sees it (a declared ``Content-Length`` over the limit is refused unread; a chunked
 body is counted as it arrives and refused as soon as it passes the limit). And the URL check:
 a NUL character in the path or in a query parameter is answered 422 naming it, before any
-route passes it to the database (whose text cannot hold NUL)."""
+route passes it to the database (whose text cannot hold NUL).
+
+The refusal budget (``RefusalBudget``): a project whose requests were refused by a limit
+(413, 429, a 422 of a limit: ``limit_exceeded``, ``render_budget``, a tokenizer folder outside
+the roots) ``api_refusal_budget`` times within the last ``api_refusal_window_s`` seconds is
+answered 429 at once, its body unread, until the oldest of those refusals is older than the
+window (said in Retry-After). A project flooding requests that a limit refuses thus costs the
+server's process a few reads and decodes a window, not one per request, and the other
+projects keep its time. The count is per API process."""
 
 from __future__ import annotations
 

@@ -284,8 +284,8 @@ class Settings(BaseSettings):
     )
     api_refusal_budget: int = Field(
         default=50, ge=0,
-        description="Requests of one project a limit may refuse (413, 429, 422 "
-        "limit_exceeded) within api_refusal_window_s in one API process; past it the "
+        description="Requests of one project a limit may refuse (413, 429, a 422 of a "
+        "limit) within api_refusal_window_s in one API process; past it the "
         "project's requests are answered 429 unread until the oldest refusal leaves the "
         "window. 0: no budget.",
     )
