@@ -10,12 +10,15 @@ The refusal budget (``RefusalBudget``): a project whose requests were refused by
 (413, 429, a 422 of a limit: ``limit_exceeded``, ``render_budget``, a tokenizer folder outside
 the roots) ``api_refusal_budget`` times within the last ``api_refusal_window_s`` seconds is
 answered 429 at once, its body unread, until the oldest of those refusals is older than the
-window (said in Retry-After). A project flooding requests that a limit refuses thus costs the
-server's process a few reads and decodes a window, not one per request, and the other
-projects keep its time. The count is per API process."""
+window (said in Retry-After). That answer is held up to ``HOLD_S`` (at most ``MAX_HELD`` at
+once), so that a client ignoring Retry-After is not answered in a tight loop. A project
+flooding requests that a limit refuses thus costs the server's process a few reads and
+decodes a window and a sleeping coroutine per connection, not work per request, and the
+other projects keep its time. The count is per API process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -25,6 +28,13 @@ from collections import deque
 from typing import Any
 
 __all__ = ["LIMIT_CODES", "BodyLimit", "NoNulInUrl", "RefusalBudget"]
+
+#: How long the answer to a project over its refusal budget waits (at most; less when its
+#: budget frees sooner), and how many such answers wait at once in one process (more are
+#: answered at once): a client that does not honour Retry-After is not answered in a tight
+#: loop, and a waiting answer costs the process a sleeping coroutine, not CPU.
+HOLD_S = 1.0
+MAX_HELD = 256
 
 #: Error codes of a 422 that a limit answered (they count against the refusal budget).
 LIMIT_CODES = frozenset({"limit_exceeded", "render_budget"})
@@ -113,6 +123,7 @@ class RefusalBudget:
         self.window_s = window_s
         self._lock = threading.Lock()
         self._refused: dict[str, deque[float]] = {}
+        self._held = 0
 
     def wait_s(self, project: str, now: float | None = None) -> float:
         """Seconds until ``project`` may be served again; 0 when it is within its budget."""
@@ -179,6 +190,13 @@ class RefusalBudget:
         return None if key is None else str(key.project)
 
     async def _over_budget(self, send: Any, wait_s: float) -> None:
+        if self._held < MAX_HELD:  # the event loop's thread alone counts these
+            self._held += 1
+            try:
+                await asyncio.sleep(min(HOLD_S, wait_s))
+            finally:
+                self._held -= 1
+            wait_s = max(0.0, wait_s - HOLD_S)
         retry = max(1, math.ceil(wait_s))
         body = json.dumps({"error": {
             "code": "too_many_requests",

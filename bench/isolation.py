@@ -1,9 +1,9 @@
 """Isolation between projects on one ``trajstore serve`` process: the victim project's
 ordinary requests, quiet and while attacker projects flood the shared resources, each
 flood from client processes of its own (an attacker is another client: its work of building
-and sending bodies does not share the interpreter that times the victim's requests, and runs
-at a lower CPU priority, as it would run on a machine of its own; every flood still sends its
-next request as soon as the last is answered).
+and sending bodies does not share the interpreter that times the victim's requests; it still
+shares the machine's cores). Every flood sends its next request as soon as the last is
+answered.
 
 The victim, one request at a time from this process: an episode appended (``ingest``), the
 runs listed (``query``), the episode read back (``read``); with ``gateway`` among the
@@ -107,14 +107,11 @@ def _chunks(size: int) -> Iterator[bytes]:
 
 
 def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
-            flooding: Any, counts: Any) -> None:
+            flooding: Any, ready: Any, counts: Any) -> None:
     """One attacking client process: floods ``kind`` while ``flooding`` is set, until
     ``stop`` is, one request at a time (the next as soon as the last is answered), then puts
     its answers by kind on ``counts``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # An attacker's client runs on a machine of its own in a deployment: here its own work
-    # (building, sending, reading) yields the shared cores to the server it floods.
-    os.nice(10)
     bad = {"Authorization": f"Bearer {token}"}
     out: dict[str, int] = {"413": 0, "429": 0, "422": 0, "other": 0, "accepted": 0}
     flood_otlp = _otlp_flood(20_000) if kind == "otlp" else b""
@@ -125,6 +122,7 @@ def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
                         "tools": [_TOOL] * 1000}).encode()
     n = 0
     with httpx.Client(base_url=url, timeout=120) as c:
+        ready.put(kind)
         while not stop.is_set():
             if not flooding.wait(0.05):
                 continue
@@ -258,31 +256,52 @@ def _start_replay_worker(url: str, tmp: Path, render_budget_s: float
     raise RuntimeError("the replay worker did not start")
 
 
+def _replayed_all(db: Database, timeout: float = 120) -> None:
+    """Wait until every finished episode is replayed (the hostile template's backlog)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with db.connection() as conn:
+            (left,) = conn.execute(
+                "SELECT count(*) FROM events f WHERE f.type = 'episode_finished' AND NOT EXISTS"
+                " (SELECT 1 FROM episodes p WHERE p.episode_id = f.stream_id"
+                "  AND p.projected_version >= f.stream_version)").fetchone()
+        if not left:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the replay backlog did not drain within {timeout} s")
+
+
 def measure(url: str, victim: _Victim, attackers_keys: dict[str, str], *, rounds: int,
             workloads: list[str], attackers: int, extra: dict[str, Any], block: int = 10
             ) -> dict[str, Any]:
     """The victim's p99s quiet and under the floods, its errors, the attacker's answers.
     Quiet and flood alternate in blocks of ``block`` rounds (the attackers wait between
-    floods), so that what else the machine runs weighs on both alike."""
+    floods), so that what else the machine runs weighs on both alike; a quiet block starts
+    once the replay worker has replayed every episode the floods left (no backlog of theirs
+    is timed as quiet)."""
     names = victim.names()
     quiet: dict[str, list[float]] = {n: [] for n in names}
     flood: dict[str, list[float]] = {n: [] for n in names}
     victim.round(0, {n: [] for n in names})  # warm-up: first loads, first connections
     ctx = multiprocessing.get_context("spawn")
-    stop, flooding, counts = ctx.Event(), ctx.Event(), ctx.Queue()
+    stop, flooding, ready, counts = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_attack, daemon=True, args=(
         url, attackers_keys[workloads[k % len(workloads)]], workloads[k % len(workloads)],
-        extra, stop, flooding, counts)) for k in range(attackers)]
+        extra, stop, flooding, ready, counts)) for k in range(attackers)]
     for p in procs:
         p.start()
+    for _ in procs:  # every attacker's interpreter is up, its bodies built
+        ready.get(timeout=300)
     errors = 0
     answers: dict[str, int] = {}
     try:
-        # The attackers' interpreters start (and run their first requests) meanwhile.
+        # A first flood: the attackers' first requests, the server's first refusals.
         flooding.set()
         time.sleep(3.0)
         flooding.clear()
         time.sleep(1.0)
+        if victim.replay_db is not None:
+            _replayed_all(victim.replay_db)
         done = 0
         while done < rounds:
             n = min(block, rounds - done)
@@ -295,6 +314,8 @@ def measure(url: str, victim: _Victim, attackers_keys: dict[str, str], *, rounds
                 if times:
                     flooding.clear()
                     time.sleep(0.3)  # requests in flight are answered
+                    if victim.replay_db is not None:
+                        _replayed_all(victim.replay_db)
             done += n
     finally:
         stop.set()
