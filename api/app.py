@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.context import ApiContext
 from api.errors import install_error_handlers
-from api.limits import BodyLimit, NoNulInUrl
+from api.limits import BodyLimit, NoNulInUrl, RefusalBudget
 from api.openapi import install_openapi
 from api.routers import (
     analytics,
@@ -83,6 +83,9 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     app = FastAPI(title="trajstore", version="0.1.0", description=DESCRIPTION,
                   lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.api_max_request_bytes)
+    # Outside BodyLimit: a project over its refusal budget is answered before its body is read.
+    app.add_middleware(RefusalBudget, budget=settings.api_refusal_budget,
+                       window_s=settings.api_refusal_window_s)
     app.add_middleware(NoNulInUrl)
     install_error_handlers(app)
     for module in (health, metrics, runs, episodes, credentials, samples, leases, completions,

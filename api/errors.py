@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.limits import LIMIT_CODES
 from store import errors as store_errors
 from store.validation import check_json
 
@@ -59,11 +60,15 @@ _STATUS_CODES = {
 
 class ApiError(Exception):
     """An error with an HTTP status, a short machine-readable ``code`` and a message naming
-    what is wrong; ``extra`` fields go into the error object beside them."""
+    what is wrong; ``extra`` fields go into the error object beside them. ``refused_by_limit``
+    (or a code of ``api.limits.LIMIT_CODES``) counts the refusal against the project's
+    refusal budget."""
 
     def __init__(self, status: int, code: str, message: str, *,
-                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+                 headers: dict[str, str] | None = None, refused_by_limit: bool = False,
+                 **extra: Any) -> None:
         super().__init__(message)
+        self.refused_by_limit = refused_by_limit
         self.status = status
         self.code = code
         self.message = message
@@ -173,6 +178,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if exc.refused_by_limit or exc.code in LIMIT_CODES:
+            request.state.limit_refusal = True  # counted by api.limits.RefusalBudget
         return error_response(exc.status, exc.code, exc.message, headers=exc.headers,
                               **exc.extra)
 

@@ -1,16 +1,43 @@
-"""The request size limit: a body over ``api_max_request_bytes`` is answered 413 before
+"""The request size limit, the refusal budget and the URL check.
+
+The request size limit: a body over ``api_max_request_bytes`` is answered 413 before
 any route sees it (a declared ``Content-Length`` over the limit is refused unread; a chunked
 body is counted as it arrives and refused as soon as it passes the limit). And the URL check:
 a NUL character in the path or in a query parameter is answered 422 naming it, before any
-route passes it to the database (whose text cannot hold NUL)."""
+route passes it to the database (whose text cannot hold NUL).
+
+The refusal budget (``RefusalBudget``): a project whose requests were refused by a limit
+(413, 429, a 422 of a limit: ``limit_exceeded``, ``render_budget``, a tokenizer folder outside
+the roots) ``api_refusal_budget`` times within the last ``api_refusal_window_s`` seconds is
+answered 429 at once, its body unread, until the oldest of those refusals is older than the
+window (said in Retry-After). That answer is held up to ``HOLD_S`` (at most ``MAX_HELD`` at
+once), so that a client ignoring Retry-After is not answered in a tight loop. A project
+flooding requests that a limit refuses thus costs the server's process a few reads and
+decodes a window and a sleeping coroutine per connection, not work per request, and the
+other projects keep its time. The count is per API process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import threading
+import time
 import urllib.parse
+from collections import deque
 from typing import Any
 
-__all__ = ["BodyLimit", "NoNulInUrl"]
+__all__ = ["LIMIT_CODES", "BodyLimit", "NoNulInUrl", "RefusalBudget"]
+
+#: How long the answer to a project over its refusal budget waits (at most; less when its
+#: budget frees sooner), and how many such answers wait at once in one process (more are
+#: answered at once): a client that does not honour Retry-After is not answered in a tight
+#: loop, and a waiting answer costs the process a sleeping coroutine, not CPU.
+HOLD_S = 1.0
+MAX_HELD = 256
+
+#: Error codes of a 422 that a limit answered (they count against the refusal budget).
+LIMIT_CODES = frozenset({"limit_exceeded", "render_budget"})
 
 _METHODS = {"POST", "PUT", "PATCH"}
 
@@ -76,6 +103,141 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class RefusalBudget:
+    """ASGI middleware keeping the refusal budget of each project (module docstring): it
+    must wrap ``BodyLimit``, so that a project over its budget is answered before its body is
+    read. A request's project is known before its body only when its key is one this process
+    trusts already (``api.keys.KeyStore.trusted``); a request with another key goes on, and
+    its refusal is counted once the key is known. ``budget`` 0 turns it off; ``budget`` < 0
+    or ``window_s`` <= 0 raise ValueError."""
+
+    def __init__(self, app: Any, *, budget: int, window_s: float) -> None:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        if not window_s > 0 or not math.isfinite(window_s):
+            raise ValueError(f"window_s must be a positive number of seconds, got {window_s}")
+        self.app = app
+        self.budget = budget
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._refused: dict[str, deque[float]] = {}
+        self._held = 0
+
+    def wait_s(self, project: str, now: float | None = None) -> float:
+        """Seconds until ``project`` may be served again; 0 when it is within its budget."""
+        with self._lock:
+            times = self._refused.get(project)
+            if times is None or len(times) < self.budget:
+                return 0.0
+            left = self.window_s - ((time.monotonic() if now is None else now) - times[0])
+            if left <= 0:
+                return 0.0
+            return left
+
+    def _count(self, project: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            times = self._refused.get(project)
+            if times is None:
+                if len(self._refused) > 100_000:  # forget projects quiet for a window
+                    self._refused = {p: t for p, t in self._refused.items()
+                                     if t and now - t[-1] < self.window_s}
+                times = self._refused[project] = deque(maxlen=self.budget)
+            times.append(now)
+
+    @staticmethod
+    def _token(scope: Any) -> str | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                text = value.decode("latin-1")
+                if text[:7].lower() == "bearer ":
+                    return text[7:].strip()
+            elif name == b"x-api-key":
+                return str(value.decode("latin-1").strip())
+        return None
+
+    def _project(self, scope: Any, token: str | None) -> str | None:
+        ctx = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
+        if ctx is None:
+            return None
+        if not token:
+            return ctx.local_key.project if ctx.local_key is not None else None
+        key = ctx.keys.trusted(token)
+        return None if key is None else str(key.project)
+
+    async def _verified_project(self, scope: Any, token: str | None) -> str | None:
+        """The project of a refused request whose key this process did not trust yet (a
+        limit answered before any route checked it): the key is checked now, once (the
+        process trusts it afterwards); None for a key that is not valid."""
+        project = self._project(scope, token)
+        if project is not None or not token:
+            return project
+        from starlette.concurrency import run_in_threadpool
+
+        from api.keys import KeyFailureBudgetExceeded
+
+        ctx = scope["app"].state.ctx
+        client = scope.get("client")
+        source = client[0] if client else ""
+        try:
+            if ctx.keys.refused(token, source):
+                return None
+            key = await run_in_threadpool(ctx.keys.verify, token, source)
+        except KeyFailureBudgetExceeded:
+            return None
+        return None if key is None else str(key.project)
+
+    async def _over_budget(self, send: Any, wait_s: float) -> None:
+        if self._held < MAX_HELD:  # the event loop's thread alone counts these
+            self._held += 1
+            try:
+                await asyncio.sleep(min(HOLD_S, wait_s))
+            finally:
+                self._held -= 1
+            wait_s = max(0.0, wait_s - HOLD_S)
+        retry = max(1, math.ceil(wait_s))
+        body = json.dumps({"error": {
+            "code": "too_many_requests",
+            "message": f"this project's requests were refused by a limit {self.budget} times "
+                       f"within {self.window_s:g} s (setting TRAJSTORE_API_REFUSAL_BUDGET, "
+                       f"TRAJSTORE_API_REFUSAL_WINDOW_S); retry after {retry} s",
+            "limit": self.budget, "setting": "api_refusal_budget"}}).encode()
+        await send({"type": "http.response.start", "status": 429,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", str(retry).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.budget:
+            await self.app(scope, receive, send)
+            return
+        token = self._token(scope)
+        project = self._project(scope, token)
+        if project is not None:
+            wait_s = self.wait_s(project)
+            if wait_s > 0:
+                await self._over_budget(send, wait_s)
+                return
+        status = 0
+        state = scope.setdefault("state", {})  # where the error handler marks a 422 of a limit
+
+        async def watch(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            if status in (413, 429) or state.get("limit_refusal"):
+                counted = project or await self._verified_project(scope, token)
+                if counted is not None:
+                    self._count(counted)
 
 
 class NoNulInUrl:

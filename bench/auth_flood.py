@@ -50,7 +50,8 @@ ME = "/v1/keys/me"
 class _Server:
     """``trajstore serve`` on a free port with the given extra settings."""
 
-    def __init__(self, url: str, *, workers: int, log: Path, env: dict[str, str]) -> None:
+    def __init__(self, url: str, *, workers: int, log: Path, env: dict[str, str],
+                 args: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
@@ -58,7 +59,7 @@ class _Server:
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1", "--port",
-             str(self.port), "--workers", str(workers)],
+             str(self.port), "--workers", str(workers), *args],
             env=full, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -1,17 +1,37 @@
 """Isolation between projects on one ``trajstore serve`` process: the victim project's
-ordinary requests (an episode appended, the runs listed, the episode read back), quiet and
-while an attacker project floods the OTLP route with exports over ``OTLP_MAX_SPANS`` (from
-several threads, so past ``OTLP_MAX_CONCURRENT`` too) and the ingest route with bodies over
-``API_MAX_REQUEST_BYTES``. Prints the victim's p99 per workload against quiet, its errors and
-the attacker's refusals by kind.
+ordinary requests, quiet and while attacker projects flood the shared resources, each
+flood from client processes of its own (an attacker is another client: its work of building
+and sending bodies does not share the interpreter that times the victim's requests; it still
+shares the machine's cores). Every flood sends its next request as soon as the last is
+answered.
 
-Not covered here yet: rollouts (measured by ``tests/api/test_rollout_budget.py`` with real
-workers), gateway calls, template rendering and tokenizer folders.
+The victim, one request at a time from this process: an episode appended (``ingest``), the
+runs listed (``query``), the episode read back (``read``); with ``gateway`` among the
+workloads, a call through the capture gateway's in-process tiny engine (``gateway``); with
+``template``, the time from its finished episode's append to the episode's samples written
+by the shared replay worker (``replay``, a real ``trajstore worker --queues replay``).
 
-    python bench/isolation.py [--rounds 30 --attackers 3]
+The attackers' floods (``--workloads``, each from a project of its own, one process each,
+``--attackers`` in all):
 
-Ends with ``RESULT victim_p99_ratio=<worst p99 flood/quiet> victim_errors=<n>
-refusals_413=<n> refusals_429=<n> refusals_other=<n>`` (target ratio <= 2.0, errors 0).
+- ``otlp``: gzip OTLP exports over ``OTLP_MAX_SPANS`` (413, or 429 past
+  ``OTLP_MAX_CONCURRENT`` and the refusal budget);
+- ``oversized``: ingest bodies over ``API_MAX_REQUEST_BYTES`` with their Content-Length;
+- ``chunked``: the same bodies sent chunked, without a Content-Length;
+- ``gateway``: gateway calls with 10,000 stop strings or 1,000 tools (422 by the caps);
+- ``tokenizer``: runs naming tokenizer folders outside the roots, each spelled anew (422);
+- ``template``: episodes of a run whose ``chat_template`` loops for ever, which the shared
+  replay worker renders under ``RENDER_BUDGET_S`` and records invalid.
+
+Prints the victim's p99 per workload against quiet, its errors and the attacker's answers by
+kind.
+
+    python bench/isolation.py [--rounds 200 --workloads otlp,oversized,chunked,gateway,...]
+
+Ends with ``RESULT victim_p99_ratio=<worst p99 flood/quiet> api_p99_ratio=<worst of the API
+requests> [replay_p99_ratio=<replay>] victim_errors=<n> refusals_413=<n> refusals_429=<n>
+refusals_422=<n> refusals_other=<n> accepted=<n>`` (target ratio <= 2.0, errors 0;
+``accepted``: the attackers' requests answered 2xx, the hostile template's episodes).
 """
 
 from __future__ import annotations
@@ -19,11 +39,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import multiprocessing
+import os
+import signal
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +56,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from api.keys import KeyStore  # noqa: E402
-from bench.api import batch_json, episode_events  # noqa: E402
+from bench.api import batch_json  # noqa: E402
 from bench.auth_flood import _Server  # noqa: E402
 from bench.common import scratch_database  # noqa: E402
 from store.db import Database  # noqa: E402
 from store.settings import Settings  # noqa: E402
 
-__all__ = ["main"]
+__all__ = ["WORKLOADS", "main", "measure"]
 
 _MAX_BODY = 2 * 1024 * 1024
+#: Every flood, in the order the attackers take them.
+WORKLOADS = ("otlp", "oversized", "chunked", "gateway", "tokenizer", "template")
+#: A template that loops for ever in practice (10^10 steps), printing nothing.
+_BUSY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+_TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                          "parameters": {"type": "object", "properties": {}}}}
 
 
 def _p99(values: list[float]) -> float:
@@ -58,110 +88,333 @@ def _otlp_flood(spans: int) -> bytes:
     return gzip.compress(json.dumps(body).encode())
 
 
-def _victim_round(http: httpx.Client, run_id: str, seed: int,
-                  times: dict[str, list[float]], read: dict[str, str]) -> int:
-    """One round of the victim's workloads; returns its errors."""
-    errors = 0
-    episode = f"v-{uuid.uuid4().hex[:10]}"
-    body = json.dumps({"expected_version": "no_stream", "events": batch_json(
-        episode_events(run_id=run_id, group_id=episode, n_events=7, prompt=64, response=32,
-                       seed=seed), encoding="base64", prompt_refs=False)}).encode()
-    for name, call in (
-            ("ingest", lambda: http.post(f"/v1/episodes/{episode}/events", content=body)),
-            ("query", lambda: http.get("/v1/runs", headers=read)),
-            ("read", lambda: http.get(f"/v1/episodes/{episode}?tokens=false",
-                                      headers=read))):
-        t0 = time.perf_counter()
-        r = call()
-        times[name].append(time.perf_counter() - t0)
-        if r.status_code >= 400:
-            errors += 1
-            if errors == 1 and seed == 0:
-                print(f"victim {name}: {r.status_code} {r.text[:300]}", file=sys.stderr)
-    return errors
+def _episode_body(tokenizer: Any, run_id: str, seed: int) -> bytes:
+    """A finished episode (two calculator calls, a reward) as the ingest route takes it."""
+    from bench.replay import episode
+
+    events = batch_json(episode(tokenizer, run_id, f"g{seed}", 2, seed), encoding="base64",
+                        prompt_refs=False)
+    for event in events:
+        event["event_id"] = str(uuid.uuid4())
+    return json.dumps({"expected_version": "no_stream", "events": events}).encode()
 
 
-def measure(url: str, victim: str, reader: str, attacker: str, *, rounds: int,
-            attackers: int) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {victim}", "Content-Type": "application/json"}
-    read = {"Authorization": f"Bearer {reader}"}
-    bad = {"Authorization": f"Bearer {attacker}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
-        run_id = f"victim-{uuid.uuid4().hex[:8]}"
-        r = http.post("/v1/runs", json={"run_id": run_id, "config": {"group_size": 1}})
+def _chunks(size: int) -> Iterator[bytes]:
+    piece = b"x" * 65536
+    while size > 0:
+        yield piece[:size]
+        size -= len(piece)
+
+
+def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
+            flooding: Any, ready: Any, counts: Any) -> None:
+    """One attacking client process: floods ``kind`` while ``flooding`` is set, until
+    ``stop`` is, one request at a time (the next as soon as the last is answered), then puts
+    its answers by kind on ``counts``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    bad = {"Authorization": f"Bearer {token}"}
+    out: dict[str, int] = {"413": 0, "429": 0, "422": 0, "other": 0, "accepted": 0}
+    flood_otlp = _otlp_flood(20_000) if kind == "otlp" else b""
+    oversized = b"x" * (_MAX_BODY + 1)
+    stops = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                        "stop": [f"s{i}" for i in range(10_000)]}).encode()
+    tools = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                        "tools": [_TOOL] * 1000}).encode()
+    n = 0
+    with httpx.Client(base_url=url, timeout=120) as c:
+        ready.put(kind)
+        while not stop.is_set():
+            if not flooding.wait(0.05):
+                continue
+            n += 1
+            json_headers = {**bad, "Content-Type": "application/json"}
+            try:
+                if kind == "otlp":
+                    a = c.post("/v1/traces", content=flood_otlp,
+                               headers={**json_headers, "Content-Encoding": "gzip"})
+                elif kind == "oversized":
+                    a = c.post(f"/v1/episodes/a-{uuid.uuid4().hex[:8]}/events",
+                               content=oversized, headers=json_headers)
+                elif kind == "chunked":
+                    a = c.post(f"/v1/episodes/a-{uuid.uuid4().hex[:8]}/events",
+                               content=_chunks(_MAX_BODY + 1), headers=json_headers)
+                elif kind == "gateway":
+                    a = c.post(f"/v1/runs/a-run-{n}/episodes/a-{uuid.uuid4().hex[:8]}"
+                               "/chat/completions", content=stops if n % 2 else tools,
+                               headers=json_headers)
+                elif kind == "tokenizer":
+                    # Folders outside the roots, each spelled anew (./, //, ..).
+                    folder = ["/etc", "/usr/lib", "/proc/self"][n % 3] + "/." * (n % 7) + \
+                        "//x/.." * (n % 5)
+                    a = c.post("/v1/runs", headers=bad, json={
+                        "run_id": f"a-tok-{uuid.uuid4().hex[:10]}",
+                        "config": {"group_size": 1, "tokenizer": folder}})
+                elif kind == "template":
+                    body = json.loads(extra["template_bodies"][n % len(
+                        extra["template_bodies"])])
+                    for event in body["events"]:
+                        event["event_id"] = str(uuid.uuid4())
+                    a = c.post(f"/v1/episodes/a-{uuid.uuid4().hex[:10]}/events",
+                               content=json.dumps(body).encode(), headers=json_headers)
+                    # One episode a second: the replay worker's slots, not the API, are the
+                    # resource this flood aims at.
+                    stop.wait(1.0)
+                else:
+                    raise ValueError(f"unknown workload {kind!r}")
+                status = a.status_code
+            except httpx.HTTPError:
+                status = 0
+            if 200 <= status < 300:
+                out["accepted"] += 1
+            else:
+                out[str(status) if str(status) in out else "other"] += 1
+    counts.put(out)
+
+
+def _wait_replayed(db: Database, episode: str, since: float, timeout: float = 120) -> float:
+    """Seconds from ``since`` until ``episode``'s projection is written."""
+    while time.monotonic() - since < timeout:
+        with db.connection() as conn:
+            row = conn.execute("SELECT projected_version FROM episodes WHERE episode_id = %s",
+                               (episode,)).fetchone()
+        if row is not None and row[0]:
+            return time.monotonic() - since
+        time.sleep(0.005)
+    raise RuntimeError(f"{episode} was not replayed within {timeout} s")
+
+
+class _Victim:
+    """The victim's workloads, one request at a time."""
+
+    def __init__(self, url: str, token: str, reader: str, *, gateway: bool,
+                 replay_db: Database | None, tokenizer: Any) -> None:
+        self.http = httpx.Client(base_url=url, timeout=120, headers={
+            "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        self.read = {"Authorization": f"Bearer {reader}"}
+        self.gateway = gateway
+        self.replay_db = replay_db
+        self.tokenizer = tokenizer
+        self.run_id = f"victim-{uuid.uuid4().hex[:8]}"
+        r = self.http.post("/v1/runs", json={"run_id": self.run_id, "config": {
+            "group_size": 1, "tokenizer": "qwen3"}})
         if r.status_code != 201:
             raise RuntimeError(f"run creation failed: {r.status_code} {r.text[:200]}")
-        quiet: dict[str, list[float]] = {"ingest": [], "query": [], "read": []}
-        errors = sum(_victim_round(http, run_id, i, quiet, read) for i in range(rounds))
-        flood_otlp = _otlp_flood(20_000)
-        oversized = b"x" * (_MAX_BODY + 1)
-        refusals: dict[str, int] = {"413": 0, "429": 0, "other": 0}
-        lock = threading.Lock()
-        stop = threading.Event()
 
-        def attack(k: int) -> None:
-            with httpx.Client(base_url=url, timeout=120) as c:
-                while not stop.is_set():
-                    if k % 2 == 0:
-                        a = c.post("/v1/traces", content=flood_otlp, headers={
-                            **bad, "Content-Type": "application/json",
-                            "Content-Encoding": "gzip"})
-                    else:
-                        a = c.post(f"/v1/episodes/a-{uuid.uuid4().hex[:8]}/events",
-                                   content=oversized,
-                                   headers={**bad, "Content-Type": "application/json"})
-                    kind = str(a.status_code) if a.status_code in (413, 429) else "other"
-                    with lock:
-                        refusals[kind] += 1
+    def names(self) -> list[str]:
+        return ["ingest", "query", "read"] + (["gateway"] if self.gateway else []) + (
+            ["replay"] if self.replay_db is not None else [])
 
-        threads = [threading.Thread(target=attack, args=(k,), daemon=True)
-                   for k in range(attackers)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        flood: dict[str, list[float]] = {"ingest": [], "query": [], "read": []}
-        try:
-            errors += sum(_victim_round(http, run_id, rounds + i, flood, read)
-                          for i in range(rounds))
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=120)
-    ratios = {name: _p99(flood[name]) / _p99(quiet[name]) for name in quiet}
+    def round(self, seed: int, times: dict[str, list[float]]) -> int:
+        """One round of every workload; returns its errors."""
+        errors = 0
+        episode = f"v-{uuid.uuid4().hex[:10]}"
+        body = _episode_body(self.tokenizer, self.run_id, seed)
+        calls = [
+            ("ingest", lambda: self.http.post(f"/v1/episodes/{episode}/events", content=body)),
+            ("query", lambda: self.http.get("/v1/runs", headers=self.read)),
+            ("read", lambda: self.http.get(f"/v1/episodes/{episode}?tokens=false",
+                                           headers=self.read))]
+        if self.gateway:
+            calls.append(("gateway", lambda: self.http.post(
+                f"/v1/runs/{self.run_id}-gw/episodes/{episode}-gw/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "temperature": 0})))
+        for name, call in calls:
+            t0 = time.perf_counter()
+            r = call()
+            took = time.perf_counter() - t0
+            times[name].append(took)
+            if r.status_code >= 400:
+                errors += 1
+                print(f"victim {name}: {r.status_code} {r.text[:300]}", file=sys.stderr)
+            if name == "ingest" and self.replay_db is not None:
+                times["replay"].append(_wait_replayed(self.replay_db, episode,
+                                                      time.monotonic()))
+        return errors
+
+
+def _start_replay_worker(url: str, tmp: Path, render_budget_s: float
+                         ) -> subprocess.Popen[bytes]:
+    from store import embedded
+
+    broker = embedded.redis_url(Settings(database_url=url, data_dir=tmp))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env.update(TRAJSTORE_DATABASE_URL=url, TRAJSTORE_REDIS_URL=broker,
+               TRAJSTORE_DATA_DIR=str(tmp), TRAJSTORE_RENDER_BUDGET_S=str(render_budget_s))
+    log = tmp / "worker.log"
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "trajstore", "worker", "--queues", "replay"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if b" ready." in log.read_bytes():
+            return worker
+        if worker.poll() is not None:
+            raise RuntimeError(f"the replay worker exited: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError("the replay worker did not start")
+
+
+def _replayed_all(db: Database, timeout: float = 120) -> None:
+    """Wait until every finished episode is replayed (the hostile template's backlog)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with db.connection() as conn:
+            (left,) = conn.execute(
+                "SELECT count(*) FROM events f WHERE f.type = 'episode_finished' AND NOT EXISTS"
+                " (SELECT 1 FROM episodes p WHERE p.episode_id = f.stream_id"
+                "  AND p.projected_version >= f.stream_version)").fetchone()
+        if not left:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the replay backlog did not drain within {timeout} s")
+
+
+def measure(url: str, victim: _Victim, attackers_keys: dict[str, str], *, rounds: int,
+            workloads: list[str], attackers: int, extra: dict[str, Any], block: int = 10
+            ) -> dict[str, Any]:
+    """The victim's p99s quiet and under the floods, its errors, the attacker's answers.
+    Quiet and flood alternate in blocks of ``block`` rounds (the attackers wait between
+    floods), so that what else the machine runs weighs on both alike; a quiet block starts
+    once the replay worker has replayed every episode the floods left (no backlog of theirs
+    is timed as quiet)."""
+    names = victim.names()
+    quiet: dict[str, list[float]] = {n: [] for n in names}
+    flood: dict[str, list[float]] = {n: [] for n in names}
+    victim.round(0, {n: [] for n in names})  # warm-up: first loads, first connections
+    ctx = multiprocessing.get_context("spawn")
+    stop, flooding, ready, counts = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_attack, daemon=True, args=(
+        url, attackers_keys[workloads[k % len(workloads)]], workloads[k % len(workloads)],
+        extra, stop, flooding, ready, counts)) for k in range(attackers)]
+    for p in procs:
+        p.start()
+    for _ in procs:  # every attacker's interpreter is up, its bodies built
+        ready.get(timeout=300)
+    errors = 0
+    answers: dict[str, int] = {}
+    try:
+        # A first flood: the attackers' first requests, the server's first refusals.
+        flooding.set()
+        time.sleep(3.0)
+        flooding.clear()
+        time.sleep(1.0)
+        if victim.replay_db is not None:
+            _replayed_all(victim.replay_db)
+        done = 0
+        while done < rounds:
+            n = min(block, rounds - done)
+            for phase, times in ((quiet, False), (flood, True)):
+                if times:
+                    flooding.set()
+                    time.sleep(0.3)  # the floods are under way
+                errors += sum(victim.round(1 + 2 * done + i + (rounds if times else 0), phase)
+                              for i in range(n))
+                if times:
+                    flooding.clear()
+                    time.sleep(0.3)  # requests in flight are answered
+                    if victim.replay_db is not None:
+                        _replayed_all(victim.replay_db)
+            done += n
+    finally:
+        stop.set()
+        flooding.set()
+        for _ in procs:
+            for kind, n in counts.get(timeout=300).items():
+                answers[kind] = answers.get(kind, 0) + n
+        for p in procs:
+            p.join(timeout=60)
+    ratios = {n: _p99(flood[n]) / _p99(quiet[n]) for n in names}
     return {"quiet": {n: _p99(v) for n, v in quiet.items()},
             "flood": {n: _p99(v) for n, v in flood.items()},
-            "ratios": ratios, "errors": errors, "refusals": refusals}
+            "ratios": ratios, "errors": errors, "answers": answers}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--attackers", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"Floods, comma separated, of {', '.join(WORKLOADS)}.")
+    parser.add_argument("--attackers", type=int, default=0,
+                        help="Attacking processes (default: one per flood).")
+    parser.add_argument("--render-budget-s", type=float, default=0.5,
+                        help="RENDER_BUDGET_S of the replay worker.")
     args = parser.parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown or not workloads:
+        parser.error(f"--workloads: unknown {unknown}; give some of {', '.join(WORKLOADS)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    attackers = args.attackers or len(workloads)
+    from workers.engines.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer("qwen3")
     with scratch_database() as url, tempfile.TemporaryDirectory() as tmp:
         settings = Settings(database_url=url)
         with Database(url) as db:
             keys = KeyStore(db, settings)
-            victim = keys.create(project="victim", role="ingest").token
+            victim_key = keys.create(project="victim", role="ingest").token
             reader = keys.create(project="victim", role="read").token
-            attacker = keys.create(project="attacker", role="ingest").token
+            # Each flood from a project of its own: the refusal budget of one does not stop
+            # the others (the hostile template's episodes are accepted, not refused).
+            attacking = {w: keys.create(project=f"attacker-{w}", role="ingest").token
+                         for w in workloads}
             keys.close()
-        server = _Server(url, workers=1, log=Path(tmp) / "serve.log", env={
-            "TRAJSTORE_API_MAX_REQUEST_BYTES": str(_MAX_BODY),
-            "TRAJSTORE_OTLP_MAX_SPANS": "200"})
+        gateway = "gateway" in workloads
+        env = {"TRAJSTORE_API_MAX_REQUEST_BYTES": str(_MAX_BODY),
+               "TRAJSTORE_OTLP_MAX_SPANS": "200", "TRAJSTORE_DATA_DIR": tmp}
+        if gateway:
+            env.update(TRAJSTORE_GATEWAY_ENGINE_MODEL="tiny", TRAJSTORE_GATEWAY_MAX_TOKENS="8")
+        # Replay is left to replay workers, as deployments do (``trajstore up``).
+        server = _Server(url, workers=1, log=Path(tmp) / "serve.log", env=env,
+                         args=("--no-replay",))
+        worker = None
+        replay_db = None
+        extra: dict[str, Any] = {}
         try:
-            result = measure(server.url, victim, reader, attacker, rounds=args.rounds,
-                             attackers=args.attackers)
+            if "template" in workloads:
+                worker = _start_replay_worker(url, Path(tmp), args.render_budget_s)
+                replay_db = Database(url, max_size=1)
+                hostile = f"a-hostile-{uuid.uuid4().hex[:8]}"
+                r = httpx.post(f"{server.url}/v1/runs", headers={
+                    "Authorization": f"Bearer {attacking['template']}"}, json={
+                    "run_id": hostile, "config": {"group_size": 1, "tokenizer": "qwen3",
+                                                  "chat_template": _BUSY +
+                                                  tokenizer.chat_template}}, timeout=60)
+                if r.status_code != 201:
+                    raise RuntimeError(f"hostile run: {r.status_code} {r.text[:300]}")
+                extra["template_bodies"] = [_episode_body(tokenizer, hostile, 10_000 + i)
+                                            for i in range(4)]
+            victim = _Victim(server.url, victim_key, reader, gateway=gateway,
+                             replay_db=replay_db, tokenizer=tokenizer)
+            result = measure(server.url, victim, attacking, rounds=args.rounds,
+                             workloads=workloads, attackers=attackers, extra=extra)
+            victim.http.close()
         finally:
             server.stop()
+            if replay_db is not None:
+                replay_db.close()
+            if worker is not None:
+                os.killpg(worker.pid, signal.SIGTERM)
+                worker.wait(timeout=60)
+    print(f"floods: {', '.join(workloads)} ({attackers} attacking processes), "
+          f"{args.rounds} rounds quiet and {args.rounds} under the floods")
     for name in result["quiet"]:
         print(f"{name:8s} p99 quiet {result['quiet'][name] * 1000:8.1f} ms  flood "
               f"{result['flood'][name] * 1000:8.1f} ms  ratio {result['ratios'][name]:.2f}")
-    print(f"victim errors {result['errors']}; attacker refusals {result['refusals']}")
+    a = result["answers"]
+    print(f"victim errors {result['errors']}; attacker answers {a}")
     worst = max(result["ratios"].values())
-    r = result["refusals"]
-    print(f"RESULT victim_p99_ratio={worst:.2f} victim_errors={result['errors']} "
-          f"refusals_413={r['413']} refusals_429={r['429']} refusals_other={r['other']}")
+    api = max(v for k, v in result["ratios"].items() if k != "replay")
+    replay = f" replay_p99_ratio={result['ratios']['replay']:.2f}" \
+        if "replay" in result["ratios"] else ""
+    print(f"RESULT victim_p99_ratio={worst:.2f} api_p99_ratio={api:.2f}{replay} "
+          f"victim_errors={result['errors']} "
+          f"refusals_413={a.get('413', 0)} refusals_429={a.get('429', 0)} "
+          f"refusals_422={a.get('422', 0)} refusals_other={a.get('other', 0)} "
+          f"accepted={a.get('accepted', 0)}")
     return result
 
 

@@ -282,6 +282,17 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest request body the API accepts; bigger ones get 413 unread.",
     )
+    api_refusal_budget: int = Field(
+        default=50, ge=0,
+        description="Requests of one project a limit may refuse (413, 429, a 422 of a "
+        "limit) within api_refusal_window_s in one API process; past it the "
+        "project's requests are answered 429 unread until the oldest refusal leaves the "
+        "window. 0: no budget.",
+    )
+    api_refusal_window_s: float = Field(
+        default=10.0, gt=0, le=3600, allow_inf_nan=False,
+        description="The window of api_refusal_budget, in seconds.",
+    )
     otlp_max_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024,
         description="Largest OTLP export (POST /v1/traces) once decompressed; bigger: 413.",

@@ -315,6 +315,8 @@ def run_demo(
     else:
         run_id = _create_run(store, settings, options)
     app = ensure_configured()
+    record = queries.run_record(store, run_id)
+    project = str((record or {}).get("data", {}).get("project") or "default")
     leasing_version = _policy_version(store, run_id)
     mini_batch_size, ppo_epochs = options.update_shape
     train_config = {"lr": options.learning_rate, "groups_per_step": options.groups_per_step,
@@ -332,7 +334,7 @@ def run_demo(
         target = leasing_version + options.steps
         done_before = queries.episodes_done(store, run_id)
         sent = 1
-        _send_batch(app, options, run_id, version, policy=version)
+        _send_batch(settings, project, options, run_id, version, policy=version)
         while version < target:
             _wait(lambda: queries.episodes_done(store, run_id) - done_before, sent * want,
                   procs, logs, options.timeout_s, on_progress, f"rollouts v{version}")
@@ -340,30 +342,36 @@ def run_demo(
             if options.overlap and version + 1 < target:
                 # Overlap: the next batch rolls out while this step trains, on the policy
                 # that the step started from (pinned, so timing never decides which).
-                _send_batch(app, options, run_id, version + 1, policy=version)
+                _send_batch(settings, project, options, run_id, version + 1, policy=version)
                 sent += 1
             _wait(lambda: _policy_version(store, run_id), version + 1, procs, logs,
                   options.timeout_s, on_progress, f"training v{version}")
             version = _policy_version(store, run_id)
             if not options.overlap and version < target:
-                _send_batch(app, options, run_id, version, policy=version)
+                _send_batch(settings, project, options, run_id, version, policy=version)
                 sent += 1
             if on_version is not None:
                 on_version(version_rows(store, run_id))
     return run_id, version_rows(store, run_id)
 
 
-def _send_batch(app: Any, options: DemoOptions, run_id: str, index: int, *,
-                policy: int) -> None:
+def _send_batch(settings: Settings, project: str, options: DemoOptions, run_id: str,
+                index: int, *, policy: int) -> None:
     """Queue the rollout groups of batch ``index`` (the batch trained as version index+1),
-    played at policy version ``policy``. Group indexes run on across batches: with overlap
-    two batches are played at the same policy version, and a group's id is made of its run,
-    task, version and index."""
+    played at policy version ``policy``, within the run's project's rollout budget
+    (``workers.rollout.fair``: on shared rollout workers the demo's groups take no more
+    places than any project's). Group indexes run on across batches: with overlap two
+    batches are played at the same policy version, and a group's id is made of its run,
+    task, version and index. Raises ``RolloutBudgetExceeded`` naming the setting when the
+    project has ``rollout_project_queued`` tasks queued or running already, ConnectionError
+    naming the broker when it cannot be reached."""
+    from workers.rollout.fair import send_budgeted
+
     for g in range(options.groups_per_step):
-        app.send_task("trajstore.rollout_group", args=[run_id, options.task_id(index, g)],
+        send_budgeted(settings, project, "trajstore.rollout_group",
+                      args=[run_id, options.task_id(index, g)],
                       kwargs={"group_index": index * options.groups_per_step + g,
-                              "policy_version": policy},
-                      queue="rollout")
+                              "policy_version": policy})
 
 
 def _policy_version(store: EventStore, run_id: str) -> int:

@@ -35,7 +35,11 @@ from store.eventlog import AppendResult as StoreAppendResult
 from store.events import RunCreated as RunCreatedEvent
 from store.training_steps import exclusion_counts
 from store.validation import check_text
-from workers.engines.tokenizers import allowed_roots, tokenizer_problem
+from workers.engines.tokenizers import (
+    allowed_roots,
+    tokenizer_problem,
+    tokenizer_root_problem,
+)
 from workers.rollout.remote_request import check_trainer_host
 from workers.rollout.user_tools import offered_tools
 
@@ -92,12 +96,15 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
         raise ApiError(403, "forbidden", f"this key may create runs in project "
                                          f"{key.project!r} only, not {project!r}")
     named = body.config.tokenizer_name
-    problem = tokenizer_problem(named, roots=allowed_roots(ctx.settings)) \
+    roots = allowed_roots(ctx.settings)
+    problem = tokenizer_problem(named, roots=roots) \
         if named and check_text(named) is None else None
     if problem is not None:
+        assert named is not None
         raise ApiError(422, "invalid", problem,
                        field="body.config.tokenizer" if body.config.tokenizer or not
-                       body.config.model else "body.config.model")
+                       body.config.model else "body.config.model",
+                       refused_by_limit=tokenizer_root_problem(named, roots) is not None)
     _check_tools(body.config.rollout, ctx)
     event = RunCreatedEvent(run_id=body.run_id, project=project, config=body.config,
                             event_id=body.event_id)
