@@ -338,7 +338,10 @@ def demo(
     group_size: Annotated[int, typer.Option(min=1, help="Episodes per GRPO group.")] = 8,
     groups: Annotated[int, typer.Option(min=1, help="Groups per training step.")] = 4,
     backend: Annotated[Backend, typer.Option(help="Rollout engine.")] = Backend.transformers,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the tiny model and trainer.")] = 0,
+    seed: Annotated[int, typer.Option(
+        min=0, help="Seed of the questions, the sampling and the trainer (and of the tiny "
+                    "model for --task digits; calc starts every seed from one warm start).")
+                    ] = 0,
     resume: Annotated[str | None, typer.Option(help="Continue this run from its last "
                                                "policy_updated.")] = None,
     task: Annotated[DemoTask, typer.Option(help="Task family: calc (tool use from a "
