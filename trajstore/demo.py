@@ -76,7 +76,7 @@ CALC_WARM_START_SEED = 0
 #: all failed lifted them above its negative, and a weak policy learnt to stop calling tools;
 #: one negative per group at -2 left seed 0's tool errors rising (37% -> 48%), and every
 #: failed call at -1 fed a spiral on seed 5 (more errors, more negatives pushing the call
-#: format down, 29% -> 67% tool errors and no tool calls by version 10).
+#: format down, 29% -> 67% tool errors, 3 tool calls in version 10).
 CALC_NEGATIVES = NegativeConfig(negative_reward=-0.5, max_negative_samples_per_group=8,
                                 baseline="episodes")
 
