@@ -96,15 +96,14 @@ def create_run(body: RunCreate, key: IngestKey, ctx: Ctx, response: Response) ->
         raise ApiError(403, "forbidden", f"this key may create runs in project "
                                          f"{key.project!r} only, not {project!r}")
     named = body.config.tokenizer_name
-    roots = allowed_roots(ctx.settings)
-    problem = tokenizer_problem(named, roots=roots) \
-        if named and check_text(named) is None else None
-    if problem is not None:
-        assert named is not None
-        raise ApiError(422, "invalid", problem,
-                       field="body.config.tokenizer" if body.config.tokenizer or not
-                       body.config.model else "body.config.model",
-                       refused_by_limit=tokenizer_root_problem(named, roots) is not None)
+    if named and check_text(named) is None:
+        roots = allowed_roots(ctx.settings)
+        problem = tokenizer_problem(named, roots=roots)
+        if problem is not None:
+            raise ApiError(422, "invalid", problem,
+                           field="body.config.tokenizer" if body.config.tokenizer or not
+                           body.config.model else "body.config.model",
+                           refused_by_limit=tokenizer_root_problem(named, roots) is not None)
     _check_tools(body.config.rollout, ctx)
     event = RunCreatedEvent(run_id=body.run_id, project=project, config=body.config,
                             event_id=body.event_id)

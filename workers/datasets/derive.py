@@ -110,8 +110,9 @@ class _Builder:
         self.configs: dict[str, RunConfig | None] = {}
         #: Each run's configuration with the rules over it (``apply_rules_to_config``).
         self.applied: dict[str, RunConfig] = {}
-        for run_id in runs or {}:  # run_created events the caller read already
-            self._config(runs or {}, run_id)
+        known = runs or {}  # run_created events the caller read already
+        for run_id in known:
+            self._config(known, run_id)
         spec = rules.reward.function
         self.reward = load_reward_function(spec) if spec is not None else None
 
