@@ -22,8 +22,10 @@ import psutil
 import pytest
 
 from store import queries
-from store.eventlog import EventStore
+from store.eventlog import EventStore, run_stream_id
+from store.events import PolicyUpdated
 from store.settings import Settings
+from store.streams import read_streams
 from tests.api.conftest import Server
 
 #: What the main job promises for every seed: the mean strict reward of the last three
@@ -81,6 +83,8 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
         versions = queries.version_summaries(store, run_id)
         negatives_trained = queries.negatives_trained_by_version(store, run_id)
         negatives = store.get_run(run_id).config.negatives
+        steps = [e.event for e in read_streams(store, [run_stream_id(run_id)])[
+            run_stream_id(run_id)] if isinstance(e.event, PolicyUpdated)]
     finally:
         store.close()
     assert sum(v.tool_errors for v in versions) > 0 and sum(v.rollbacks for v in versions) > 0
@@ -88,6 +92,9 @@ def test_demo_learns_and_writes_its_charts(tmp_path: Path) -> None:
     # call of a group up to 8, outside its group's statistics (trajstore.demo.CALC_NEGATIVES).
     assert sum(v.negatives for v in versions) > 0 and sum(negatives_trained.values()) > 0
     assert (negatives.baseline, negatives.max_negative_samples_per_group) == ("episodes", 8)
+    # Every step trained with the KL term to the warm start (trajstore.demo.CALC_KL_COEF).
+    assert len(steps) == 12 and all(s.metrics.get("kl_loss", -1) >= 0 for s in steps), steps
+    assert any(s.metrics["kl_loss"] > 0 for s in steps)
     # The --json summary (computed from the store's queries): the warm-started policy's own
     # calls reached the tools, some failed and were rolled back, some answers were right
     # (the warm start copies the operands), and EGPO's entropy bonus reached the <think>
