@@ -85,8 +85,9 @@ def parse_rules(rules: DatasetRules | dict[str, Any] | None) -> DatasetRules:
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    # A batch allocates many short-lived containers; automatic collections would walk the
-    # whole process for nothing (see workers.replay.jobs.project.collector_paused).
+    # A batch allocates many containers (decoded events, messages, timelines, token lists)
+    # that die by reference count once it is built; automatic collections would walk them,
+    # and the whole process, for nothing (see workers.replay.jobs.project.collector_paused).
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -124,7 +125,14 @@ class _Builder:
         return self.configs[run_id]
 
     def build(self, episode_ids: Sequence[str]) -> list[EpisodeOutcome]:
-        with _collector_paused(), self.store.db.connection() as conn:
+        # The whole batch, read and replay, with the collector paused (the replay allocates
+        # most of it); the batch's events are dropped when ``_build`` returns, so only the
+        # outcomes are left of it when the collector resumes.
+        with _collector_paused():
+            return self._build(episode_ids)
+
+    def _build(self, episode_ids: Sequence[str]) -> list[EpisodeOutcome]:
+        with self.store.db.connection() as conn:
             streams = read_streams(self.store, episode_ids, conn=conn)
             run_ids = {s[0].event.run_id for s in streams.values()  # type: ignore[attr-defined]
                        if hasattr(s[0].event, "run_id")} - set(self.configs)
