@@ -262,7 +262,12 @@ def derive_dataset(
             raise errors.ValidationError(f"{label} must be a positive whole number, got "
                                          f"{value!r}", field=label)
     runs = list(dict.fromkeys(run_ids))
-    projects = tables.run_projects(store, runs)
+    # The reads a derivation starts from on one pooled connection (each checkout costs round
+    # trips of its own: the pool's check of the connection and the commit).
+    with store.db.connection() as conn:
+        projects = tables.run_projects(store, runs, conn=conn)
+        episode_ids = tables.run_episode_ids(store, runs, conn=conn)
+        configs = read_run_events(store, set(runs), conn=conn)
     for run_id in runs:
         if run_id not in projects:
             raise errors.NotFoundError(f"no run {run_id!r}")
@@ -281,9 +286,6 @@ def derive_dataset(
         except ValueError as exc:
             raise errors.ValidationError(str(exc), field="rules.reward.function") from None
 
-    episode_ids = tables.run_episode_ids(store, runs)
-    with store.db.connection() as conn:
-        configs = read_run_events(store, set(runs), conn=conn)
     processes = pool.jobs if pool is not None else jobs
     size = max(1, min(batch, -(-len(episode_ids) // processes)))
     batches = [episode_ids[i:i + size] for i in range(0, len(episode_ids), size)]
