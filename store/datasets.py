@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import psycopg
 from psycopg.rows import dict_row
 
 from store import errors
@@ -90,25 +91,32 @@ def _version(row: dict[str, Any], trained_by: list[dict[str, Any]] | None = None
     return DatasetVersion(**row, trained_by=trained_by or [])
 
 
-def run_projects(store: Recorder, run_ids: Sequence[str]) -> dict[str, str]:
+def run_projects(store: Recorder, run_ids: Sequence[str], *,
+                 conn: psycopg.Connection | None = None) -> dict[str, str]:
     """The project of each run of ``run_ids`` that has a ``run_created`` (an unknown run is
-    absent)."""
+    absent), read on ``conn`` (a connection of ``store.db``) when given."""
+    if conn is None:
+        with store.db.connection() as own:
+            return run_projects(store, run_ids, conn=own)
     wanted = {run_stream_id(r): r for r in run_ids}
-    with store.db.connection() as conn:
-        rows = conn.execute(
-            f"SELECT stream_id, coalesce({_DATA}->>'project', 'default') FROM events"
-            " WHERE stream_id = ANY(%s) AND stream_version = 1 AND type = 'run_created'",
-            (list(wanted),)).fetchall()
+    rows = conn.execute(
+        f"SELECT stream_id, coalesce({_DATA}->>'project', 'default') FROM events"
+        " WHERE stream_id = ANY(%s) AND stream_version = 1 AND type = 'run_created'",
+        (list(wanted),)).fetchall()
     return {wanted[stream]: project for stream, project in rows}
 
 
-def run_episode_ids(store: Recorder, run_ids: Sequence[str]) -> list[str]:
+def run_episode_ids(store: Recorder, run_ids: Sequence[str], *,
+                    conn: psycopg.Connection | None = None) -> list[str]:
     """The episodes of ``run_ids`` (every stream with an ``episode_started`` of one of the
-    runs), in the order they were started."""
-    with store.db.connection() as conn:
-        rows = conn.execute(
-            "SELECT stream_id FROM events WHERE run_id = ANY(%s) AND type = 'episode_started'"
-            " ORDER BY position", (list(run_ids),)).fetchall()
+    runs), in the order they were started, read on ``conn`` (a connection of ``store.db``)
+    when given."""
+    if conn is None:
+        with store.db.connection() as own:
+            return run_episode_ids(store, run_ids, conn=own)
+    rows = conn.execute(
+        "SELECT stream_id FROM events WHERE run_id = ANY(%s) AND type = 'episode_started'"
+        " ORDER BY position", (list(run_ids),)).fetchall()
     return list(dict.fromkeys(r[0] for r in rows))
 
 

@@ -156,15 +156,27 @@ class _Frozen(BaseModel):
         # (or as a value of a dict of numbers) is a client bug, not a 1.
         if info.field_name is None:
             return value
-        annotation = cls.model_fields[info.field_name].annotation
-        if _takes_bool(annotation):
+        kind = _BOOL_KINDS.get((cls, info.field_name))
+        if kind is None:
+            annotation = cls.model_fields[info.field_name].annotation
+            kind = _BOOL_KINDS[(cls, info.field_name)] = (
+                "takes" if _takes_bool(annotation)
+                else "dict" if get_origin(annotation) is dict else "number")
+        if kind == "takes":
             return value
         if isinstance(value, bool):
             raise ValueError("must be a number, not a boolean")
-        if (get_origin(annotation) is dict and isinstance(value, dict)
+        if (kind == "dict" and isinstance(value, dict)
                 and any(isinstance(v, bool) for v in value.values())):
             raise ValueError("values must be numbers, not booleans")
         return value
+
+
+#: What ``_Frozen._no_bool_for_number`` checks of each (model, field), worked out from the
+#: annotation on first use (every event read from the log validates the same fields):
+#: ``takes`` (a boolean is a valid value), ``dict`` (a dict whose values must not be
+#: booleans) or ``number`` (the value must not be a boolean).
+_BOOL_KINDS: dict[tuple[type, str], str] = {}
 
 
 class Event(_Frozen):

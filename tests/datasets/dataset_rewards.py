@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 #: The episode ``raise_on`` fails on (set by the test).
 FAIL_ON: list[str] = []
 #: Episode id -> reward for ``table`` (set by the test).
 TABLE: dict[str, float] = {}
+#: Whether automatic garbage collection was on, at each call of ``collector_state``.
+COLLECTOR: list[bool] = []
 
 
 def recorded_or_zero(episode: Any) -> float:
@@ -26,3 +29,8 @@ def table(episode: Any) -> float:
 
 def not_a_number(episode: Any) -> Any:
     return "high"
+
+
+def collector_state(episode: Any) -> float:
+    COLLECTOR.append(gc.isenabled())
+    return 1.0

@@ -3,6 +3,7 @@ rules, exactly the rows a changed rule should change, nothing written on bad inp
 
 from __future__ import annotations
 
+import gc
 import math
 import uuid
 
@@ -10,10 +11,12 @@ import dataset_rewards
 import numpy as np
 import pytest
 from episodes import RecordedRun, record_run
+from test_replay_reuse import tool_episode
 
 from store import errors
 from store.datasets import read_rows, record_trained_by
-from store.eventlog import EventStore
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import LLMCalled, RunConfig, RunCreated
 from workers.datasets import (
     DatasetBuildError,
     EmptySelectionError,
@@ -23,6 +26,8 @@ from workers.datasets import (
     get_version,
     list_versions,
 )
+from workers.engines import render
+from workers.replay import segment
 from workers.replay.jobs.project import project_episodes
 
 
@@ -192,6 +197,77 @@ def test_two_processes_derive_the_same_version(store: EventStore, run) -> None:
     one = derive_dataset(store, ds, [run.run_id])
     two = derive_dataset(store, ds, [run.run_id], jobs=2, batch=2)
     assert two.version.content_hash == one.version.content_hash and not two.created
+
+
+def test_a_batch_replays_with_the_collector_paused_and_leaves_it_as_it_was(
+        store: EventStore, run) -> None:
+    """The reward function runs where the batch's episodes are replayed: the collector is
+    off there, and on again after the derivation (after a failed one too)."""
+    assert gc.isenabled()
+    dataset_rewards.COLLECTOR.clear()
+    derive_dataset(store, name(), [run.run_id],
+                   {"reward": {"function": "dataset_rewards:collector_state"}})
+    assert dataset_rewards.COLLECTOR == [False] * 5  # every finished episode, none on
+    assert gc.isenabled()
+    dataset_rewards.FAIL_ON[:] = [run.episodes["err"]]
+    with pytest.raises(DatasetBuildError):
+        derive_dataset(store, name(), [run.run_id],
+                       {"reward": {"function": "dataset_rewards:raise_on"}})
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        derive_dataset(store, name(), [run.run_id])
+        assert not gc.isenabled()  # a caller's own pause is kept
+    finally:
+        gc.enable()
+
+
+def _forget_replay_caches(monkeypatch) -> None:
+    """Empty the process's caches of replay: first calls' segmentations, accepted
+    generation prompts, compiled templates (with their memoized tojson) and the renders
+    compared with apply_chat_template."""
+    monkeypatch.setattr(segment, "_FIRST_CALLS", segment.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(segment, "_ACCEPTED", {})
+    monkeypatch.setattr(render, "_compiled", {})
+    monkeypatch.setattr(render, "_verified", {})
+
+
+def one_call_run(store: EventStore, tok, chat_template: str | None = None) -> str:
+    """A run (with ``chat_template`` as its own template) of one episode of a single LLM
+    call (a final answer; reward 1), whose prompt the tokenizer's template rendered; the
+    same events in every such run."""
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    config = RunConfig.model_validate({"tokenizer": "qwen3", "chat_template": chat_template})
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, config=config)], NO_STREAM)
+    events = tool_episode(tok, turns=0, reasoning=False)
+    assert sum(isinstance(e, LLMCalled) for e in events) == 1
+    started = events[0].model_copy(update={"run_id": run_id, "group_id": "g"})
+    store.append(f"one-{uuid.uuid4().hex[:8]}", [started, *events[1:]], NO_STREAM)
+    return run_id
+
+
+def test_the_replay_caches_of_the_process_never_change_a_version(
+        store: EventStore, qwen3, run, monkeypatch) -> None:
+    """Caches kept between derivations (an episode's first call segmented once per
+    template and tools, a template's accepted generation prompts, compiled templates) give
+    the version a process with none of them gives; and a run whose own template renders
+    its prompts otherwise (here: a prefix the recorded prompts lack) does not take the
+    segmentation of the same first call under the tokenizer's template, which would give it
+    rows (its only call is the first: no later call renders with its template)."""
+    warm = derive_dataset(store, name(), [run.run_id])
+    again = derive_dataset(store, name(), [run.run_id])  # every first call from the cache
+    _forget_replay_caches(monkeypatch)
+    cold = derive_dataset(store, name(), [run.run_id])
+    assert warm.version.content_hash == again.version.content_hash == \
+        cold.version.content_hash
+    assert warm.excluded == cold.excluded == {"unfinished": 1, "no_reward": 1}
+    plain = one_call_run(store, qwen3)
+    assert derive_dataset(store, name(), [plain]).version.num_rows == 1  # now cached
+    other = one_call_run(store, qwen3, chat_template="Prefix " + qwen3.chat_template)
+    for _ in range(2):  # the cache as it is, then none
+        with pytest.raises(EmptySelectionError, match=r"0 gave rows.*invalid 1"):
+            derive_dataset(store, name(), [other])
+        _forget_replay_caches(monkeypatch)
 
 
 def test_a_reward_function_that_raises_writes_nothing(store: EventStore, run) -> None:

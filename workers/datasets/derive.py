@@ -85,8 +85,9 @@ def parse_rules(rules: DatasetRules | dict[str, Any] | None) -> DatasetRules:
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    # A batch allocates many short-lived containers; automatic collections would walk the
-    # whole process for nothing (see workers.replay.jobs.project.collector_paused).
+    # A batch allocates many containers (decoded events, messages, timelines, token lists)
+    # that die by reference count once it is built; automatic collections would walk them,
+    # and the whole process, for nothing (see workers.replay.jobs.project.collector_paused).
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -124,7 +125,14 @@ class _Builder:
         return self.configs[run_id]
 
     def build(self, episode_ids: Sequence[str]) -> list[EpisodeOutcome]:
-        with _collector_paused(), self.store.db.connection() as conn:
+        # The whole batch, read and replay, with the collector paused (the replay allocates
+        # most of it); the batch's events are dropped when ``_build`` returns, so only the
+        # outcomes are left of it when the collector resumes.
+        with _collector_paused():
+            return self._build(episode_ids)
+
+    def _build(self, episode_ids: Sequence[str]) -> list[EpisodeOutcome]:
+        with self.store.db.connection() as conn:
             streams = read_streams(self.store, episode_ids, conn=conn)
             run_ids = {s[0].event.run_id for s in streams.values()  # type: ignore[attr-defined]
                        if hasattr(s[0].event, "run_id")} - set(self.configs)
@@ -254,7 +262,12 @@ def derive_dataset(
             raise errors.ValidationError(f"{label} must be a positive whole number, got "
                                          f"{value!r}", field=label)
     runs = list(dict.fromkeys(run_ids))
-    projects = tables.run_projects(store, runs)
+    # The reads a derivation starts from on one pooled connection (each checkout costs round
+    # trips of its own: the pool's check of the connection and the commit).
+    with store.db.connection() as conn:
+        projects = tables.run_projects(store, runs, conn=conn)
+        episode_ids = tables.run_episode_ids(store, runs, conn=conn)
+        configs = read_run_events(store, set(runs), conn=conn)
     for run_id in runs:
         if run_id not in projects:
             raise errors.NotFoundError(f"no run {run_id!r}")
@@ -273,9 +286,6 @@ def derive_dataset(
         except ValueError as exc:
             raise errors.ValidationError(str(exc), field="rules.reward.function") from None
 
-    episode_ids = tables.run_episode_ids(store, runs)
-    with store.db.connection() as conn:
-        configs = read_run_events(store, set(runs), conn=conn)
     processes = pool.jobs if pool is not None else jobs
     size = max(1, min(batch, -(-len(episode_ids) // processes)))
     batches = [episode_ids[i:i + size] for i in range(0, len(episode_ids), size)]
