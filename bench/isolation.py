@@ -399,6 +399,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if worker is not None:
                 os.killpg(worker.pid, signal.SIGTERM)
                 worker.wait(timeout=60)
+            # The replay worker's broker stops before its folder is removed (it would run
+            # on, with nowhere to save, until this process exits).
+            from store import embedded
+
+            embedded.stop_embedded_redis(Settings(data_dir=Path(tmp)))
     print(f"floods: {', '.join(workloads)} ({attackers} attacking processes), "
           f"{args.rounds} rounds quiet and {args.rounds} under the floods")
     for name in result["quiet"]:

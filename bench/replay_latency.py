@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.episodes < 1 or args.turns < 1:
         parser.error("--episodes and --turns must be >= 1")
     tokenizer = load_tokenizer("qwen3")
-    with tempfile.TemporaryDirectory() as tmp, scratch_database() as url:
+    # The broker stops before its folder is removed (it would run on, with nowhere to save).
+    with tempfile.TemporaryDirectory() as tmp, scratch_database() as url, \
+            embedded.scoped_redis_url(Settings(database_url=url, data_dir=Path(tmp))) as broker:
         settings = Settings(database_url=url, data_dir=Path(tmp))
-        broker = embedded.redis_url(settings)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
         env.update(TRAJSTORE_DATABASE_URL=url, TRAJSTORE_REDIS_URL=broker,
                    TRAJSTORE_DATA_DIR=tmp)

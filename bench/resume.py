@@ -181,11 +181,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--kill-window must be in [0, 600] and --dead-after in (1, 600]")
     rng = random.Random(args.seed)
 
-    with tempfile.TemporaryDirectory() as tmp, scratch_database() as url:
+    # The broker stops before its folder is removed (it would run on, with nowhere to save).
+    with tempfile.TemporaryDirectory() as tmp, scratch_database() as url, \
+            embedded.scoped_redis_url(Settings(data_dir=Path(tmp) / "broker")) as broker:
         tmp_dir = Path(tmp)
         models = (args.data_dir or tmp_dir) / "models"
         model = tiny_model_path(models)
-        broker = embedded.redis_url(Settings(data_dir=tmp_dir / "broker"))
         settings = Settings(database_url=url, redis_url=broker, data_dir=tmp_dir)
         store = EventStore(Database(url, max_size=2), settings)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}

