@@ -27,15 +27,14 @@ ConnectionError naming it. Nothing here runs the agent loop: the API imports thi
 
 from __future__ import annotations
 
-import atexit
 import json
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from store.settings import Settings
+from workers import broker
 
 __all__ = [
     "ANSWER_KEEP_S",
@@ -69,11 +68,6 @@ _WAIT_SLICE_S = 2.0
 #: died while waiting leaves no place taken for longer).
 WAITING_KEEP_S = 3600
 
-_lock = threading.Lock()
-_senders: dict[tuple[str, str], Any] = {}
-_clients: dict[str, Any] = {}
-_closing = False
-
 
 @dataclass(frozen=True)
 class RolloutAnswer:
@@ -96,71 +90,13 @@ class RolloutAnswer:
                    message=data.get("message"))
 
 
-def _broker_url(settings: Settings) -> str:
-    from store import embedded
-
-    return embedded.redis_url(settings)
-
-
-def _close_all() -> None:
-    """Close this module's connections. The embedded Redis stops at exit only when its
-    owner is its last client, so these must be gone first: registered after the server's
-    own exit handler, this runs before it."""
-    with _lock:
-        for client in _clients.values():
-            client.close()
-            client.connection_pool.disconnect()
-        for app in _senders.values():
-            app.close()
-        _clients.clear()
-        _senders.clear()
-
-
-def _remember_to_close() -> None:
-    global _closing
-    if not _closing:
-        atexit.register(_close_all)
-        _closing = True
-
-
 def _redis(settings: Settings) -> Any:
-    """A Redis client of the broker (one per URL and process)."""
-    import redis
-
-    url = _broker_url(settings)
-    with _lock:
-        client = _clients.get(url)
-        if client is None:
-            # The embedded server's URL is kombu's spelling of a unix socket.
-            plain = "unix://" + url.removeprefix("redis+socket://") \
-                if url.startswith("redis+socket://") else url
-            client = redis.Redis.from_url(plain)
-            _clients[url] = client
-            _remember_to_close()
-        return client
-
-
-def _sender(settings: Settings) -> Any:
-    """A Celery app configured for ``settings`` (the API's settings need not be the
-    process environment's), made once per broker."""
-    from celery import Celery
-
-    from workers.app import configure
-
-    key = (_broker_url(settings), settings.redis_key_prefix)
-    with _lock:
-        app = _senders.get(key)
-        if app is None:
-            app = Celery("trajstore")
-            configure(app, settings)
-            _senders[key] = app
-            _remember_to_close()
-        return app
+    """A Redis client of the broker (:func:`workers.broker.redis_client`)."""
+    return broker.redis_client(settings)
 
 
 def _unreachable(settings: Settings, exc: BaseException) -> ConnectionError:
-    where = settings.redis_url or "the embedded Redis"
-    return ConnectionError(f"the broker ({where}) cannot be reached: {exc}")
+    return broker.unreachable(settings, exc)
 
 
 def answer_key(settings: Settings, rollout_id: str) -> str:
@@ -209,17 +145,8 @@ def send_rollout_task(settings: Settings, name: str, *, args: list[Any],
                       argsrepr: str | None = None) -> None:
     """Queue the task ``name`` on the rollout queue; ConnectionError naming the broker when
     it cannot be reached."""
-    from kombu.exceptions import OperationalError
-
-    app = _sender(settings)
-    try:
-        # A connection of its own, closed after the send: a pooled one would outlive the
-        # process's last request and keep an embedded Redis from stopping at exit.
-        with app.connection_for_write() as connection:
-            app.send_task(name, args=args, kwargs=dict(kwargs or {}), queue="rollout",
-                          connection=connection, argsrepr=argsrepr)
-    except OperationalError as exc:
-        raise _unreachable(settings, exc) from None
+    broker.send_task(settings, name, queue="rollout", args=args, kwargs=kwargs,
+                     argsrepr=argsrepr)
 
 
 def push_answer(settings: Settings, rollout_id: str, answer: RolloutAnswer) -> None:
@@ -253,17 +180,11 @@ def wait_answer(settings: Settings, rollout_id: str, *, timeout_s: float
     return None
 
 
-def _plain_url(settings: Settings) -> str:
-    url = _broker_url(settings)
-    return ("unix://" + url.removeprefix("redis+socket://")
-            if url.startswith("redis+socket://") else url)
-
-
 def _async_redis(settings: Settings) -> Any:
     """A new asyncio Redis client of the broker (the caller closes it)."""
     import redis.asyncio
 
-    return redis.asyncio.Redis.from_url(_plain_url(settings))
+    return redis.asyncio.Redis.from_url(broker.plain_url(settings))
 
 
 def waiting_key(settings: Settings, project: str) -> str:

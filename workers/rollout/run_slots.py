@@ -58,9 +58,9 @@ def _key(settings: Settings, run_id: str) -> str:
 
 
 def _client(settings: Settings) -> Any:
-    from workers.rollout.remote_dispatch import _redis
+    from workers.broker import redis_client
 
-    return _redis(settings)
+    return redis_client(settings)
 
 
 def slots_in_use(settings: Settings, run_id: str) -> int:
