@@ -21,18 +21,9 @@ def _within_budget(name: str, args: list[Any], kwargs: dict[str, Any],
     """Play the task within its project's rollout budget (:mod:`workers.rollout.fair`): when
     the project has all its running places taken, the task is parked (None returned at once,
     the worker slot free for another project) and queued again when one of them ends."""
-    if budget is None:
-        return play()
-    from workers.rollout import fair
+    from workers import fair
 
-    settings = get_settings()
-    if not fair.start(settings, name, args, kwargs, budget):
-        return None
-    try:
-        return play()
-    finally:
-        fair.finish(settings, budget)
-
+    return fair.within(get_settings(), fair.ROLLOUT, name, args, kwargs, budget, play)
 
 
 @worker_ready.connect
