@@ -12,15 +12,16 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import psycopg
 
 from store.db import translate_errors
 from store.eventlog import EventStore
-from store.rows import LogPosition
+from store.rows import LogPosition, safe_data
 
-__all__ = ["NO_REPLAY", "REPLAY_FOLLOWER", "leader_present", "leadership", "load_cursor",
-           "not_projected", "save_cursor"]
+__all__ = ["NO_REPLAY", "REPLAY_FOLLOWER", "ReplayDue", "due_replays", "leader_present",
+           "leadership", "load_cursor", "not_projected", "save_cursor", "unprojected_replays"]
 
 #: The follower that queues (or runs) the replay of every finished episode: the replay
 #: workers' dispatcher, and ``trajstore serve``'s own unless it runs with ``--no-replay``.
@@ -118,3 +119,64 @@ def not_projected(store: EventStore, appended: Sequence[tuple[str, int]]) -> lis
             " ORDER BY u.n",
             (ids, versions)).fetchall()
     return list(dict.fromkeys(r[0] for r in rows))
+
+
+@dataclass(frozen=True)
+class ReplayDue:
+    """A finished episode whose projection is missing or older than ``version``: the stream
+    version of the event that made its replay due (its ``episode_finished``, or a late
+    ``reward_assigned``), and ``project`` the project of its run (``default`` for a run that
+    names none, or an episode whose run has no ``run_created``)."""
+
+    episode_id: str
+    version: int
+    project: str
+
+
+# The project of the episode u.e: its first event's run, that run's run_created.
+_PROJECT = (
+    "coalesce((SELECT " + safe_data("r.data") + "->>'project' FROM events s"
+    " JOIN events r ON r.stream_id = 'run-' || s.run_id AND r.stream_version = 1"
+    " AND r.type = 'run_created' WHERE s.stream_id = u.e AND s.stream_version = 1),"
+    " 'default')")
+
+
+def due_replays(store: EventStore, appended: Sequence[tuple[str, int]]) -> list[ReplayDue]:
+    """:func:`not_projected` with each episode's project and the last version given for it,
+    in one query (the replay dispatcher's batch: each replay is queued within its project's
+    budget)."""
+    if not appended:
+        return []
+    last: dict[str, int] = {}
+    for episode_id, version in appended:
+        last[episode_id] = max(version, last.get(episode_id, version))
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            f"SELECT u.e, u.v, {_PROJECT}"
+            " FROM unnest(%s::text[], %s::int[]) WITH ORDINALITY AS u(e, v, n)"
+            " WHERE EXISTS (SELECT 1 FROM events f WHERE f.stream_id = u.e"
+            "               AND f.type = 'episode_finished' AND f.stream_version <= u.v)"
+            " AND NOT EXISTS (SELECT 1 FROM episodes p WHERE p.episode_id = u.e"
+            "                 AND p.projected_version >= u.v)"
+            " ORDER BY u.n",
+            (list(last), list(last.values()))).fetchall()
+    return [ReplayDue(r[0], int(r[1]), str(r[2])) for r in rows]
+
+
+def unprojected_replays(store: EventStore, limit: int = 200) -> list[ReplayDue]:
+    """Up to ``limit`` finished episodes whose projection is missing or older than their last
+    event, oldest finish first (``Projections.finished_unprojected``), each with its last
+    version and its project: what the sweep projects when no replay of it is on its way."""
+    with store.db.connection() as conn:
+        rows = conn.execute(
+            f"SELECT u.e, u.v, {_PROJECT} FROM ("
+            "  SELECT f.stream_id AS e, f.position AS n,"
+            "         (SELECT max(l.stream_version) FROM events l"
+            "           WHERE l.stream_id = f.stream_id) AS v,"
+            "         p.projected_version AS pv"
+            "    FROM events f LEFT JOIN episodes p ON p.episode_id = f.stream_id"
+            "   WHERE f.type = 'episode_finished') u"
+            " WHERE u.pv IS NULL OR u.pv < u.v"
+            " ORDER BY u.n LIMIT %s",
+            (limit,)).fetchall()
+    return [ReplayDue(r[0], int(r[1]), str(r[2])) for r in rows]

@@ -57,18 +57,28 @@ def _fault_delay() -> Any:
 
 @app.task(name="trajstore.replay_episode", acks_late=True, autoretry_for=(TransientError,),
           retry_backoff=True, retry_backoff_max=60, max_retries=20)
-def replay_episode(episode_id: str) -> str:
-    """Project one finished episode (idempotent: a redelivery does nothing)."""
+def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> str:
+    """Project one finished episode (idempotent: a redelivery does nothing), within its
+    project's replay budget when it carries one (``workers.fair``: the dispatcher queues it
+    on a place of the project, or it is parked here, answering ``parked``, when that place
+    expired meanwhile and the project's others are taken; either way the place is handed on
+    when the replay ends). A retry after a transient error is sent with the same budget."""
+    from workers import fair
     from workers.replay.jobs.project import project_episode
 
-    return project_episode(worker_store(), episode_id, before_commit=_fault_delay()).outcome
+    outcome = fair.within(
+        get_settings(), fair.REPLAY, "trajstore.replay_episode", [episode_id], {}, budget,
+        lambda: project_episode(worker_store(), episode_id,
+                                before_commit=_fault_delay()).outcome)
+    return "parked" if outcome is None else outcome
 
 
 @app.task(name="trajstore.sweep", acks_late=True, autoretry_for=(TransientError,),
           retry_backoff=True, max_retries=5)
 def sweep(limit: int = 200) -> int:
-    """Project finished episodes that have no projection (a lost message, a broker outage).
-    Returns how many it wrote."""
+    """Project finished episodes that have no projection and no replay on its way (a lost
+    message, a broker outage), after handing on the places of budgeted tasks that never
+    ended (``workers.fair.release_stranded``). Returns how many it wrote."""
     from workers.replay.jobs.sweep import (
         abort_stale_episodes,
         finish_idle_rollouts,
@@ -79,7 +89,7 @@ def sweep(limit: int = 200) -> int:
     settings = get_settings()
     finish_idle_rollouts(store, timeout_s=settings.rollout_idle_timeout_s, limit=limit)
     abort_stale_episodes(store, timeout_s=settings.episode_timeout_s, limit=limit)
-    return sweep_unprojected(store, limit=limit)
+    return sweep_unprojected(store, limit=limit, leave_budgeted=True)
 
 
 @app.task(name="trajstore.train_step", acks_late=True, autoretry_for=(TransientError,),

@@ -66,6 +66,8 @@ def test_an_unreachable_database_is_one_line_naming_it(
     ("TRAJSTORE_LOG_LEVEL", "loud", "not a log level"),
     ("TRAJSTORE_API_PORT", "0", "greater than or equal to 1"),
     ("TRAJSTORE_ROLLOUT_BACKEND", "tpu", "'transformers' or 'vllm'"),
+    ("TRAJSTORE_REPLAY_PROJECT_RUNNING", "0", "greater than or equal to 1"),
+    ("TRAJSTORE_REPLAY_PROJECT_RUNNING", "all", "valid integer"),
 ])
 def test_a_setting_that_cannot_be_read_is_one_line(name: str, value: str, says: str,
                                                    tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from store.eventlog import EventStore
-from store.events import RewardAssigned
-from store.followers import leadership, load_cursor, save_cursor
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import RewardAssigned, RunConfig, RunCreated
+from store.followers import ReplayDue, due_replays, leadership, load_cursor, save_cursor
 from store.projections import Projections
 from store.rows import LogPosition
 from tests.workers.conftest import wait_for
@@ -32,8 +32,8 @@ def _follow_until(store: EventStore, want: int, name: str) -> list[str]:
     sent: list[str] = []
     stop = threading.Event()
 
-    def send(episode_id: str) -> None:
-        sent.append(episode_id)
+    def send(due: ReplayDue) -> None:
+        sent.append(due.episode_id)
         if len(sent) >= want:
             stop.set()
 
@@ -182,3 +182,40 @@ def test_a_replay_worker_projects_a_late_reward_into_ready_samples(
              what="the late reward's projection")
     assert statuses() == [("negative", "ready", -1.0), ("positive", "ready", 0.5),
                           ("positive", "ready", 0.5)]
+
+
+def project_run(store: EventStore, project: str) -> str:
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project=project,
+                                                    config=RunConfig(tokenizer="qwen3"))],
+                 NO_STREAM)
+    return run_id
+
+
+def test_the_batch_query_gives_each_due_episodes_project_and_last_version(
+        worker_store: EventStore, qwen3: Any) -> None:
+    """The dispatcher learns each episode's project from the query that finds the due
+    ones (no query per episode): its run's project, ``default`` when the run names none or
+    has no ``run_created``."""
+    store = worker_store
+    mine, theirs, unnamed = project_run(store, "mine"), project_run(store, "theirs"), \
+        new_run(store)
+    episodes = {}
+    for name, run_id in (("a", mine), ("b", theirs), ("c", unnamed), ("d", "no-such-run")):
+        episodes[name] = f"ep-{name}-{uuid.uuid4().hex[:6]}"
+        store.append(episodes[name], [e for e in rollback_episode(qwen3, run_id, "g1")
+                                      if e.type != "reward_assigned"])
+    finished = {n: store.stream_version(e) for n, e in episodes.items()}
+    store.append(episodes["a"], [RewardAssigned(value=1.0)])  # a late reward, same batch
+    appended = [(episodes[n], finished[n]) for n in "abcd"] + [(episodes["a"],
+                                                                finished["a"] + 1)]
+    assert due_replays(store, appended) == [
+        ReplayDue(episodes["a"], finished["a"] + 1, "mine"),
+        ReplayDue(episodes["b"], finished["b"], "theirs"),
+        ReplayDue(episodes["c"], finished["c"], "default"),
+        ReplayDue(episodes["d"], finished["d"], "default")]
+    # a projected episode is not due; nor is the reward of one still running
+    assert project_episode(store, episodes["b"]).outcome == "written"
+    assert [d.episode_id for d in due_replays(store, appended)] == [
+        episodes["a"], episodes["c"], episodes["d"]]
+    assert due_replays(store, []) == []

@@ -17,6 +17,22 @@ process (``project_here``) instead of queueing it, so an API running alone still
 it ingests. A PostgreSQL advisory lock lets one copy act and the others stand by, taking over
 within ``standby_s`` when it goes. The periodic sweep stays as the safety net for a broker
 that was down when a send was due.
+
+Each replay is queued within its project's replay budget (:mod:`workers.fair`,
+``replay_project_running``): the dispatcher takes one of the project's places before it
+sends the task, and parks it in Redis instead when the project has all its places taken; a
+replay that ends hands its place to the project's oldest parked one, queued again at the
+queue's tail. So a project that finishes thousands of episodes at once has at most
+``replay_project_running`` replays queued or running, and another project's episode waits
+behind that many of them at most. The dispatcher knows each episode's project from the same
+query that finds which episodes are due (:func:`store.followers.due_replays`). A replay's
+ticket is its episode and the version that made it due, so a batch sent again after the
+dispatcher died finds its replays parked or placed already and parks nothing twice.
+
+``project_here`` (``trajstore serve``'s own replay) projects in log order in the serving
+process, one episode after another, with no budget: it is the replay of an API running alone,
+and shared deployments leave replay to replay workers (``trajstore up`` serves with
+``--no-replay``).
 """
 
 from __future__ import annotations
@@ -29,47 +45,68 @@ from store import errors
 from store.eventlog import EventStore
 from store.followers import (
     REPLAY_FOLLOWER,
+    ReplayDue,
+    due_replays,
     leadership,
     load_cursor,
-    not_projected,
     save_cursor,
 )
+from store.settings import Settings
 
-__all__ = ["FOLLOWER", "dispatch_finished", "project_here", "send_replay", "start_dispatcher"]
+__all__ = ["FOLLOWER", "REPLAY_TASK", "dispatch_finished", "project_here", "queue_replay",
+           "start_dispatcher", "ticket"]
 
 log = logging.getLogger(__name__)
 
 FOLLOWER = REPLAY_FOLLOWER
 
-
-def send_replay(episode_id: str) -> None:
-    """Queue ``replay_episode`` for ``episode_id`` on the configured broker."""
-    from workers.app import ensure_configured
-
-    ensure_configured().send_task("trajstore.replay_episode", args=[episode_id],
-                                  queue="replay")
+#: The Celery task that projects one episode (``workers.celery_tasks.replay_episode``).
+REPLAY_TASK = "trajstore.replay_episode"
 
 
-def project_here(store: EventStore) -> Callable[[str], None]:
+def ticket(due: ReplayDue) -> str:
+    """The budget ticket of ``due``'s replay: its episode and the version that made it due
+    (the same for every send of that replay, so Redis holds it once)."""
+    return f"{due.episode_id}@{due.version}"
+
+
+def queue_replay(settings: Settings) -> Callable[[ReplayDue], None]:
+    """A ``send`` that queues ``replay_episode`` on the broker the settings name, within the
+    episode's project's replay budget (module docstring): queued on a place, or parked.
+    Raises ConnectionError naming the broker when it cannot be reached."""
+    from workers import fair
+
+    def send(due: ReplayDue) -> None:
+        fair.send(settings, fair.REPLAY, REPLAY_TASK, [due.episode_id], {},
+                  project=due.project, ticket=ticket(due))
+
+    return send
+
+
+def project_here(store: EventStore) -> Callable[[ReplayDue], None]:
     """A ``send`` that projects the episode at once in this process, on ``store``, instead
-    of queueing it (``trajstore serve``'s replay). An episode that cannot be replayed is
-    recorded ``invalid`` by the projection, as a replay worker records it."""
+    of queueing it (``trajstore serve``'s replay; no budget: module docstring). An episode
+    that cannot be replayed is recorded ``invalid`` by the projection, as a replay worker
+    records it."""
     from workers.replay.jobs.project import project_episode
 
-    def project(episode_id: str) -> None:
-        outcome = project_episode(store, episode_id)
-        log.info("replayed %s: %s", episode_id, outcome.outcome)
+    def project(due: ReplayDue) -> None:
+        outcome = project_episode(store, due.episode_id)
+        log.info("replayed %s: %s", due.episode_id, outcome.outcome)
 
     return project
 
 
-def dispatch_finished(store: EventStore, *, send: Callable[[str], None] = send_replay,
+def dispatch_finished(store: EventStore, *, send: Callable[[ReplayDue], None] | None = None,
                       stop: threading.Event, poll_interval: float = 5.0,
                       name: str = FOLLOWER) -> int:
-    """Follow the log and ``send`` each finished, unprojected episode (module docstring)
-    until ``stop`` is set, as long as this process leads; returns how many it sent. Returns
-    at once (0) when another copy leads. A ``send`` that raises ends the call without saving
-    the batch's position, so the batch is sent again by the next call."""
+    """Follow the log and ``send`` each finished, unprojected episode (module docstring;
+    default: :func:`queue_replay` on the store's settings) until ``stop`` is set, as long
+    as this process leads; returns how many it sent (queued or parked). Returns at once (0)
+    when another copy leads. A ``send`` that raises ends the call without saving the
+    batch's position, so the batch is sent again by the next call."""
+    if send is None:
+        send = queue_replay(store.settings)
     sent = 0
     with leadership(store, name) as leading:
         if not leading:
@@ -78,8 +115,8 @@ def dispatch_finished(store: EventStore, *, send: Callable[[str], None] = send_r
         for batch in store.subscribe(position, types=["episode_finished", "reward_assigned"],
                                      poll_interval=poll_interval, stop=stop):
             appended = [(r.stream_id, r.stream_version) for r in batch]
-            for episode_id in not_projected(store, appended):
-                send(episode_id)
+            for due in due_replays(store, appended):
+                send(due)
                 sent += 1
             save_cursor(store, name, batch[-1].log_position)
     return sent
@@ -87,13 +124,13 @@ def dispatch_finished(store: EventStore, *, send: Callable[[str], None] = send_r
 
 def start_dispatcher(store_factory: Callable[[], EventStore], *, standby_s: float = 5.0,
                      poll_interval: float = 5.0,
-                     send: Callable[[EventStore], Callable[[str], None]] | None = None,
+                     send: Callable[[EventStore], Callable[[ReplayDue], None]] | None = None,
                      ) -> tuple[threading.Thread, threading.Event]:
     """Run ``dispatch_finished`` in a daemon thread until the returned event is set: it
     leads when it can and stands by (trying again every ``standby_s`` seconds) when another
     copy leads; database or broker errors are logged and retried after ``standby_s``.
-    ``send`` makes the action from the thread's store (default: queue ``replay_episode``;
-    ``project_here``: project in this process)."""
+    ``send`` makes the action from the thread's store (default: :func:`queue_replay` on its
+    settings; ``project_here``: project in this process)."""
     stop = threading.Event()
 
     def run() -> None:
@@ -103,7 +140,7 @@ def start_dispatcher(store_factory: Callable[[], EventStore], *, standby_s: floa
                 if store is None:
                     store = store_factory()
                 dispatch_finished(store, stop=stop, poll_interval=poll_interval,
-                                  send=send(store) if send is not None else send_replay)
+                                  send=send(store) if send is not None else None)
             except errors.StoreError as exc:
                 log.warning("replay dispatcher: %s; trying again in %g s", exc, standby_s)
             except Exception as exc:  # the broker is down: the batch is sent again later

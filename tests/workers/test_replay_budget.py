@@ -1,0 +1,162 @@
+"""Fair replay between projects on the shared replay queue (``workers.fair``,
+``replay_project_running``), with real ``trajstore worker --queues replay`` processes, a real
+PostgreSQL and a real Redis: a project that finishes 60 episodes at once has at most its places'
+worth of replays ahead of another project's one episode, which is projected before the
+flood's backlog (then every episode is, once); parked replays survive the worker killed in the
+middle of the flood's replay; and the sweep leaves the replays the budget holds to it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import Event, RunConfig, RunCreated
+from store.followers import ReplayDue
+from store.projections import Projections
+from store.settings import Settings
+from tests.replay.replay_episodes import Script
+from tests.replay.replay_tokenizers import qwen3_tokenizer
+from tests.workers.conftest import wait_for
+from workers import fair
+from workers.replay.jobs.dispatch import queue_replay
+from workers.replay.jobs.sweep import sweep_unprojected
+
+FLOOD = 60
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Any:
+    return qwen3_tokenizer()
+
+
+def project_run(store: EventStore, project: str) -> str:
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project=project,
+                                                    config=RunConfig(tokenizer="qwen3"))],
+                 NO_STREAM)
+    return run_id
+
+
+def episode(tokenizer: Any, run_id: str, seed: int) -> list[Event]:
+    """One answered question, rewarded and finished."""
+    s = Script(tokenizer, group_id=f"g{seed % 4}", seed=seed)
+    s.events[0] = s.events[0].model_copy(update={"run_id": run_id})
+    s.call([{"role": "user", "content": f"What is {seed} + 1?"}],
+           {"role": "assistant", "content": f"{seed + 1}."})
+    return s.finish(1.0)
+
+
+def record(store: EventStore, events: list[Event], name: str) -> str:
+    episode_id = f"ep-{name}-{uuid.uuid4().hex[:8]}"
+    store.append(episode_id, events, NO_STREAM)
+    return episode_id
+
+
+def projected_at(store: EventStore, episode_ids: list[str]) -> dict[str, Any]:
+    with store.db.connection() as conn:
+        return dict(conn.execute("SELECT episode_id, projected_at FROM episodes"
+                                 " WHERE episode_id = ANY(%s)", (episode_ids,)).fetchall())
+
+
+def settled(settings: Settings, project: str) -> bool:
+    """Nothing of ``project`` held or parked (the last replay has handed its place back)."""
+    return (fair.places_held(settings, fair.REPLAY, project) == 0
+            and fair.parked_count(settings, fair.REPLAY, project) == 0)
+
+
+@pytest.mark.timeout(600)
+def test_a_flooding_projects_backlog_leaves_the_neighbours_episode_projected_early(
+        worker_store: EventStore, worker_settings: Settings, start_worker: Any,
+        qwen3: Any) -> None:
+    store = worker_store
+    flood_run, neighbour_run = project_run(store, "flood"), project_run(store, "neighbour")
+    flood = [record(store, episode(qwen3, flood_run, i), f"flood{i}") for i in range(FLOOD)]
+    neighbour = record(store, episode(qwen3, neighbour_run, 1000), "neighbour")
+    # One worker slot (the default), two places per project. The worker's follower of the log
+    # starts after all of it finished: its first batch is the flood, then the neighbour's.
+    worker = start_worker("--queues", "replay", TRAJSTORE_REPLAY_PROJECT_RUNNING="2")
+    worker.wait_ready()
+    projections = Projections(store)
+    wait_for(lambda: projections.projected_version(neighbour), what="the neighbour's episode")
+    # Without budgets the neighbour's episode would be the 61st replay; with them, the
+    # flood's two queued replays are all that is ahead of it.
+    at = projected_at(store, [neighbour])[neighbour]
+    ahead = sorted(t for t in projected_at(store, flood).values() if t < at)
+    assert len(ahead) <= 2, f"{len(ahead)} of the flood's replays went first"
+    assert len(projected_at(store, flood)) < FLOOD, "the flood's backlog was done first"
+    # The flood's backlog is replayed in turn, every episode once, and nothing stays held.
+    wait_for(lambda: len(projected_at(store, flood)) == FLOOD, timeout=300,
+             what="the flood's backlog")
+    wait_for(lambda: settled(worker_settings, "flood") and settled(worker_settings,
+                                                                   "neighbour"),
+             timeout=60, what="the places handed back")
+    with store.db.connection() as conn:
+        samples = dict(conn.execute("SELECT episode_id, count(*) FROM samples"
+                                    " WHERE episode_id = ANY(%s) GROUP BY episode_id",
+                                    ([*flood, neighbour],)).fetchall())
+    assert set(samples) == {*flood, neighbour} and set(samples.values()) == {1}
+    assert worker.proc.poll() is None
+
+
+@pytest.mark.timeout(600)
+def test_parked_replays_survive_a_worker_killed_mid_replay(
+        worker_store: EventStore, worker_settings: Settings, start_worker: Any,
+        qwen3: Any) -> None:
+    store = worker_store
+    run_id = project_run(store, "flood")
+    slow = start_worker("--queues", "replay", TRAJSTORE_FAULT_REPLAY_DELAY_S="60",
+                        TRAJSTORE_REPLAY_PROJECT_RUNNING="1")
+    slow.wait_ready()
+    episodes = [record(store, episode(qwen3, run_id, i), f"k{i}") for i in range(3)]
+    # the first replay sleeps inside its transaction; the other two wait parked in Redis
+    wait_for(lambda: fair.parked_count(worker_settings, fair.REPLAY, "flood") == 2,
+             what="two replays parked")
+
+    def replay_in_flight() -> bool:
+        with store.db.connection() as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
+                " AND datname = current_database() AND pid <> pg_backend_pid()"
+                " AND query LIKE 'INSERT%%'").fetchone()
+            return bool(row and row[0])
+
+    wait_for(replay_in_flight, what="the first replay to be mid-transaction")
+    slow.kill()
+    killed = time.monotonic()
+    projections = Projections(store)
+    assert not any(projections.projected_version(e) for e in episodes)
+    # The broker gives the killed replay back once it is older than the visibility timeout,
+    # to a worker that starts after it (conftest's test of the SIGKILL without budgets).
+    time.sleep(max(0.0, worker_settings.visibility_timeout_s + 1 - (time.monotonic() - killed)))
+    fresh = start_worker("--queues", "replay", TRAJSTORE_REPLAY_PROJECT_RUNNING="1")
+    fresh.wait_ready()
+    wait_for(lambda: all(projections.projected_version(e) for e in episodes), timeout=180,
+             what="the redelivered replay and the two parked ones")
+    wait_for(lambda: settled(worker_settings, "flood"), timeout=60,
+             what="the places handed back")
+
+
+def test_the_sweep_leaves_the_replays_the_budget_holds(
+        worker_store: EventStore, worker_settings: Settings, qwen3: Any) -> None:
+    """No worker consumes the queue here: three replays of one project are queued or parked
+    through the budget, one episode's message was lost. The periodic sweep projects the lost
+    one only (the others are on their way, and projecting them would let the project's
+    backlog past its places); an operator's replay of everything projects them all."""
+    store = worker_store
+    run_id = project_run(store, "flood")
+    sent = [record(store, episode(qwen3, run_id, i), f"s{i}") for i in range(3)]
+    lost = record(store, episode(qwen3, run_id, 9), "lost")
+    send = queue_replay(worker_settings.model_copy(update={"replay_project_running": 1}))
+    for episode_id in sent:
+        send(ReplayDue(episode_id, store.stream_version(episode_id), "flood"))
+    assert fair.parked_count(worker_settings, fair.REPLAY, "flood") == 2
+    assert sweep_unprojected(store, leave_budgeted=True) == 1
+    projections = Projections(store)
+    assert projections.projected_version(lost)
+    assert not any(projections.projected_version(e) for e in sent)
+    assert sweep_unprojected(store, leave_budgeted=True) == 0
+    assert sweep_unprojected(store) == 3
