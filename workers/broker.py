@@ -102,13 +102,21 @@ def unreachable(settings: Settings, exc: BaseException) -> ConnectionError:
 
 
 def send_task(settings: Settings, name: str, *, queue: str, args: list[Any],
-              kwargs: Mapping[str, Any] | None = None, argsrepr: str | None = None) -> None:
+              kwargs: Mapping[str, Any] | None = None, argsrepr: str | None = None,
+              pooled: bool = False) -> None:
     """Queue the task ``name`` on ``queue``; ConnectionError naming the broker when it cannot
-    be reached."""
+    be reached. Each send opens a connection of its own and closes it, unless ``pooled``:
+    then the sender's pool keeps its connections open until the process exits (for
+    processes that send often, a replay worker and its follower of the log: a connection of
+    one's own costs several milliseconds, a pooled send a fraction of one)."""
     from kombu.exceptions import OperationalError
 
     app = _sender(settings)
     try:
+        if pooled:
+            app.send_task(name, args=args, kwargs=dict(kwargs or {}), queue=queue,
+                          argsrepr=argsrepr)
+            return
         # A connection of its own, closed after the send: a pooled one would outlive the
         # process's last request and keep an embedded Redis from stopping at exit.
         with app.connection_for_write() as connection:

@@ -239,7 +239,7 @@ def send(settings: Settings, kind: Kind, name: str, args: list[Any], kwargs: dic
         return False
     try:
         broker.send_task(settings, name, queue=kind.queue, args=args,
-                         kwargs={**kwargs, "budget": budget})
+                         kwargs={**kwargs, "budget": budget}, pooled=True)
     except ConnectionError:
         if taken == 1:
             try:
@@ -266,7 +266,7 @@ def _hand_on(settings: Settings, kind: Kind, project: str, ticket: str,
         for raw in freed:
             message = json.loads(raw)
             broker.send_task(settings, message["name"], queue=kind.queue,
-                             args=message["args"], kwargs=message["kwargs"])
+                             args=message["args"], kwargs=message["kwargs"], pooled=True)
             sent += [raw, str(message["kwargs"]["budget"]["ticket"])]
     finally:
         if sent:
