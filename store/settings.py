@@ -377,13 +377,15 @@ class Settings(BaseSettings):
         "is answered 429 naming this setting.",
     )
     replay_project_running: int = Field(
-        default=2, ge=1, le=100_000,
+        default=1, ge=1, le=100_000,
         description="Most replays of one project queued or running at once on the shared "
         "replay workers (a replay holds its place from the moment it is queued); more wait "
         "parked in Redis and are queued again, at the replay queue's tail, as the project's "
         "own replays end. Another project's finished episode so waits behind at most this "
         "many of a flooding project's replays, however many replay worker slots there are; "
-        "one project alone uses at most this many slots.",
+        "one project alone uses at most this many slots. Set it to the replay slots (worker "
+        "processes times their concurrency): one project then uses them all, and a "
+        "neighbour waits about one replay.",
     )
     rollout_wait_s: float = Field(
         default=900.0,

@@ -171,5 +171,5 @@ def test_the_places_setting_is_checked() -> None:
     for bad in (0, -1, 100_001, "many", 1.5):
         with pytest.raises(ValidationError, match="replay_project_running"):
             Settings(replay_project_running=bad)
-    assert Settings().replay_project_running == 2
+    assert Settings().replay_project_running == 1
     assert fair.REPLAY.places(Settings(replay_project_running=7)) == 7
