@@ -8,8 +8,9 @@ answered.
 The victim, one request at a time from this process: an episode appended (``ingest``), the
 runs listed (``query``), the episode read back (``read``); with ``gateway`` among the
 workloads, a call through the capture gateway's in-process tiny engine (``gateway``); with
-``template``, the time from its finished episode's append to the episode's samples written
-by the shared replay worker (``replay``, a real ``trajstore worker --queues replay``).
+``template`` or ``replay``, the time from its finished episode's append to the episode's
+samples written by the shared replay worker (``replay``, a real ``trajstore worker --queues
+replay``, one slot as by default).
 
 The attackers' floods (``--workloads``, each from a project of its own, one process each,
 ``--attackers`` in all):
@@ -21,7 +22,12 @@ The attackers' floods (``--workloads``, each from a project of its own, one proc
 - ``gateway``: gateway calls with 10,000 stop strings or 1,000 tools (422 by the caps);
 - ``tokenizer``: runs naming tokenizer folders outside the roots, each spelled anew (422);
 - ``template``: episodes of a run whose ``chat_template`` loops for ever, which the shared
-  replay worker renders under ``RENDER_BUDGET_S`` and records invalid.
+  replay worker renders under ``RENDER_BUDGET_S`` and records invalid;
+- ``replay``: a burst of ``--replay-burst`` ordinary finished episodes (two calculator calls,
+  rewarded) at the start of each flood, one per request as fast as the API takes them, each a
+  replay on the shared replay worker: faster than one replay slot projects them, so a backlog
+  builds up, which the replay budget keeps to ``REPLAY_PROJECT_RUNNING`` replays queued or
+  running (``--replay-places``).
 
 Prints the victim's p99 per workload against quiet, its errors and the attacker's answers by
 kind.
@@ -30,8 +36,9 @@ kind.
 
 Ends with ``RESULT victim_p99_ratio=<worst p99 flood/quiet> api_p99_ratio=<worst of the API
 requests> [replay_p99_ratio=<replay>] victim_errors=<n> refusals_413=<n> refusals_429=<n>
-refusals_422=<n> refusals_other=<n> accepted=<n>`` (target ratio <= 2.0, errors 0;
-``accepted``: the attackers' requests answered 2xx, the hostile template's episodes).
+refusals_422=<n> refusals_other=<n> accepted=<n> load_avg=<1-minute load average at the
+end>`` (target ratio <= 2.0, errors 0; ``accepted``: the attackers' requests answered 2xx,
+the hostile template's and the replay flood's episodes).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import json
 import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,7 +74,9 @@ __all__ = ["WORKLOADS", "main", "measure"]
 
 _MAX_BODY = 2 * 1024 * 1024
 #: Every flood, in the order the attackers take them.
-WORKLOADS = ("otlp", "oversized", "chunked", "gateway", "tokenizer", "template")
+WORKLOADS = ("otlp", "oversized", "chunked", "gateway", "tokenizer", "template", "replay")
+#: The floods that aim at the shared replay worker (started when one of them is run).
+REPLAY_FLOODS = ("template", "replay")
 #: A template that loops for ever in practice (10^10 steps), printing nothing.
 _BUSY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 _TOOL = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
@@ -121,11 +131,21 @@ def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
     tools = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                         "tools": [_TOOL] * 1000}).encode()
     n = 0
+    burst_left, was_flooding = 0, False
     with httpx.Client(base_url=url, timeout=120) as c:
         ready.put(kind)
         while not stop.is_set():
             if not flooding.wait(0.05):
+                was_flooding = False
                 continue
+            if kind == "replay":
+                # One burst per flood: a project that finishes many episodes at once.
+                if not was_flooding:
+                    burst_left, was_flooding = extra["replay_burst"], True
+                if burst_left <= 0:
+                    stop.wait(0.05)
+                    continue
+                burst_left -= 1
             n += 1
             json_headers = {**bad, "Content-Type": "application/json"}
             try:
@@ -159,6 +179,12 @@ def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
                     # One episode a second: the replay worker's slots, not the API, are the
                     # resource this flood aims at.
                     stop.wait(1.0)
+                elif kind == "replay":
+                    body = json.loads(extra["flood_bodies"][n % len(extra["flood_bodies"])])
+                    for event in body["events"]:
+                        event["event_id"] = str(uuid.uuid4())
+                    a = c.post(f"/v1/episodes/a-{uuid.uuid4().hex[:10]}/events",
+                               content=json.dumps(body).encode(), headers=json_headers)
                 else:
                     raise ValueError(f"unknown workload {kind!r}")
                 status = a.status_code
@@ -171,7 +197,7 @@ def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
     counts.put(out)
 
 
-def _wait_replayed(db: Database, episode: str, since: float, timeout: float = 120) -> float:
+def _wait_replayed(db: Database, episode: str, since: float, timeout: float = 600) -> float:
     """Seconds from ``since`` until ``episode``'s projection is written."""
     while time.monotonic() - since < timeout:
         with db.connection() as conn:
@@ -233,14 +259,16 @@ class _Victim:
         return errors
 
 
-def _start_replay_worker(url: str, tmp: Path, render_budget_s: float
-                         ) -> subprocess.Popen[bytes]:
+def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
+                         replay_places: int | None = None) -> subprocess.Popen[bytes]:
     from store import embedded
 
     broker = embedded.redis_url(Settings(database_url=url, data_dir=tmp))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
     env.update(TRAJSTORE_DATABASE_URL=url, TRAJSTORE_REDIS_URL=broker,
                TRAJSTORE_DATA_DIR=str(tmp), TRAJSTORE_RENDER_BUDGET_S=str(render_budget_s))
+    if replay_places is not None:
+        env["TRAJSTORE_REPLAY_PROJECT_RUNNING"] = str(replay_places)
     log = tmp / "worker.log"
     with open(log, "ab") as out:
         worker = subprocess.Popen(
@@ -256,7 +284,7 @@ def _start_replay_worker(url: str, tmp: Path, render_budget_s: float
     raise RuntimeError("the replay worker did not start")
 
 
-def _replayed_all(db: Database, timeout: float = 120) -> None:
+def _replayed_all(db: Database, timeout: float = 600) -> None:
     """Wait until every finished episode is replayed (the hostile template's backlog)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -328,6 +356,9 @@ def measure(url: str, victim: _Victim, attackers_keys: dict[str, str], *, rounds
     ratios = {n: _p99(flood[n]) / _p99(quiet[n]) for n in names}
     return {"quiet": {n: _p99(v) for n, v in quiet.items()},
             "flood": {n: _p99(v) for n, v in flood.items()},
+            "median": {n: (statistics.median(quiet[n]), statistics.median(flood[n]))
+                       for n in names},
+            "times": {"quiet": quiet, "flood": flood},
             "ratios": ratios, "errors": errors, "answers": answers}
 
 
@@ -340,6 +371,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Attacking processes (default: one per flood).")
     parser.add_argument("--render-budget-s", type=float, default=0.5,
                         help="RENDER_BUDGET_S of the replay worker.")
+    parser.add_argument("--times-json", default=None,
+                        help="Write every timing (seconds, by phase and workload) here.")
+    parser.add_argument("--replay-burst", type=int, default=200,
+                        help="Episodes the replay flood finishes at the start of each flood.")
+    parser.add_argument("--replay-places", type=int, default=None,
+                        help="REPLAY_PROJECT_RUNNING of the replay worker (default: the "
+                        "setting's default).")
     args = parser.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = sorted(set(workloads) - set(WORKLOADS))
@@ -347,7 +385,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--workloads: unknown {unknown}; give some of {', '.join(WORKLOADS)}")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.replay_burst < 1:
+        parser.error("--replay-burst must be >= 1")
     attackers = args.attackers or len(workloads)
+    started_load = os.getloadavg()[0]
     from workers.engines.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer("qwen3")
@@ -372,11 +413,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          args=("--no-replay",))
         worker = None
         replay_db = None
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"replay_burst": args.replay_burst}
         try:
-            if "template" in workloads:
-                worker = _start_replay_worker(url, Path(tmp), args.render_budget_s)
+            if any(w in REPLAY_FLOODS for w in workloads):
+                worker = _start_replay_worker(url, Path(tmp), args.render_budget_s,
+                                              args.replay_places)
                 replay_db = Database(url, max_size=1)
+            if "replay" in workloads:
+                flood_run = f"a-flood-{uuid.uuid4().hex[:8]}"
+                r = httpx.post(f"{server.url}/v1/runs", headers={
+                    "Authorization": f"Bearer {attacking['replay']}"}, json={
+                    "run_id": flood_run, "config": {"group_size": 1, "tokenizer": "qwen3"}},
+                    timeout=60)
+                if r.status_code != 201:
+                    raise RuntimeError(f"flood run: {r.status_code} {r.text[:300]}")
+                extra["flood_bodies"] = [_episode_body(tokenizer, flood_run, 20_000 + i)
+                                         for i in range(8)]
+            if "template" in workloads:
                 hostile = f"a-hostile-{uuid.uuid4().hex[:8]}"
                 r = httpx.post(f"{server.url}/v1/runs", headers={
                     "Authorization": f"Bearer {attacking['template']}"}, json={
@@ -405,10 +458,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             embedded.stop_embedded_redis(Settings(data_dir=Path(tmp)))
     print(f"floods: {', '.join(workloads)} ({attackers} attacking processes), "
-          f"{args.rounds} rounds quiet and {args.rounds} under the floods")
+          f"{args.rounds} rounds quiet and {args.rounds} under the floods; load average "
+          f"{started_load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     for name in result["quiet"]:
+        q, f = result["median"][name]
         print(f"{name:8s} p99 quiet {result['quiet'][name] * 1000:8.1f} ms  flood "
-              f"{result['flood'][name] * 1000:8.1f} ms  ratio {result['ratios'][name]:.2f}")
+              f"{result['flood'][name] * 1000:8.1f} ms  ratio {result['ratios'][name]:.2f}"
+              f"  (median {q * 1000:.1f} / {f * 1000:.1f} ms)")
+    if args.times_json:
+        Path(args.times_json).write_text(json.dumps(result["times"]))
     a = result["answers"]
     print(f"victim errors {result['errors']}; attacker answers {a}")
     worst = max(result["ratios"].values())
@@ -419,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"victim_errors={result['errors']} "
           f"refusals_413={a.get('413', 0)} refusals_429={a.get('429', 0)} "
           f"refusals_422={a.get('422', 0)} refusals_other={a.get('other', 0)} "
-          f"accepted={a.get('accepted', 0)}")
+          f"accepted={a.get('accepted', 0)} load_avg={os.getloadavg()[0]:.2f}")
     return result
 
 
