@@ -10,7 +10,7 @@ runs listed (``query``), the episode read back (``read``); with ``gateway`` amon
 workloads, a call through the capture gateway's in-process tiny engine (``gateway``); with
 ``template`` or ``replay``, the time from its finished episode's append to the episode's
 samples written by the shared replay worker (``replay``, a real ``trajstore worker --queues
-replay``, one slot as by default).
+replay``, one slot as by default, ``--replay-slots`` for more).
 
 The attackers' floods (``--workloads``, each from a project of its own, one process each,
 ``--attackers`` in all):
@@ -260,7 +260,8 @@ class _Victim:
 
 
 def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
-                         replay_places: int | None = None) -> subprocess.Popen[bytes]:
+                         replay_places: int | None = None, slots: int = 1
+                         ) -> subprocess.Popen[bytes]:
     from store import embedded
 
     broker = embedded.redis_url(Settings(database_url=url, data_dir=tmp))
@@ -272,7 +273,8 @@ def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
     log = tmp / "worker.log"
     with open(log, "ab") as out:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "trajstore", "worker", "--queues", "replay"],
+            [sys.executable, "-m", "trajstore", "worker", "--queues", "replay",
+             "--concurrency", str(slots)],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -375,6 +377,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Write every timing (seconds, by phase and workload) here.")
     parser.add_argument("--replay-burst", type=int, default=200,
                         help="Episodes the replay flood finishes at the start of each flood.")
+    parser.add_argument("--replay-slots", type=int, default=1,
+                        help="Processes of the replay worker (its --concurrency).")
     parser.add_argument("--replay-places", type=int, default=None,
                         help="REPLAY_PROJECT_RUNNING of the replay worker (default: the "
                         "setting's default).")
@@ -385,8 +389,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--workloads: unknown {unknown}; give some of {', '.join(WORKLOADS)}")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    if args.replay_burst < 1:
-        parser.error("--replay-burst must be >= 1")
+    if args.replay_burst < 1 or args.replay_slots < 1:
+        parser.error("--replay-burst and --replay-slots must be >= 1")
     attackers = args.attackers or len(workloads)
     started_load = os.getloadavg()[0]
     from workers.engines.tokenizers import load_tokenizer
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             if any(w in REPLAY_FLOODS for w in workloads):
                 worker = _start_replay_worker(url, Path(tmp), args.render_budget_s,
-                                              args.replay_places)
+                                              args.replay_places, args.replay_slots)
                 replay_db = Database(url, max_size=1)
             if "replay" in workloads:
                 flood_run = f"a-flood-{uuid.uuid4().hex[:8]}"
