@@ -142,8 +142,9 @@ from store import embedded
 from store.settings import Settings
 settings = Settings()
 embedded.redis_url(settings)
-print(embedded.running_servers(settings)["redis"], flush=True)
+pid = embedded.running_servers(settings)["redis"]
 shutil.rmtree(settings.data_dir)  # a temporary data folder, removed before the process ends
+print(pid, flush=True)  # only once the folder is gone, which the test checks next
 sys.stdin.readline()
 embedded.stop_started_redis()  # as a pytest-xdist worker does when it finishes
 print("stopped", flush=True)
