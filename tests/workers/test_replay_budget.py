@@ -13,14 +13,15 @@ from typing import Any
 
 import pytest
 
-from store.eventlog import NO_STREAM, EventStore, run_stream_id
-from store.events import Event, RunConfig, RunCreated
+from store.eventlog import NO_STREAM, EventStore
+from store.events import Event
 from store.followers import ReplayDue
 from store.projections import Projections
 from store.settings import Settings
 from tests.replay.replay_episodes import Script
 from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.workers.conftest import wait_for
+from tests.workers.test_replay_dispatch import project_run
 from workers import fair
 from workers.replay.jobs.dispatch import queue_replay
 from workers.replay.jobs.sweep import sweep_unprojected
@@ -31,14 +32,6 @@ FLOOD = 60
 @pytest.fixture(scope="module")
 def qwen3() -> Any:
     return qwen3_tokenizer()
-
-
-def project_run(store: EventStore, project: str) -> str:
-    run_id = f"run-{uuid.uuid4().hex[:8]}"
-    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project=project,
-                                                    config=RunConfig(tokenizer="qwen3"))],
-                 NO_STREAM)
-    return run_id
 
 
 def episode(tokenizer: Any, run_id: str, seed: int) -> list[Event]:
