@@ -49,17 +49,24 @@ class Script:
     """Builds one episode's event stream with ``tokenizer``'s chat template."""
 
     def __init__(self, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
-                 group_id: str = "group-1", seed: int = 0) -> None:
+                 group_id: str = "group-1", seed: int = 0, chat_template: str | None = None
+                 ) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
+        #: The run's own template (None: the tokenizer's).
+        self.chat_template = chat_template
+        #: What the template's ``strftime_now`` answers (None: transformers' own clock).
+        self.clock: Any = None
         self.events: list[Event] = [EpisodeStarted(run_id="run-1", group_id=group_id,
                                                    tools=tools or [])]
         self.rng = random.Random(seed)
         self.calls = 0
 
     def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+        extra = {"strftime_now": self.clock} if self.clock is not None else {}
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt)
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt,
+            chat_template=self.chat_template, **extra)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -580,6 +580,7 @@ class ChatRenderer:
         self._fast: dict[bool, tuple[str, _FastTemplate | None]] = {}
         self._variables: dict[str, Any] | None = None
         self._variables_key = ""
+        self._reads_clock: dict[bool, bool] = {}
 
     def _source(self, with_tools: bool) -> str | None:
         getter = getattr(self.tokenizer, "get_chat_template", None)
@@ -607,34 +608,51 @@ class ChatRenderer:
             self._variables_key = repr(sorted(self._variables.items()))
         return self._variables
 
+    def reads_clock(self, *, tools: bool) -> bool:
+        """Whether the template (its variant with ``tools`` or without) may call
+        ``strftime_now``, the clock transformers gives templates (Llama 3.x writes today's
+        date into its system block): its renders then depend on the day, and replay renders
+        with the clock the prompt was rendered with (``render(..., clock=...)``)."""
+        found = self._reads_clock.get(tools)
+        if found is None:
+            found = self._reads_clock[tools] = "strftime_now" in self._compiled(tools)[0]
+        return found
+
     def _slow(self, messages: Sequence[Mapping[str, Any]],
-              tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> Any:
+              tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool,
+              clock: Callable[[str], str] | None = None) -> Any:
         """``apply_chat_template`` on copies of ``messages`` and ``tools``."""
+        extra = {"strftime_now": clock} if clock is not None else {}
         return self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
             tokenize=False, add_generation_prompt=generation_prompt,
-            chat_template=self.chat_template)
+            chat_template=self.chat_template, **extra)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
-               tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> Any:
+               tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool,
+               clock: Callable[[str], str] | None = None) -> Any:
         """The template's output for ``messages`` and ``tools`` (``apply_chat_template`` is
         given copies; the compiled template, which cannot change them, exact dicts as they
-        are). Raises RenderBudgetExceeded past ``budget_s``."""
+        are), with ``clock`` as the template's ``strftime_now`` when given (else the
+        current time's, as transformers gives it). Raises RenderBudgetExceeded past
+        ``budget_s``."""
         chat = [m if type(m) is dict else dict(m) for m in messages]
         schemas = [t if type(t) is dict else dict(t) for t in tools] if tools else None
         source, fast = self._compiled(schemas is not None)
         variables = self._template_variables()
+        if clock is not None:
+            variables = {**variables, "strftime_now": clock}
         key = (source, self._variables_key)
         matched = _verified.get(key, 0)
         if fast is None or not chat or matched < 0:
             with render_budget(self.budget_s):
-                return self._slow(messages, tools, generation_prompt)
+                return self._slow(messages, tools, generation_prompt, clock)
         with render_budget(self.budget_s):
             out = fast.render(messages=chat, tools=schemas, documents=None,
                               add_generation_prompt=generation_prompt, **variables)
         if matched < CHECKED:
             with render_budget(self.budget_s):
-                expected = self._slow(messages, tools, generation_prompt)
+                expected = self._slow(messages, tools, generation_prompt, clock)
             with _lock:
                 if _verified.get(key, 0) >= 0:
                     _verified[key] = _verified.get(key, 0) + 1 if expected == out else -1

@@ -67,6 +67,15 @@ per tokenizer and template, by its messages, tools and prompt ids: the episodes 
 group open with the same prompt, so only the first of them segments it, and the others take
 a copy of that segmentation (the same deterministic result, ``FIRST_CALLS_KEPT`` kept).
 
+Templates that read the clock. transformers gives templates ``strftime_now`` (Llama 3.x
+writes today's date into its system block), so the same messages render another text on
+another day. A call segmented in full renders with the clock its prompt was rendered with:
+the messages are rendered once with a clock that writes markers, the prompt text is matched
+against that rendering with each marker free, and what stands in the prompt at each marker is
+what that format answers (``_recorded_clock``). A call that extends another keeps its clock;
+the render cache is keyed by it. A prompt that no clock explains is refused by step 1 as any
+other.
+
 ``Segmenter(tokenizer, reuse=False)`` segments every call in full.
 """
 
@@ -74,13 +83,15 @@ from __future__ import annotations
 
 import dataclasses
 import marshal
+import re
 import sys
 import threading
 import weakref
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -272,6 +283,54 @@ def _accepted_generation_prompts(templates: str, override: str | None) -> set[st
         return _ACCEPTED.setdefault((templates, override), set())
 
 
+#: What ``strftime_now`` answered when a prompt was rendered: (format, text) pairs, sorted.
+Clock = tuple[tuple[str, str], ...]
+_MARK = re.compile("\ue000(\\d+)\ue001")
+#: Longest text one ``strftime_now`` call is taken to have written.
+_CLOCK_TEXT = 200
+
+
+def _clock_function(clock: Clock) -> Callable[[str], str]:
+    """``strftime_now`` answering as ``clock`` recorded (a format it did not record: the
+    current time's, as transformers' own)."""
+    recorded = dict(clock)
+
+    def strftime_now(format: str) -> str:
+        found = recorded.get(format)
+        return found if found is not None else datetime.now().strftime(format)
+    return strftime_now
+
+
+def _recorded_clock(renderer: ChatRenderer, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None, text: str) -> Clock | None:
+    """What the template's ``strftime_now`` wrote into the prompt ``text`` (a Llama 3.x
+    system block's date): the messages are rendered with a clock that writes a marker, and
+    the prompt is matched against that rendering with each marker free. None when the
+    template writes no clock text, or when the prompt is no rendering of the messages (the
+    full check says why)."""
+    formats: list[str] = []
+
+    def mark(format: str) -> str:
+        formats.append(str(format))
+        return f"\ue000{len(formats) - 1}\ue001"
+    try:
+        rendered = renderer.render(messages, tools=tools, generation_prompt=False, clock=mark)
+    except Exception:  # the template's own errors: the full path reports them
+        return None
+    parts = _MARK.split(rendered) if isinstance(rendered, str) else []
+    if len(parts) < 2:
+        return None
+    pattern = "".join(re.escape(part) if i % 2 == 0 else f"(.{{0,{_CLOCK_TEXT}}}?)"
+                      for i, part in enumerate(parts))
+    found = re.compile(pattern, re.DOTALL).match(text)
+    if found is None:
+        return None
+    clock: dict[str, str] = {}
+    for group, index in enumerate(parts[1::2], start=1):
+        clock.setdefault(formats[int(index)], found.group(group))
+    return tuple(sorted(clock.items()))
+
+
 @dataclass
 class _Done:
     """What a segmentation leaves for a later call that extends it."""
@@ -303,6 +362,9 @@ class _Done:
     #: The last message's rendering when taken from the prompt instead of the template.
     derived: str | None = None
     extended: bool = field(default=False)
+    #: The clock the prompt was rendered with (``_recorded_clock``; None: the template
+    #: reads none).
+    clock: Clock | None = None
 
 
 #: Calls segmented in full, per tokenizer: (templates, override, tools, messages, ids) ->
@@ -353,6 +415,8 @@ class Segmenter:
                               chat_template)
         self._generation_prompts = _accepted_generation_prompts(*self._template_key)
         self._special_tokens: list[str] | None = None
+        #: The clock of the call being segmented (``_Done.clock``).
+        self._clock: Clock | None = None
         self._done: list[_Done] = []
         self._derived: list[_Done] = []
         self._count = 0
@@ -364,9 +428,10 @@ class Segmenter:
                tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> str:
         """The template's text for ``messages`` and ``tools``. Raises SegmentationError
         (naming the last message) when the template refuses them."""
+        clock = _clock_function(self._clock) if self._clock else None
         try:
             out = self._renderer.render(messages, tools=tools,
-                                        generation_prompt=generation_prompt)
+                                        generation_prompt=generation_prompt, clock=clock)
         except Exception as exc:  # the template's own raise_exception and Jinja errors
             raise SegmentationError(
                 f"the chat template cannot render the first {len(messages)} messages: "
@@ -486,7 +551,8 @@ class Segmenter:
                 if hit is not None and cache is not None:
                     cache.move_to_end(key)
             if hit is not None:
-                node = self._interner.root(tools_key_)
+                self._clock = hit.clock
+                node = self._interner.root(self._root_key(tools_key_))
                 for message in messages:
                     node = self._interner.child(node, _render_key(message))
                 return dataclasses.replace(
@@ -505,7 +571,9 @@ class Segmenter:
               tools: Sequence[Mapping[str, Any]] | None, tools_key_: bytes | str, ids: np.ndarray,
               call_id: str | None) -> _Done:
         text, starts, appendable = self._decode(ids.tolist())
-        node = self._interner.root(tools_key_)
+        self._clock = (_recorded_clock(self._renderer, messages, tools, text)
+                       if self._renderer.reads_clock(tools=bool(tools)) else None)
+        node = self._interner.root(self._root_key(tools_key_))
         renders: list[str] = []
         for k in range(1, len(messages) + 1):
             node = self._interner.child(node, _render_key(messages[k - 1]))
@@ -517,7 +585,12 @@ class Segmenter:
                      tools_key=tools_key_, ids=ids, text=text, starts=starts,
                      appendable=appendable, ends=placed.ends, relocated=placed.relocated,
                      message_ids=[], horizon=placed.horizon, absent=placed.absent,
-                     unsettled=placed.unsettled, suffix=suffix, node=node)
+                     unsettled=placed.unsettled, suffix=suffix, node=node, clock=self._clock)
+
+    def _root_key(self, tools_key_: bytes | str) -> Any:
+        """The render cache's root for a call: its tools, and its clock when it has one
+        (the same messages render another date under another clock)."""
+        return tools_key_ if self._clock is None else (tools_key_, self._clock)
 
     def _extend(self, base: _Done, messages: Sequence[Mapping[str, Any]],
                 tools: Sequence[Mapping[str, Any]] | None, ids: np.ndarray,
@@ -526,6 +599,7 @@ class Segmenter:
         added, added_starts, appendable = self._decode(ids[len(base.ids):].tolist())
         if not appendable:
             return None
+        self._clock = base.clock
         text = base.text + added
         for piece in base.absent:
             if text.find(piece, max(0, len(base.text) - len(piece) + 1)) >= 0:
@@ -559,7 +633,7 @@ class Segmenter:
                      horizon=placed.horizon, absent=base.absent + placed.absent,
                      unsettled=[(cut, piece) for cut, piece in base.unsettled
                                 if cut + len(piece) - 1 > len(text)] + placed.unsettled,
-                     suffix=base.suffix, node=node, derived=last)
+                     suffix=base.suffix, node=node, derived=last, clock=base.clock)
 
     def verify(self) -> bool:
         """Whether every last-message rendering taken from a prompt (see the module
@@ -568,6 +642,7 @@ class Segmenter:
         for done in self._derived:
             if done.extended:
                 continue
+            self._clock = done.clock
             try:
                 real = self.render(done.messages, tools=done.tools or None,
                                    generation_prompt=False)
