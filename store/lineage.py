@@ -16,6 +16,7 @@ policy versions, so a step's lineage is grouped by policy version.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from store.db import Database
 from store.stream_rules import run_stream_id
 
 __all__ = ["EpisodeStep", "StepLineage", "StepSample", "dataset_project", "episode_lineage",
-           "sample_rows", "step_lineage", "STEP_QUERY", "EPISODE_QUERY"]
+           "recorded_steps", "sample_rows", "step_lineage", "STEP_QUERY", "EPISODE_QUERY"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,18 @@ def sample_rows(db: Database, sample_ids: list[int]) -> dict[int, dict[str, Any]
             "SELECT * FROM samples WHERE sample_id = ANY(%s)", (sample_ids,)).fetchall()}
 
 
+def recorded_steps(steps: Sequence[int]) -> str:
+    """The tail of a "recorded no step K" error: the steps the run did record (a step is the
+    trainer's optimizer step that ``policy_updated`` records, several per policy version
+    when an update runs mini-batches), the middle of a long list elided."""
+    if not steps:
+        return "; it recorded no training step yet"
+    ordered = sorted(steps)
+    shown = [str(s) for s in ordered] if len(ordered) <= 12 else \
+        [*map(str, ordered[:6]), "...", *map(str, ordered[-3:])]
+    return f"; the steps it recorded: {', '.join(shown)}"
+
+
 def step_lineage(db: Database, run_id: str, step: int) -> list[StepLineage]:
     """What fed step ``step`` of run ``run_id``: one entry per policy version that step
     recorded (one, unless two trainers of the run raced), oldest version first.
@@ -113,10 +126,13 @@ def step_lineage(db: Database, run_id: str, step: int) -> list[StepLineage]:
             if conn.execute("SELECT 1 FROM events WHERE stream_id = %s AND type = 'run_created'",
                             (stream,)).fetchone() is None:
                 raise errors.NotFoundError(f"no run {run_id!r}")
-            if conn.execute("SELECT 1 FROM events WHERE stream_id = %s"
-                            " AND type = 'policy_updated' AND (data->>'step')::integer = %s",
-                            (stream, step)).fetchone() is None:
-                raise errors.NotFoundError(f"run {run_id!r} recorded no step {step}")
+            steps = [r[0] for r in conn.execute(
+                "SELECT DISTINCT (data->>'step')::integer FROM events WHERE stream_id = %s"
+                " AND type = 'policy_updated' AND data->>'step' IS NOT NULL ORDER BY 1",
+                (stream,)).fetchall()]
+            if step not in steps:
+                raise errors.NotFoundError(
+                    f"run {run_id!r} recorded no step {step}{recorded_steps(steps)}")
             raise errors.NotFoundError(f"step {step} of run {run_id!r} was recorded without "
                                        "the samples it trained")
     out: dict[int, list[tuple[int, StepSample]]] = {}

@@ -157,7 +157,8 @@ def test_replay_step_gives_the_stored_weights(trainer_store, tiny_model: Path, c
     r = cli("replay-step", "run-missing", "--step", "1")
     assert r.exit_code == 1 and "run-missing" in r.stderr, r.output
     r = cli("replay-step", run_id, "--step", "9")
-    assert r.exit_code == 1 and "recorded no step 9" in r.stderr, r.output
+    assert r.exit_code == 1 and "recorded no step 9; the steps it recorded: 1, 2" in r.stderr, \
+        r.output
 
     # Weights that differ from the replay: exit 1 with the largest difference.
     assert first.checkpoint and second.checkpoint

@@ -81,7 +81,8 @@ def test_a_step_records_what_it_trained(trainer_store, trainer_settings: Setting
     # Bad input names what is wrong.
     with pytest.raises(errors.NotFoundError, match="no run 'run-missing'"):
         step_lineage(trainer_store.db, "run-missing", 1)
-    with pytest.raises(errors.NotFoundError, match=f"run '{run_id}' recorded no step 7"):
+    with pytest.raises(errors.NotFoundError, match=f"run '{run_id}' recorded no step 7; "
+                       "the steps it recorded: 1, 2$"):
         step_lineage(trainer_store.db, run_id, 7)
     with pytest.raises(errors.NotFoundError, match="no episode 'ep-missing'"):
         episode_lineage(trainer_store.db, "ep-missing")

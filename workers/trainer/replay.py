@@ -40,7 +40,7 @@ from store import errors
 from store.eventlog import EventStore, run_stream_id
 from store.events import PolicyUpdated
 from store.leasing import Lease, LeasedSample
-from store.lineage import sample_rows, step_lineage
+from store.lineage import recorded_steps, sample_rows, step_lineage
 from store.stored_sample import from_row
 from workers import checkpoint_urls
 from workers.engines.tokenizers import load_tokenizer
@@ -169,8 +169,10 @@ def replay_step(store: EventStore, run_id: str, step: int, *, version: int | Non
     matching = [e for e in updates if e.step == step
                 and (version is None or e.version == version)]
     if not matching:
-        raise errors.NotFoundError(f"run {run_id!r} recorded no step {step}"
-                                   + (f" under policy version {version}" if version else ""))
+        raise errors.NotFoundError(
+            f"run {run_id!r} recorded no step {step}"
+            + (f" under policy version {version}" if version else "")
+            + recorded_steps([e.step for e in updates if e.step is not None]))
     if len(matching) > 1:
         raise ValueError(f"step {step} of run {run_id!r} was recorded under policy versions "
                          f"{[e.version for e in matching]}: pass the version")
