@@ -4,6 +4,7 @@ checks, leasing and the capture gateway. Built once per process by ``api.app.cre
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,9 +15,12 @@ from store.leasing import Leasing
 from store.settings import Settings
 
 if TYPE_CHECKING:
+    from api.derive_slots import DeriveSlots
     from api.gateway.service import Gateway
 
 __all__ = ["ApiContext"]
+
+_DERIVES_LOCK = threading.Lock()
 
 
 @dataclass
@@ -33,6 +37,7 @@ class ApiContext:
     #: ``local_project``); None otherwise.
     local_key: ApiKey | None = None
     _gateway: Gateway | None = field(default=None, repr=False)
+    _derives: DeriveSlots | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, settings: Settings, store: EventStore, *, owns_store: bool) -> ApiContext:
@@ -54,8 +59,22 @@ class ApiContext:
             self._gateway = Gateway(self.settings, self.store, self.access)
         return self._gateway
 
+    @property
+    def derives(self) -> DeriveSlots:
+        """The budget and the processes of dataset derivations over REST (``api.derive_slots``)."""
+        with _DERIVES_LOCK:  # one budget per process, however many requests ask first
+            if self._derives is None:
+                from api.derive_slots import DeriveSlots
+
+                self._derives = DeriveSlots(
+                    self.store.db.url, per_project=self.settings.api_derive_project_running,
+                    processes=self.settings.api_derive_processes)
+            return self._derives
+
     def close(self) -> None:
         self.keys.close()
+        if self._derives is not None:
+            self._derives.close()
         if self._gateway is not None:
             self._gateway.close()
         if self.owns_store:

@@ -335,6 +335,19 @@ class Settings(BaseSettings):
         "call as its reward (rules.reward.function), comma separated; empty: none (the command "
         "line and the Python API call any).",
     )
+    api_derive_project_running: int = Field(
+        default=1, ge=1, le=1000,
+        description="Dataset derivations (POST /v1/datasets) one project may run at once in "
+        "one API process; another is answered 429 naming this setting.",
+    )
+    api_derive_processes: int = Field(
+        default=2, ge=0, le=64,
+        description="Processes of one API process that replay dataset derivations over REST, "
+        "one derivation each, started on first use and kept; a derivation while every one "
+        "is busy is answered 429 naming this setting. Above "
+        "api_derive_project_running, a project never holds them all. 0: replay in the "
+        "request's own thread.",
+    )
     api_key_scrypt_n: int = Field(
         default=2**14, ge=2, description="scrypt cost N of new API key hashes (a power of 2)."
     )

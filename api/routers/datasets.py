@@ -62,7 +62,10 @@ def _reward_module_allowed(function: str, allowed: str) -> bool:
 @router.post("", status_code=201, response_model=DatasetOut,
              responses={200: {"model": DatasetOut,
                               "description": "The name already holds this content hash."},
-                        404: ERROR_RESPONSES[422] | {"description": "An unknown run."}})
+                        404: ERROR_RESPONSES[422] | {"description": "An unknown run."},
+                        429: ERROR_RESPONSES[429] | {
+                            "description": "The project runs its derivations' budget "
+                            "(TRAJSTORE_API_DERIVE_PROJECT_RUNNING) already."}})
 def derive(body: DatasetDerive, key: IngestKey, ctx: Ctx, response: Response) -> DatasetOut:
     """Derive a version of dataset ``name`` from the episodes of ``runs`` under ``rules``,
     by replaying their events (no model is called). 201 with a new version; 200 with the
@@ -71,7 +74,9 @@ def derive(body: DatasetDerive, key: IngestKey, ctx: Ctx, response: Response) ->
     server's ``api_dataset_reward_modules`` does not name; 422 naming the field for a bad
     rule, a reward function that cannot be imported, that raises or returns no finite
     number (naming the episode), or rules that select nothing (saying how many episodes each
-    rule left out). Nothing is written on any error."""
+    rule left out). 429 naming ``TRAJSTORE_API_DERIVE_PROJECT_RUNNING`` while the project
+    runs that many derivations in this process already (``api.derive_slots``: the episodes
+    are replayed on the API's derivation processes). Nothing is written on any error."""
     for run_id in body.runs:
         ctx.access.check_run(key, run_id)
     function = body.rules.reward.function
@@ -82,8 +87,9 @@ def derive(body: DatasetDerive, key: IngestKey, ctx: Ctx, response: Response) ->
                        f"names only, and {function!r} is not among them",
                        field="body.rules.reward.function")
     try:
-        made = derive_dataset(ctx.store, body.name, body.runs, body.rules,
-                              project=key.project)
+        with ctx.derives.slot(key.project) as pool:
+            made = derive_dataset(ctx.store, body.name, body.runs, body.rules,
+                                  project=key.project, pool=pool)
     except store_errors.NotFoundError as exc:
         raise ApiError(404, "not_found", str(exc)) from None
     except store_errors.ValidationError as exc:

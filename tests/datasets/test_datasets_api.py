@@ -4,6 +4,9 @@ session's PostgreSQL database with runs recorded by the real chat template."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,8 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
+from api.derive_slots import DeriveSlots
+from api.errors import ApiError
 from api.keys import KeyStore
 from store.datasets import record_trained_by
 from store.db import Database
@@ -24,7 +29,11 @@ from tests.api.conftest import Project, make_project
 
 
 @pytest.fixture
-def api(pg_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, EventStore, KeyStore]]:
+def api(pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> Iterator[tuple[TestClient, EventStore, KeyStore]]:
+    # The derivations run in the API's derivation process (spawned with this environment).
+    monkeypatch.setenv("DATASET_REWARDS_FAIL_ON_FILE", str(tmp_path / "fail-on"))
+    monkeypatch.setenv("DATASET_REWARDS_GATE", str(tmp_path / "gate"))
     settings = Settings(database_url=pg_url, data_dir=tmp_path, api_key_scrypt_n=1024,
                         api_dataset_reward_modules="dataset_rewards, other_pkg")
     store = EventStore(Database(pg_url, max_size=4), settings)
@@ -107,7 +116,7 @@ def test_derive_read_compare_and_delete_over_rest(api, qwen3) -> None:
     assert raising.status_code == 201  # raise_on raises only for the episodes it is told
     import dataset_rewards
 
-    dataset_rewards.FAIL_ON[:] = [run.episodes["a0"]]
+    dataset_rewards.fail_on(run.episodes["a0"])
     failed = client.post("/v1/datasets", json={**body, "name": f"{name}-x", "rules": {
         "reward": {"function": "dataset_rewards:raise_on"}}},
         headers=project.headers("ingest"))
@@ -188,3 +197,88 @@ def test_the_command_line_derives_lists_shows_and_compares(
     # Its number is not given again: the same rules make version 3.
     assert "version 3 (new)" in cli("derive", name, "--run", run.run_id, "--status",
                                     "completed", "--last-turn").output
+
+
+def test_one_project_derives_once_at_a_time_off_the_api_interpreter(api, qwen3,
+                                                                    tmp_path: Path) -> None:
+    """A derivation holds one of its project's places (one by default) and replays on the
+    API's derivation process: a second of the same project is answered 429 naming the
+    setting, and another project's derivation is made meanwhile."""
+    client, store, keys = api
+    project: Project = make_project(keys)
+    other: Project = make_project(keys)
+    run = record_run(store, qwen3, project=project.name)
+    neighbour = record_run(store, qwen3, project=other.name)
+    gate = tmp_path / "gate"
+    held: dict[str, Any] = {}
+
+    def derive_held() -> None:
+        held["response"] = client.post("/v1/datasets", json={
+            "name": "held", "runs": [run.run_id],
+            "rules": {"reward": {"function": "dataset_rewards:gated"}}},
+            headers=project.headers("ingest"))
+
+    thread = threading.Thread(target=derive_held)
+    thread.start()
+    try:
+        started = Path(f"{gate}.started")
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists(), "the held derivation never reached its reward function"
+        # Its episodes are replayed in another process than the API's.
+        assert int(started.read_text()) != os.getpid()
+
+        second = client.post("/v1/datasets", json={"name": "second", "runs": [run.run_id]},
+                             headers=project.headers("ingest"))
+        assert second.status_code == 429, second.text
+        assert "TRAJSTORE_API_DERIVE_PROJECT_RUNNING=1" in second.json()["error"]["message"]
+        assert second.headers["Retry-After"] == "5"
+        assert client.get("/v1/datasets/second", headers=project.headers("read")
+                          ).status_code == 404
+
+        # The neighbour derives while the held derivation still waits for its grader.
+        made = client.post("/v1/datasets", json={"name": "theirs", "runs": [neighbour.run_id]},
+                           headers=other.headers("ingest"))
+        assert made.status_code == 201, made.text
+        assert thread.is_alive() and "response" not in held
+    finally:
+        Path(f"{gate}.open").touch()
+        thread.join(timeout=120)
+    assert held["response"].status_code == 201, held["response"].text
+
+    # The place is given back, after an error too.
+    import dataset_rewards
+
+    dataset_rewards.fail_on(run.episodes["a0"])
+    failed = client.post("/v1/datasets", json={"name": "fails", "runs": [run.run_id], "rules": {
+        "reward": {"function": "dataset_rewards:raise_on"}}}, headers=project.headers("ingest"))
+    assert failed.status_code == 422, failed.text
+    again = client.post("/v1/datasets", json={"name": "second", "runs": [run.run_id]},
+                        headers=project.headers("ingest"))
+    assert again.status_code == 201, again.text
+
+
+def test_derivation_places_and_processes(pg_url: str) -> None:
+    """Every limit of ``DeriveSlots`` refuses with a 429 naming its setting, and gives its
+    place back when the derivation ends."""
+    slots = DeriveSlots(pg_url, per_project=1, processes=1)
+    try:
+        with slots.slot("p1") as pool:
+            assert pool is not None and pool.jobs == 1
+            with pytest.raises(ApiError, match="TRAJSTORE_API_DERIVE_PROJECT_RUNNING=1") as one:
+                with slots.slot("p1"):
+                    pass
+            assert one.value.status == 429
+            with pytest.raises(ApiError, match="TRAJSTORE_API_DERIVE_PROCESSES=1") as full:
+                with slots.slot("p2"):
+                    pass
+            assert full.value.status == 429 and slots.running("p2") == 0
+        with slots.slot("p2") as again:
+            assert again is pool  # the same warm process
+        assert slots.running("p1") == slots.running("p2") == 0
+    finally:
+        slots.close()
+    inline = DeriveSlots(pg_url, per_project=2, processes=0)
+    with inline.slot("p1") as none, inline.slot("p1") as still_none:
+        assert none is None and still_none is None and inline.running("p1") == 2
