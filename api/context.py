@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from api.access import Access
 from api.keys import ApiKey, KeyStore
+from api.places import ProjectPlaces
 from store.eventlog import EventStore
 from store.leasing import Leasing
 from store.settings import Settings
@@ -36,6 +37,9 @@ class ApiContext:
     #: Under ``local_mode``: the key a request without one acts with (the admin of
     #: ``local_project``); None otherwise.
     local_key: ApiKey | None = None
+    #: Exports each project streams at once (``api_export_project_running``).
+    exports: ProjectPlaces = field(default_factory=lambda: ProjectPlaces(
+        "export(s)", "TRAJSTORE_API_EXPORT_PROJECT_RUNNING", retry_after_s=5))
     _gateway: Gateway | None = field(default=None, repr=False)
     _derives: DeriveSlots | None = field(default=None, repr=False)
 

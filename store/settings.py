@@ -329,6 +329,11 @@ class Settings(BaseSettings):
         default=256, ge=1,
         description="Rows (samples, prompts) per Parquet row group of a streamed export."
     )
+    api_export_project_running: int = Field(
+        default=2, ge=1, le=1000,
+        description="Exports (of a run or a dataset version) one project streams at once from "
+        "one API process; one more is answered 429 naming this setting.",
+    )
     api_dataset_reward_modules: str = Field(
         default="",
         description="Modules (or packages) whose functions a dataset derived over REST may "

@@ -17,16 +17,14 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import threading
-from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
 from api.otlp.decode import OtlpLimits, Span, decode_request, decompress
+from api.places import ProjectPlaces
 
 __all__ = ["Admission", "decode_export"]
 
@@ -74,29 +72,8 @@ async def decode_export(body: bytes, encoding: str | None, kind: str, limits: Ot
                        "retry the export", headers={"Retry-After": "1"}) from None
 
 
-class Admission:
+class Admission(ProjectPlaces):
     """How many exports of each project one API process is handling (module docstring)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: Counter[str] = Counter()
-
-    @contextmanager
-    def enter(self, project: str, limit: int) -> Iterator[None]:
-        """Holds one of ``project``'s ``limit`` places for the block; ApiError 429 when all
-        are taken."""
-        with self._lock:
-            if self._running[project] >= limit:
-                raise ApiError(
-                    429, "too_many_requests",
-                    f"this project has {limit} OTLP export(s) in progress already, the limit "
-                    "(setting TRAJSTORE_OTLP_MAX_CONCURRENT); retry after it answers",
-                    headers={"Retry-After": "1"})
-            self._running[project] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running[project] -= 1
-                if not self._running[project]:
-                    del self._running[project]
+        super().__init__("OTLP export(s)", "TRAJSTORE_OTLP_MAX_CONCURRENT")

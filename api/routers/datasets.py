@@ -14,6 +14,7 @@ from api.context import ApiContext
 from api.deps import AdminKey, Ctx, IngestKey, ReadKey
 from api.errors import ERROR_RESPONSES, ApiError
 from api.parquet import PARQUET_MEDIA_TYPE
+from api.places import Held
 from api.schemas.datasets import (
     DatasetDerive,
     DatasetDiffOut,
@@ -193,12 +194,18 @@ def export(dataset: DatasetName, version: Version, key: ReadKey, ctx: Ctx,
     """A version in any of the run export formats (docs/exports.md), built from its rows
     (samples, verl-batch: the rewards its rules gave) or its episodes' logs (verl-prompts,
     atif, sft): the same bytes as the run's export of the same samples. 404 for an unknown
-    version, 422 for an option the format does not take."""
+    version, 422 for an option the format does not take, 429 naming
+    ``TRAJSTORE_API_EXPORT_PROJECT_RUNNING`` while the project streams that many exports."""
     found = _found(ctx, key.project, dataset, version)
-    made = exports.prepare_dataset(
-        ctx.store, found, format, group_id=group_id, kind=kind, min_reward=min_reward,
-        data_source=data_source, pad_token_id=pad_token_id,
-        rows_per_group=ctx.settings.api_export_rows_per_group)
+    give_back = ctx.exports.take(key.project, ctx.settings.api_export_project_running)
+    try:
+        made = exports.prepare_dataset(
+            ctx.store, found, format, group_id=group_id, kind=kind, min_reward=min_reward,
+            data_source=data_source, pad_token_id=pad_token_id,
+            rows_per_group=ctx.settings.api_export_rows_per_group)
+    except BaseException:
+        give_back()
+        raise
     return StreamingResponse(
-        made.chunks, media_type=made.media_type,
+        Held(made.chunks, give_back), media_type=made.media_type,
         headers={"Content-Disposition": f'attachment; filename="{made.filename}"'})

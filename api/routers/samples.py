@@ -14,6 +14,7 @@ from api.cursor import decode_cursor, encode_cursor
 from api.deps import Ctx, ReadKey
 from api.errors import ERROR_RESPONSES
 from api.parquet import PARQUET_MEDIA_TYPE
+from api.places import Held
 from api.schemas.samples import SamplePage
 from api.tokens import Encoding
 from store import queries
@@ -92,13 +93,20 @@ def export(
       reward is at least ``min_reward``, JSON lines.
 
     An option the format does not take is refused (422). Everything is checked, and the
-    first part built, before the answer starts."""
+    first part built, before the answer starts. A project streams at most
+    ``TRAJSTORE_API_EXPORT_PROJECT_RUNNING`` exports (of runs and dataset versions) at once
+    from one API process: one more is a 429 naming the setting."""
     ctx.access.check_run(key, run_id)
-    made = exports.prepare(
-        ctx.store, run_id, format, group_id=group_id, kind=kind, status=status,
-        min_reward=min_reward, data_source=data_source, pad_token_id=pad_token_id,
-        rows_per_group=ctx.settings.api_export_rows_per_group)
+    give_back = ctx.exports.take(key.project, ctx.settings.api_export_project_running)
+    try:
+        made = exports.prepare(
+            ctx.store, run_id, format, group_id=group_id, kind=kind, status=status,
+            min_reward=min_reward, data_source=data_source, pad_token_id=pad_token_id,
+            rows_per_group=ctx.settings.api_export_rows_per_group)
+    except BaseException:
+        give_back()
+        raise
     return StreamingResponse(
-        made.chunks, media_type=made.media_type,
+        Held(made.chunks, give_back), media_type=made.media_type,
         headers={"Content-Disposition": f'attachment; filename="{made.filename}"'},
     )

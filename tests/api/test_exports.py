@@ -4,6 +4,7 @@ recorded with the real Qwen3 chat template and replayed by the real projection."
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import uuid
@@ -17,8 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
+from api import exports
 from api.app import create_app
 from api.keys import KeyStore
+from api.places import Held
 from store.db import Database
 from store.eventlog import EventStore
 from store.events import EpisodeStarted
@@ -446,3 +449,53 @@ def test_verl_reads_the_prompts_and_the_batch(client: TestClient, dataset: Datas
         assert torch.allclose(advantages[i][mask], expected.expand(int(mask.sum())),
                               atol=1e-5)
         assert (advantages[i][~mask] == 0).all()
+
+
+def test_a_project_streams_a_bounded_number_of_exports(client: TestClient, dataset: Dataset,
+                                                      project: Project, qwen3: Any,
+                                                      api_store: EventStore) -> None:
+    """While a project streams ``TRAJSTORE_API_EXPORT_PROJECT_RUNNING`` exports (2), one more
+    is a 429 naming the setting; another project's export passes; a place is free again once
+    its export is read to the end, dropped unread, or refused."""
+    ctx = client.app.state.ctx  # type: ignore[attr-defined]
+    headers = dataset.project.headers("read")
+    url = f"/v1/runs/{dataset.run_id}/export"
+    name = dataset.project.name
+    # Two exports prepared and not yet read: what two clients reading slowly hold.
+    streams = [exports_held(ctx, dataset), exports_held(ctx, dataset)]
+    assert ctx.exports.running(name) == 2
+    r = client.get(url, headers=headers)
+    assert r.status_code == 429, r.text
+    assert "TRAJSTORE_API_EXPORT_PROJECT_RUNNING" in r.json()["error"]["message"]
+    assert r.headers["Retry-After"] == "5"
+    # Another project exports its own run meanwhile.
+    theirs = f"run-{uuid.uuid4().hex[:8]}"
+    create_run(api_store, theirs, project=project.name)
+    episode_id = f"ep-{uuid.uuid4().hex[:6]}"
+    api_store.append(episode_id, episode_events(qwen3, run_id=theirs, group_id="g0", a=1, b=2,
+                                                reward=1.0), "no_stream")
+    assert project_episode(api_store, episode_id).outcome == "written"
+    r = client.get(f"/v1/runs/{theirs}/export", headers=project.headers("read"))
+    assert r.status_code == 200 and pq.read_table(io.BytesIO(r.content)).num_rows == 1
+    assert ctx.exports.running(project.name) == 0 and ctx.exports.running(name) == 2
+
+    # One read to its end, one dropped unread: both places are free again.
+    b"".join(streams.pop())
+    assert ctx.exports.running(name) == 1
+    streams.clear()
+    gc.collect()
+    assert ctx.exports.running(name) == 0
+    r = client.get(url, headers=headers)
+    assert r.status_code == 200 and pq.read_table(io.BytesIO(r.content)).num_rows > 0
+    # A refused export (an option its format does not take) gives its place back.
+    assert client.get(url, params={"format": "atif", "group_id": "g0"}, headers=headers
+                      ).status_code == 422
+    assert ctx.exports.running(name) == 0
+
+
+def exports_held(ctx: Any, ds: Dataset) -> Held:
+    """An export of ``ds``'s run prepared as the route prepares it, holding its place."""
+    give_back = ctx.exports.take(ds.project.name, ctx.settings.api_export_project_running)
+    made = exports.prepare(ctx.store, ds.run_id, "samples",
+                           rows_per_group=ctx.settings.api_export_rows_per_group)
+    return Held(made.chunks, give_back)
