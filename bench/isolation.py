@@ -10,7 +10,8 @@ runs listed (``query``), the episode read back (``read``); with ``gateway`` amon
 workloads, a call through the capture gateway's in-process tiny engine (``gateway``); with
 ``template`` or ``replay``, the time from its finished episode's append to the episode's
 samples written by the shared replay worker (``replay``, a real ``trajstore worker --queues
-replay``, one slot as by default, ``--replay-slots`` for more).
+replay`` with its default slots, ``REPLAY_PROJECT_RUNNING + 1``, unless ``--replay-slots``
+says).
 
 The attackers' floods (``--workloads``, each from a project of its own, one process each,
 ``--attackers`` in all):
@@ -260,7 +261,7 @@ class _Victim:
 
 
 def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
-                         replay_places: int | None = None, slots: int = 1
+                         replay_places: int | None = None, slots: int | None = None
                          ) -> subprocess.Popen[bytes]:
     from store import embedded
 
@@ -274,7 +275,7 @@ def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
     with open(log, "ab") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "trajstore", "worker", "--queues", "replay",
-             "--concurrency", str(slots)],
+             *(["--concurrency", str(slots)] if slots is not None else [])],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -377,8 +378,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Write every timing (seconds, by phase and workload) here.")
     parser.add_argument("--replay-burst", type=int, default=200,
                         help="Episodes the replay flood finishes at the start of each flood.")
-    parser.add_argument("--replay-slots", type=int, default=1,
-                        help="Processes of the replay worker (its --concurrency).")
+    parser.add_argument("--replay-slots", type=int, default=None,
+                        help="Processes of the replay worker (its --concurrency; default: "
+                        "the worker's default, REPLAY_PROJECT_RUNNING + 1).")
     parser.add_argument("--replay-places", type=int, default=None,
                         help="REPLAY_PROJECT_RUNNING of the replay worker (default: the "
                         "setting's default).")
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--workloads: unknown {unknown}; give some of {', '.join(WORKLOADS)}")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    if args.replay_burst < 1 or args.replay_slots < 1:
+    if args.replay_burst < 1 or (args.replay_slots is not None and args.replay_slots < 1):
         parser.error("--replay-burst and --replay-slots must be >= 1")
     attackers = args.attackers or len(workloads)
     started_load = os.getloadavg()[0]
@@ -461,6 +463,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from store import embedded
 
             embedded.stop_embedded_redis(Settings(data_dir=Path(tmp)))
+    if any(w in REPLAY_FLOODS for w in workloads):
+        from trajstore.cli import default_concurrency
+
+        places = args.replay_places or Settings().replay_project_running
+        slots = args.replay_slots or default_concurrency(
+            Settings(replay_project_running=places), ["replay"])
+        print(f"replay worker: {slots} slots, {places} places per project")
     print(f"floods: {', '.join(workloads)} ({attackers} attacking processes), "
           f"{args.rounds} rounds quiet and {args.rounds} under the floods; load average "
           f"{started_load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
