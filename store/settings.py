@@ -389,6 +389,14 @@ class Settings(BaseSettings):
         "free even while a project's replays render a hostile template at RENDER_BUDGET_S; "
         "with every slot, it waits for the end of one of them.",
     )
+    replay_project_parked: int = Field(
+        default=1000, ge=1, le=10_000_000,
+        description="Most replays of one project parked in Redis (past its "
+        "replay_project_running places). A finished episode past them is not parked: the "
+        "periodic sweep, which finds every finished, unprojected episode in PostgreSQL, "
+        "offers it to the budget again (every TRAJSTORE_SWEEP_INTERVAL_S), so the Redis "
+        "list of a flooding project stays bounded and no episode is lost or refused.",
+    )
     rollout_wait_s: float = Field(
         default=900.0,
         gt=0,

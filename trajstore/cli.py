@@ -694,10 +694,11 @@ def sweep(
 ) -> None:
     """The periodic sweep: finish idle remote rollouts (after
     TRAJSTORE_ROLLOUT_IDLE_TIMEOUT_S), close episodes whose worker died (``aborted`` after
-    TRAJSTORE_EPISODE_TIMEOUT_S) and project finished episodes that were never projected
-    and whose replay is not queued or parked by the replay budget (their places handed on
-    first where the replays holding them never ended), every TRAJSTORE_SWEEP_INTERVAL_S
-    seconds. Run one per deployment."""
+    TRAJSTORE_EPISODE_TIMEOUT_S) and queue, within their project's replay budget, the replay
+    of finished episodes that were never projected and whose replay is not queued or parked
+    (a lost message, or one past TRAJSTORE_REPLAY_PROJECT_PARKED; the places of replays that
+    never ended handed on first), or project them here when no broker answers, every
+    TRAJSTORE_SWEEP_INTERVAL_S seconds. Run one per deployment."""
     import logging
     import signal as signals
     import threading
@@ -718,9 +719,9 @@ def sweep(
         if once:
             idle = finish_idle_rollouts(store, timeout_s=settings.rollout_idle_timeout_s)
             aborted = abort_stale_episodes(store, timeout_s=settings.episode_timeout_s)
-            written = sweep_unprojected(store, leave_budgeted=True)
+            swept = sweep_unprojected(store, leave_budgeted=True)
             console.print(f"finished {idle} idle remote rollouts, aborted {aborted} stale "
-                          f"episodes, projected {written}")
+                          f"episodes, replayed or queued {swept}")
             return
         stop = threading.Event()
         for s in (signals.SIGINT, signals.SIGTERM):

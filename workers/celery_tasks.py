@@ -76,9 +76,12 @@ def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> 
 @app.task(name="trajstore.sweep", acks_late=True, autoretry_for=(TransientError,),
           retry_backoff=True, max_retries=5)
 def sweep(limit: int = 200) -> int:
-    """Project finished episodes that have no projection and no replay on its way (a lost
-    message, a broker outage), after handing on the places of budgeted tasks that never
-    ended (``workers.fair.release_stranded``). Returns how many it wrote."""
+    """Queue within the replay budget the replay of finished episodes that have no
+    projection and no replay on its way (a lost message, one past its project's
+    ``replay_project_parked``), after handing on the places of budgeted tasks that never
+    ended (``workers.fair.release_stranded``); project them here when the broker cannot be
+    reached. Returns how many it queued, parked or wrote
+    (``sweep_unprojected``)."""
     from workers.replay.jobs.sweep import (
         abort_stale_episodes,
         finish_idle_rollouts,
