@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "for clients on other machines, which take no core of the server's).")
     parser.add_argument("--api-workers", type=int, default=1,
                         help="API server processes (TRAJSTORE_API_WORKERS).")
+    parser.add_argument("--keep-logs", default=None,
+                        help="Copy the server's and the replay worker's logs to this folder.")
     parser.add_argument("--times-json", default=None,
                         help="Write every timing (seconds, by phase and workload) here.")
     parser.add_argument("--replay-burst", type=int, default=200,
@@ -473,6 +475,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if worker is not None:
                 os.killpg(worker.pid, signal.SIGTERM)
                 worker.wait(timeout=60)
+            if args.keep_logs:
+                import shutil
+
+                Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+                for log in Path(tmp).glob("*.log"):
+                    shutil.copy(log, Path(args.keep_logs) / log.name)
             # The replay worker's broker stops before its folder is removed (it would run
             # on, with nowhere to save, until this process exits).
             from store import embedded
