@@ -61,8 +61,10 @@ def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> 
     """Project one finished episode (idempotent: a redelivery does nothing), within its
     project's replay budget when it carries one (``workers.fair``: the dispatcher queues it
     on a place of the project, or it is parked here, answering ``parked``, when that place
-    expired meanwhile and the project's others are taken; either way the place is handed on
-    when the replay ends). A retry after a transient error is sent with the same budget."""
+    expired meanwhile and the project's others are taken, or refused when the project has
+    ``replay_project_parked`` parked already, answering ``parked`` too, and left to the
+    sweep; either way the place is handed on when the replay ends). A retry after a
+    transient error is sent with the same budget."""
     from workers import fair
     from workers.replay.jobs.project import project_episode
 
