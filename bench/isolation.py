@@ -10,7 +10,8 @@ runs listed (``query``), the episode read back (``read``); with ``gateway`` amon
 workloads, a call through the capture gateway's in-process tiny engine (``gateway``); with
 ``template`` or ``replay``, the time from its finished episode's append to the episode's
 samples written by the shared replay worker (``replay``, a real ``trajstore worker --queues
-replay``, one slot as by default, ``--replay-slots`` for more).
+replay`` with its default slots, ``REPLAY_PROJECT_RUNNING + 1``, unless ``--replay-slots``
+says).
 
 The attackers' floods (``--workloads``, each from a project of its own, one process each,
 ``--attackers`` in all):
@@ -32,13 +33,20 @@ The attackers' floods (``--workloads``, each from a project of its own, one proc
 Prints the victim's p99 per workload against quiet, its errors and the attacker's answers by
 kind.
 
+Two options change what is measured, and are printed with the figures when given:
+``--attacker-nice N`` runs the attacking processes at that ``nice`` (lower CPU priority): on
+a machine of few cores the attackers' own work of building and sending requests takes the
+cores the server needs, which clients on other machines would not; ``--api-workers N``
+serves with that many API processes (``TRAJSTORE_API_WORKERS``, one by default).
+
     python bench/isolation.py [--rounds 200 --workloads otlp,oversized,chunked,gateway,...]
 
 Ends with ``RESULT victim_p99_ratio=<worst p99 flood/quiet> api_p99_ratio=<worst of the API
 requests> [replay_p99_ratio=<replay>] victim_errors=<n> refusals_413=<n> refusals_429=<n>
-refusals_422=<n> refusals_other=<n> accepted=<n> load_avg=<1-minute load average at the
-end>`` (target ratio <= 2.0, errors 0; ``accepted``: the attackers' requests answered 2xx,
-the hostile template's and the replay flood's episodes).
+refusals_422=<n> refusals_other=<n> accepted=<n> attacker_nice=<n> api_workers=<n>
+load_avg=<1-minute load average at the end>`` (target ratio <= 2.0, errors 0;
+``accepted``: the attackers' requests answered 2xx, the hostile template's and the replay
+flood's episodes).
 """
 
 from __future__ import annotations
@@ -122,6 +130,8 @@ def _attack(url: str, token: str, kind: str, extra: dict[str, Any], stop: Any,
     ``stop`` is, one request at a time (the next as soon as the last is answered), then puts
     its answers by kind on ``counts``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if extra.get("attacker_nice"):
+        os.nice(int(extra["attacker_nice"]))
     bad = {"Authorization": f"Bearer {token}"}
     out: dict[str, int] = {"413": 0, "429": 0, "422": 0, "other": 0, "accepted": 0}
     flood_otlp = _otlp_flood(20_000) if kind == "otlp" else b""
@@ -260,7 +270,7 @@ class _Victim:
 
 
 def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
-                         replay_places: int | None = None, slots: int = 1
+                         replay_places: int | None = None, slots: int | None = None
                          ) -> subprocess.Popen[bytes]:
     from store import embedded
 
@@ -274,7 +284,7 @@ def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
     with open(log, "ab") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "trajstore", "worker", "--queues", "replay",
-             "--concurrency", str(slots)],
+             *(["--concurrency", str(slots)] if slots is not None else [])],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -373,12 +383,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Attacking processes (default: one per flood).")
     parser.add_argument("--render-budget-s", type=float, default=0.5,
                         help="RENDER_BUDGET_S of the replay worker.")
+    parser.add_argument("--attacker-nice", type=int, default=0,
+                        help="nice of the attacking processes (0: as this process; 19 stands "
+                        "for clients on other machines, which take no core of the server's).")
+    parser.add_argument("--api-workers", type=int, default=1,
+                        help="API server processes (TRAJSTORE_API_WORKERS).")
+    parser.add_argument("--keep-logs", default=None,
+                        help="Copy the server's and the replay worker's logs to this folder.")
     parser.add_argument("--times-json", default=None,
                         help="Write every timing (seconds, by phase and workload) here.")
     parser.add_argument("--replay-burst", type=int, default=200,
                         help="Episodes the replay flood finishes at the start of each flood.")
-    parser.add_argument("--replay-slots", type=int, default=1,
-                        help="Processes of the replay worker (its --concurrency).")
+    parser.add_argument("--replay-slots", type=int, default=None,
+                        help="Processes of the replay worker (its --concurrency; default: "
+                        "the worker's default, REPLAY_PROJECT_RUNNING + 1).")
     parser.add_argument("--replay-places", type=int, default=None,
                         help="REPLAY_PROJECT_RUNNING of the replay worker (default: the "
                         "setting's default).")
@@ -389,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--workloads: unknown {unknown}; give some of {', '.join(WORKLOADS)}")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    if args.replay_burst < 1 or args.replay_slots < 1:
+    if args.replay_burst < 1 or (args.replay_slots is not None and args.replay_slots < 1):
         parser.error("--replay-burst and --replay-slots must be >= 1")
     attackers = args.attackers or len(workloads)
     started_load = os.getloadavg()[0]
@@ -413,11 +431,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if gateway:
             env.update(TRAJSTORE_GATEWAY_ENGINE_MODEL="tiny", TRAJSTORE_GATEWAY_MAX_TOKENS="8")
         # Replay is left to replay workers, as deployments do (``trajstore up``).
-        server = _Server(url, workers=1, log=Path(tmp) / "serve.log", env=env,
+        server = _Server(url, workers=args.api_workers, log=Path(tmp) / "serve.log", env=env,
                          args=("--no-replay",))
         worker = None
         replay_db = None
-        extra: dict[str, Any] = {"replay_burst": args.replay_burst}
+        extra: dict[str, Any] = {"replay_burst": args.replay_burst,
+                                 "attacker_nice": args.attacker_nice}
         try:
             if any(w in REPLAY_FLOODS for w in workloads):
                 worker = _start_replay_worker(url, Path(tmp), args.render_budget_s,
@@ -456,11 +475,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if worker is not None:
                 os.killpg(worker.pid, signal.SIGTERM)
                 worker.wait(timeout=60)
+            if args.keep_logs:
+                import shutil
+
+                Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+                for log in Path(tmp).glob("*.log"):
+                    shutil.copy(log, Path(args.keep_logs) / log.name)
             # The replay worker's broker stops before its folder is removed (it would run
             # on, with nowhere to save, until this process exits).
             from store import embedded
 
             embedded.stop_embedded_redis(Settings(data_dir=Path(tmp)))
+    if any(w in REPLAY_FLOODS for w in workloads):
+        from trajstore.cli import default_concurrency
+
+        places = args.replay_places or Settings().replay_project_running
+        slots = args.replay_slots or default_concurrency(
+            Settings(replay_project_running=places), ["replay"])
+        print(f"replay worker: {slots} slots, {places} places per project")
+    if args.attacker_nice or args.api_workers != 1:
+        print(f"attackers at nice {args.attacker_nice}; {args.api_workers} API processes")
     print(f"floods: {', '.join(workloads)} ({attackers} attacking processes), "
           f"{args.rounds} rounds quiet and {args.rounds} under the floods; load average "
           f"{started_load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
@@ -481,7 +515,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"victim_errors={result['errors']} "
           f"refusals_413={a.get('413', 0)} refusals_429={a.get('429', 0)} "
           f"refusals_422={a.get('422', 0)} refusals_other={a.get('other', 0)} "
-          f"accepted={a.get('accepted', 0)} load_avg={os.getloadavg()[0]:.2f}")
+          f"accepted={a.get('accepted', 0)} attacker_nice={args.attacker_nice} "
+          f"api_workers={args.api_workers} load_avg={os.getloadavg()[0]:.2f}")
     return result
 
 

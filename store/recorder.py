@@ -657,6 +657,20 @@ class Recorder:
             rows = cur.execute(sql, params).fetchall()
             return self._decode_with_bases(cur, rows)
 
+    def held_back(self, after: LogPosition | None = None) -> bool:
+        """Whether events committed after the checkpoint ``after`` are held back from
+        ``read_all`` by a transaction still running that began before them (anywhere on the
+        server: the line is the oldest transaction running): they are read once it ends,
+        and no notification says when, since that transaction may append nothing."""
+        after = after or START
+        with self.db.connection() as conn:
+            row = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM events"
+                " WHERE (tx_id, position) > (%s::text::xid8, %s)"
+                " AND tx_id >= pg_snapshot_xmin(pg_current_snapshot()))",
+                (after.tx_id, after.position)).fetchone()
+        return bool(row and row[0])
+
     def _decode_with_bases(self, cur: Any, rows: list[dict[str, Any]]) -> list[RecordedEvent]:
         decoder = Decoder()
         missing = decoder.missing_bases(rows)

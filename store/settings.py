@@ -401,9 +401,19 @@ class Settings(BaseSettings):
         "parked in Redis and are queued again, at the replay queue's tail, as the project's "
         "own replays end. Another project's finished episode so waits behind at most this "
         "many of a flooding project's replays, however many replay worker slots there are; "
-        "one project alone uses at most this many slots. Set it to the replay slots (worker "
-        "processes times their concurrency): one project then uses them all, and a "
-        "neighbour waits about one replay.",
+        "one project alone uses at most this many slots. Keep it below the replay slots "
+        "(worker processes times their concurrency; a replay-only worker runs this many plus "
+        "one by default): with the replay slots minus one, a neighbour's episode finds a slot "
+        "free even while a project's replays render a hostile template at RENDER_BUDGET_S; "
+        "with every slot, it waits for the end of one of them.",
+    )
+    replay_project_parked: int = Field(
+        default=1000, ge=1, le=10_000_000,
+        description="Most replays of one project parked in Redis (past its "
+        "replay_project_running places). A finished episode past them is not parked: the "
+        "periodic sweep, which finds every finished, unprojected episode in PostgreSQL, "
+        "offers it to the budget again (every TRAJSTORE_SWEEP_INTERVAL_S), so the Redis "
+        "list of a flooding project stays bounded and no episode is lost or refused.",
     )
     rollout_wait_s: float = Field(
         default=900.0,

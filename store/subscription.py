@@ -3,9 +3,14 @@
 A subscription reads the gap-free log (``Recorder.read_all``) from a checkpoint, one batch
 after another, and then waits: LISTEN/NOTIFY wakes it as soon as an append commits (a
 statement-level trigger of the events table sends ``NOTIFY trajstore_events``, delivered at
-commit), and polling every ``poll_interval`` seconds is the fallback (a missed notification,
-or a row held back behind a transaction still running, delays reading but never loses an
-event). What a follower has acted on is its own to save (``store.followers``).
+commit), and polling every ``poll_interval`` seconds is the fallback (a missed notification
+delays reading but never loses an event). An event committed behind an older transaction
+still running (anywhere on the server: ``Recorder.read_all`` reads up to the oldest one) is
+not readable when its notification arrives, and the transaction that holds it back may
+end without appending (no notification then): while events are so held back
+(``Recorder.held_back``), the subscription reads again after ``HELD_BACK_S`` seconds,
+doubling up to one second, instead of waiting for a notification. What a follower has acted
+on is its own to save (``store.followers``).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ if TYPE_CHECKING:
 
     from store.recorder import Recorder
 
-__all__ = ["NOTIFY_CHANNEL", "Listener", "subscribe"]
+__all__ = ["HELD_BACK_S", "NOTIFY_CHANNEL", "Listener", "subscribe"]
 
 #: The channel the events table's trigger notifies at every appending statement's commit.
 NOTIFY_CHANNEL = "trajstore_events"
+
+#: First wait before reading again while committed events are held back (module docstring).
+HELD_BACK_S = 0.02
 
 
 class Listener:
@@ -78,6 +86,7 @@ def subscribe(
     cannot be reached."""
     position = after or START
     listener = listen(recorder.db.url)
+    held_s = HELD_BACK_S
     try:
         while stop is None or not stop.is_set():
             batch = recorder.read_all(position, limit=batch_size, types=types)
@@ -86,6 +95,15 @@ def subscribe(
                 yield batch
                 if len(batch) == batch_size:
                     continue
+            if recorder.held_back(position):
+                # Readable once the older transaction ends, which may notify nobody.
+                if stop is not None:
+                    stop.wait(held_s)
+                else:
+                    time.sleep(held_s)
+                held_s = min(1.0, 2 * held_s)
+                continue
+            held_s = HELD_BACK_S
             # Wait in short slices so that setting ``stop`` ends the loop promptly.
             waited = 0.0
             while waited < poll_interval and not (stop is not None and stop.is_set()):

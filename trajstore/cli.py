@@ -492,13 +492,29 @@ def _demo_key(store: Any, settings: Any, run_id: str) -> str:
 app.command("sample", hidden=True)(example)
 
 
+def default_concurrency(settings: Any, queues: list[str]) -> int:
+    """The worker processes (or threads) ``trajstore worker --queues <queues>`` runs without
+    ``--concurrency``: ``rollout_groups`` with the rollout queue (its groups share one
+    engine); ``replay_project_running + 1`` for the replay queue alone, so that a project
+    holding all its replay places (a template rendering at its budget, a burst of
+    episodes) leaves one slot to the next project's episode; 1 otherwise (a trainer holds a
+    model)."""
+    if "rollout" in queues:
+        return int(settings.rollout_groups)
+    if list(queues) == ["replay"]:
+        return int(settings.replay_project_running) + 1
+    return 1
+
+
 @app.command()
 def worker(
     queues: Annotated[str, typer.Option(help="Comma-separated queues: replay, rollout, train.")]
     = "replay",
     concurrency: Annotated[int | None, typer.Option(
-        min=1, help="Worker processes (threads with --pool threads). Default: 1, or "
-        "TRAJSTORE_ROLLOUT_GROUPS for a rollout worker.")] = None,
+        min=1, help="Worker processes (threads with --pool threads). Default: "
+        "TRAJSTORE_ROLLOUT_GROUPS for a rollout worker, TRAJSTORE_REPLAY_PROJECT_RUNNING + 1 "
+        "for a replay-only worker (one slot more than one project may hold, free for "
+        "another project's episode), 1 otherwise.")] = None,
     beat: Annotated[bool, typer.Option("--beat", help="Also run the periodic sweep.")] = False,
     pool: Annotated[Pool | None, typer.Option(
         help="Celery pool. Default: threads for a worker with the rollout queue (its groups "
@@ -519,7 +535,7 @@ def worker(
     if pool is None:
         pool = Pool.threads if "rollout" in names else Pool.prefork
     if concurrency is None:
-        concurrency = settings.rollout_groups if "rollout" in names else 1
+        concurrency = default_concurrency(settings, names)
     # Both servers answer before the worker starts: a wrong URL is one line, not a worker
     # that retries forever.
     preflight.broker_url(settings)
@@ -678,10 +694,11 @@ def sweep(
 ) -> None:
     """The periodic sweep: finish idle remote rollouts (after
     TRAJSTORE_ROLLOUT_IDLE_TIMEOUT_S), close episodes whose worker died (``aborted`` after
-    TRAJSTORE_EPISODE_TIMEOUT_S) and project finished episodes that were never projected
-    and whose replay is not queued or parked by the replay budget (their places handed on
-    first where the replays holding them never ended), every TRAJSTORE_SWEEP_INTERVAL_S
-    seconds. Run one per deployment."""
+    TRAJSTORE_EPISODE_TIMEOUT_S) and queue, within their project's replay budget, the replay
+    of finished episodes that were never projected and whose replay is not queued or parked
+    (a lost message, or one past TRAJSTORE_REPLAY_PROJECT_PARKED; the places of replays that
+    never ended handed on first), or project them here when no broker answers, every
+    TRAJSTORE_SWEEP_INTERVAL_S seconds. Run one per deployment."""
     import logging
     import signal as signals
     import threading
@@ -702,9 +719,9 @@ def sweep(
         if once:
             idle = finish_idle_rollouts(store, timeout_s=settings.rollout_idle_timeout_s)
             aborted = abort_stale_episodes(store, timeout_s=settings.episode_timeout_s)
-            written = sweep_unprojected(store, leave_budgeted=True)
+            swept = sweep_unprojected(store, leave_budgeted=True)
             console.print(f"finished {idle} idle remote rollouts, aborted {aborted} stale "
-                          f"episodes, projected {written}")
+                          f"episodes, replayed or queued {swept}")
             return
         stop = threading.Event()
         for s in (signals.SIGINT, signals.SIGTERM):

@@ -51,6 +51,8 @@ def default_children(*, with_api: bool) -> list[Child]:
         # The replay worker replays; the API's own copy of the follower would race it.
         children.append(Child("api", ("serve", "--no-replay")))
     children += [
+        # REPLAY_PROJECT_RUNNING + 1 slots (two by default): a project holding all its
+        # places leaves one to another project's episode.
         Child("replay", ("worker", "--queues", "replay")),
         Child("rollout", ("worker", "--queues", "rollout")),
         Child("train", ("worker", "--queues", "train")),

@@ -61,8 +61,10 @@ def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> 
     """Project one finished episode (idempotent: a redelivery does nothing), within its
     project's replay budget when it carries one (``workers.fair``: the dispatcher queues it
     on a place of the project, or it is parked here, answering ``parked``, when that place
-    expired meanwhile and the project's others are taken; either way the place is handed on
-    when the replay ends). A retry after a transient error is sent with the same budget."""
+    expired meanwhile and the project's others are taken, or refused when the project has
+    ``replay_project_parked`` parked already, answering ``parked`` too, and left to the
+    sweep; either way the place is handed on when the replay ends). A retry after a
+    transient error is sent with the same budget."""
     from workers import fair
     from workers.replay.jobs.project import project_episode
 
@@ -76,9 +78,12 @@ def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> 
 @app.task(name="trajstore.sweep", acks_late=True, autoretry_for=(TransientError,),
           retry_backoff=True, max_retries=5)
 def sweep(limit: int = 200) -> int:
-    """Project finished episodes that have no projection and no replay on its way (a lost
-    message, a broker outage), after handing on the places of budgeted tasks that never
-    ended (``workers.fair.release_stranded``). Returns how many it wrote."""
+    """Queue within the replay budget the replay of finished episodes that have no
+    projection and no replay on its way (a lost message, one past its project's
+    ``replay_project_parked``), after handing on the places of budgeted tasks that never
+    ended (``workers.fair.release_stranded``); project them here when the broker cannot be
+    reached. Returns how many it queued, parked or wrote
+    (``sweep_unprojected``)."""
     from workers.replay.jobs.sweep import (
         abort_stale_episodes,
         finish_idle_rollouts,

@@ -8,7 +8,10 @@ project and a ticket, ``{"project": ..., "ticket": ...}``. Each project has a nu
 - **Taking a place** (:func:`take`): a ticket that holds a place keeps it (a redelivery of a
   running task, a message queued again by a hand-on); else it takes a free place; else its
   message is *parked* on the project's Redis list (once: a ticket parked already is not parked
-  again), and the caller neither runs nor sends it. A rollout worker takes the place when the
+  again), and the caller neither runs nor sends it; else, when the kind bounds what a project
+  parks (``replay_project_parked``) and the list is that long, it is *refused*: neither run,
+  sent nor parked (a replay so refused is left to the sweep, which finds every finished,
+  unprojected episode in PostgreSQL and offers it again). A rollout worker takes the place when the
   task starts (:func:`start`), so a parked task leaves its worker slot to the next message of
   the queue; the replay dispatcher takes it before it sends the task (:func:`send`), so a
   project has at most its places' worth of replays queued or running, and another project's
@@ -32,6 +35,11 @@ Nothing parked is lost:
   task of the project ends to do it.
 
 Tasks without a budget (sent by an older producer) run unbudgeted.
+
+Only replays are refused past a cap: the log, not Redis, is the truth of what is due, so a
+project's parked list need only hold what its places will take next. A rollout parked is
+its only copy, and rollouts are admitted within ``rollout_project_queued`` instead
+(:func:`admit`, 429 past it), which bounds their list.
 """
 
 from __future__ import annotations
@@ -47,8 +55,8 @@ from store.settings import Settings
 from workers import broker
 
 __all__ = ["KINDS", "RELEASE_GRACE_S", "REPLAY", "ROLLOUT", "Keys", "Kind", "admit", "finish",
-           "in_hand", "keys", "parked_count", "places_held", "release_stranded", "send",
-           "start", "take", "ticket_s", "within"]
+           "in_hand", "keys", "offer", "parked_count", "places_held", "release_stranded",
+           "send", "start", "take", "ticket_s", "within"]
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +70,25 @@ RELEASE_GRACE_S = 60.0
 class Kind:
     """A kind of budgeted task: ``name`` in its Redis keys, ``setting`` the field of
     :class:`~store.settings.Settings` that holds its places per project, ``queue`` the Celery
-    queue its parked messages are queued on again."""
+    queue its parked messages are queued on again, ``parked_setting`` the field that bounds
+    the tasks one project parks (None: unbounded here)."""
 
     name: str
     setting: str
     queue: str
+    parked_setting: str | None = None
 
     def places(self, settings: Settings) -> int:
         """The places per project the settings give."""
         return int(getattr(settings, self.setting))
 
+    def parked_cap(self, settings: Settings) -> int:
+        """The most tasks one project parks (0: no cap)."""
+        return int(getattr(settings, self.parked_setting)) if self.parked_setting else 0
+
 
 ROLLOUT = Kind("rollout", "rollout_project_running", "rollout")
-REPLAY = Kind("replay", "replay_project_running", "replay")
+REPLAY = Kind("replay", "replay_project_running", "replay", "replay_project_parked")
 KINDS = (ROLLOUT, REPLAY)
 
 
@@ -126,9 +140,9 @@ redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 return 1
 """
 
-# KEYS: running, parked, parked tickets. ARGV: now, places, expiry, ticket, message.
+# KEYS: running, parked, parked tickets. ARGV: now, places, expiry, ticket, message, cap.
 # 2: the ticket held a place already (its expiry renewed); 1: it took a free one; 0: it is
-# parked (now, or it was already).
+# parked (now, or it was already); -1: refused, the project has cap (> 0) parked already.
 _TAKE = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 if redis.call('ZSCORE', KEYS[1], ARGV[4]) then
@@ -139,6 +153,9 @@ if redis.call('SISMEMBER', KEYS[3], ARGV[4]) == 1 then return 0 end
 if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
   redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
   return 1
+end
+if tonumber(ARGV[6]) > 0 and redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[6]) then
+  return -1
 end
 redis.call('RPUSH', KEYS[2], ARGV[5])
 redis.call('SADD', KEYS[3], ARGV[4])
@@ -204,20 +221,22 @@ def take(settings: Settings, kind: Kind, name: str, args: list[Any], kwargs: dic
     """Take one of the project's places for the task ``name`` (``args``, ``kwargs``) under
     ``budget``: 2 when its ticket held one already (its expiry renewed), 1 when it took a
     free one, 0 when the task is parked (now, or before: its message waits once on the
-    project's list). Raises redis' errors; KeyError for a budget without project or
-    ticket."""
+    project's list), -1 when it is refused: the project has the kind's cap parked already
+    (:meth:`Kind.parked_cap`), and the task is neither placed nor parked. Raises redis'
+    errors; KeyError for a budget without project or ticket."""
     k = keys(settings, kind, str(budget["project"]))
     now = time.time() if now is None else now
     budget = {"project": str(budget["project"]), "ticket": str(budget["ticket"])}
     return int(_client(settings).eval(
         _TAKE, 3, k.running, k.parked, k.parked_tickets, now, kind.places(settings),
-        now + ticket_s(settings), budget["ticket"], _message(name, args, kwargs, budget)))
+        now + ticket_s(settings), budget["ticket"], _message(name, args, kwargs, budget),
+        kind.parked_cap(settings)))
 
 
 def start(settings: Settings, kind: Kind, name: str, args: list[Any], kwargs: dict[str, Any],
           budget: dict[str, Any], *, now: float | None = None) -> bool:
-    """:func:`take` in the worker: True to run the task now, False when it is parked (the
-    worker slot is free for the next message)."""
+    """:func:`take` in the worker: True to run the task now, False when it is parked or
+    refused (the worker slot is free for the next message)."""
     return take(settings, kind, name, args, kwargs, budget, now=now) > 0
 
 
@@ -226,8 +245,18 @@ def send(settings: Settings, kind: Kind, name: str, args: list[Any], kwargs: dic
     """Queue the task ``name`` on the kind's queue within ``project``'s places, ``ticket``
     naming it: True when it was queued (on a place taken now, or held by the ticket
     already: a send repeated after its sender died), False when it was parked instead
-    (queued again when a place frees). ConnectionError naming the broker when it cannot be
-    reached (a place taken for the send is given back)."""
+    (queued again when a place frees) or refused (:func:`offer`). ConnectionError naming
+    the broker when it cannot be reached (a place taken for the send is given back)."""
+    return offer(settings, kind, name, args, kwargs, project=project, ticket=ticket,
+                 now=now) > 0
+
+
+def offer(settings: Settings, kind: Kind, name: str, args: list[Any], kwargs: dict[str, Any],
+          *, project: str, ticket: str, now: float | None = None) -> int:
+    """:func:`send`, answering what became of the task as :func:`take` does: 2 or 1 queued,
+    0 parked, -1 refused (the project has the kind's cap parked already: nothing is kept of
+    it, and its producer offers it again later). ConnectionError naming the broker when it
+    cannot be reached."""
     import redis
 
     budget = {"project": project, "ticket": ticket}
@@ -235,8 +264,8 @@ def send(settings: Settings, kind: Kind, name: str, args: list[Any], kwargs: dic
         taken = take(settings, kind, name, args, kwargs, budget, now=now)
     except redis.RedisError as exc:
         raise broker.unreachable(settings, exc) from None
-    if taken == 0:
-        return False
+    if taken <= 0:
+        return taken
     try:
         broker.send_task(settings, name, queue=kind.queue, args=args,
                          kwargs={**kwargs, "budget": budget}, pooled=True)
@@ -247,7 +276,7 @@ def send(settings: Settings, kind: Kind, name: str, args: list[Any], kwargs: dic
             except redis.RedisError:
                 pass  # the place expires by itself
         raise
-    return True
+    return taken
 
 
 def _hand_on(settings: Settings, kind: Kind, project: str, ticket: str,

@@ -214,3 +214,41 @@ def test_store_subscribe_follows_from_its_checkpoint(store: EventStore) -> None:
     assert batches == [["episode_started", "reward_assigned"], ["tool_returned"]]
     with pytest.raises(errors.ValidationError, match="limit"):
         next(store.subscribe(start, batch_size=0))
+
+
+@pytest.mark.timeout(60)
+def test_subscribe_reads_events_held_back_by_a_transaction_that_ends_without_appending(
+        store: EventStore, pg_url: str) -> None:
+    """An append commits (its notification arrives) while an older transaction is still
+    running: ``read_all`` holds the event back until that transaction ends, and it ends
+    (rolled back) without appending, so no notification follows. The subscription reads the
+    event anyway, long before its 30 s polling fallback, because it reads again while events
+    are held back."""
+    import psycopg
+
+    start = _tail(store)
+    stop = threading.Event()
+    got: list[str] = []
+
+    def consume() -> None:
+        for batch in subscribe(store, start, poll_interval=30, stop=stop):
+            got.extend(r.type for r in batch)
+            stop.set()
+
+    with psycopg.connect(pg_url) as older:
+        older.execute("SELECT pg_current_xact_id()")  # a transaction id: the reading line
+        store.append(f"ep-{uuid.uuid4().hex}", [episode_started(), RewardAssigned(value=1.0)])
+        assert store.read_all(start) == [] and store.held_back(start)
+        t = threading.Thread(target=consume)
+        t.start()
+        try:
+            time.sleep(0.5)  # the subscription has read nothing and waits
+            assert got == []
+            older.rollback()
+            t.join(timeout=20)
+            assert not t.is_alive(), "the held-back events were left to the 30 s poll"
+        finally:
+            stop.set()
+            t.join(timeout=40)
+    assert got == ["episode_started", "reward_assigned"]
+    assert not store.held_back(start)

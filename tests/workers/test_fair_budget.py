@@ -173,3 +173,23 @@ def test_the_places_setting_is_checked() -> None:
             Settings(replay_project_running=bad)
     assert Settings().replay_project_running == 1
     assert fair.REPLAY.places(Settings(replay_project_running=7)) == 7
+
+
+def test_the_parked_cap_setting_is_checked_and_only_replays_have_one() -> None:
+    bad: Any
+    for bad in (0, -1, 10_000_001, "many", 1.5):
+        with pytest.raises(ValidationError, match="replay_project_parked"):
+            Settings(replay_project_parked=bad)
+    assert Settings().replay_project_parked == 1000
+    assert fair.REPLAY.parked_cap(Settings(replay_project_parked=7)) == 7
+    assert fair.ROLLOUT.parked_cap(Settings()) == 0  # bounded by rollout_project_queued
+
+
+def test_a_replay_only_worker_runs_one_slot_more_than_a_projects_places() -> None:
+    from trajstore.cli import default_concurrency
+
+    assert default_concurrency(Settings(), ["replay"]) == 2
+    assert default_concurrency(Settings(replay_project_running=3), ["replay"]) == 4
+    assert default_concurrency(Settings(rollout_groups=5), ["replay", "rollout"]) == 5
+    assert default_concurrency(Settings(), ["train"]) == 1
+    assert default_concurrency(Settings(), ["replay", "train"]) == 1

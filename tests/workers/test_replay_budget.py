@@ -3,7 +3,10 @@
 PostgreSQL and a real Redis: a project that finishes 60 episodes at once has at most its places'
 worth of replays ahead of another project's one episode, which is projected before the
 flood's backlog (then every episode is, once); parked replays survive the worker killed in the
-middle of the flood's replay; and the sweep leaves the replays the budget holds to it."""
+middle of the flood's replay; the sweep leaves the replays the budget holds to it and hands
+it the others; a flood past ``replay_project_parked`` keeps its Redis list at the cap and is
+still all projected; and a replay worker's default slots leave another project's episode a
+slot while a project's replay renders a hostile template at its budget."""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from store.eventlog import NO_STREAM, EventStore
-from store.events import Event
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import Event, RunConfig, RunCreated
 from store.followers import ReplayDue
 from store.projections import Projections
 from store.settings import Settings
@@ -55,6 +58,14 @@ def projected_at(store: EventStore, episode_ids: list[str]) -> dict[str, Any]:
                                  " WHERE episode_id = ANY(%s)", (episode_ids,)).fetchall())
 
 
+def samples_per_episode(store: EventStore, episode_ids: list[str]) -> dict[str, int]:
+    """The samples written for each of ``episode_ids`` (those with none left out)."""
+    with store.db.connection() as conn:
+        return dict(conn.execute("SELECT episode_id, count(*) FROM samples"
+                                 " WHERE episode_id = ANY(%s) GROUP BY episode_id",
+                                 (episode_ids,)).fetchall())
+
+
 def settled(settings: Settings, project: str) -> bool:
     """Nothing of ``project`` held or parked (the last replay has handed its place back)."""
     return (fair.places_held(settings, fair.REPLAY, project) == 0
@@ -69,8 +80,9 @@ def test_a_flooding_projects_backlog_leaves_the_neighbours_episode_projected_ear
     flood_run, neighbour_run = project_run(store, "flood"), project_run(store, "neighbour")
     flood = [record(store, episode(qwen3, flood_run, i), f"flood{i}") for i in range(FLOOD)]
     neighbour = record(store, episode(qwen3, neighbour_run, 1000), "neighbour")
-    # One worker slot (the default), two places per project. The worker's follower of the log
-    # starts after all of it finished: its first batch is the flood, then the neighbour's.
+    # Two places per project (so three worker slots, the default). The worker's follower of
+    # the log starts after all of it finished: its first batch is the flood, then the
+    # neighbour's.
     worker = start_worker("--queues", "replay", TRAJSTORE_REPLAY_PROJECT_RUNNING="2")
     worker.wait_ready()
     projections = Projections(store)
@@ -87,11 +99,8 @@ def test_a_flooding_projects_backlog_leaves_the_neighbours_episode_projected_ear
     wait_for(lambda: settled(worker_settings, "flood") and settled(worker_settings,
                                                                    "neighbour"),
              timeout=60, what="the places handed back")
-    with store.db.connection() as conn:
-        samples = dict(conn.execute("SELECT episode_id, count(*) FROM samples"
-                                    " WHERE episode_id = ANY(%s) GROUP BY episode_id",
-                                    ([*flood, neighbour],)).fetchall())
-    assert set(samples) == {*flood, neighbour} and set(samples.values()) == {1}
+    assert samples_per_episode(store, [*flood, neighbour]) == dict.fromkeys([*flood, neighbour],
+                                                                           1)
     assert worker.proc.poll() is None
 
 
@@ -133,23 +142,117 @@ def test_parked_replays_survive_a_worker_killed_mid_replay(
              what="the places handed back")
 
 
-def test_the_sweep_leaves_the_replays_the_budget_holds(
+def test_the_sweep_leaves_the_replays_the_budget_holds_and_hands_it_the_others(
         worker_store: EventStore, worker_settings: Settings, qwen3: Any) -> None:
     """No worker consumes the queue here: three replays of one project are queued or parked
-    through the budget, one episode's message was lost. The periodic sweep projects the lost
-    one only (the others are on their way, and projecting them would let the project's
-    backlog past its places); an operator's replay of everything projects them all."""
+    through the budget, one episode's message was lost. The periodic sweep hands the lost
+    one to the budget (parked behind the others: projecting it here would let the
+    project's backlog past its places) and nothing more the next time; an operator's
+    replay of everything projects them all."""
     store = worker_store
+    settings = worker_settings.model_copy(update={"replay_project_running": 1})
+    store.settings = settings
     run_id = project_run(store, "flood")
     sent = [record(store, episode(qwen3, run_id, i), f"s{i}") for i in range(3)]
     lost = record(store, episode(qwen3, run_id, 9), "lost")
-    send = queue_replay(worker_settings.model_copy(update={"replay_project_running": 1}))
+    send = queue_replay(settings)
     for episode_id in sent:
         send(ReplayDue(episode_id, store.stream_version(episode_id), "flood"))
-    assert fair.parked_count(worker_settings, fair.REPLAY, "flood") == 2
+    assert fair.parked_count(settings, fair.REPLAY, "flood") == 2
     assert sweep_unprojected(store, leave_budgeted=True) == 1
+    assert fair.parked_count(settings, fair.REPLAY, "flood") == 3
     projections = Projections(store)
-    assert projections.projected_version(lost)
-    assert not any(projections.projected_version(e) for e in sent)
+    assert not any(projections.projected_version(e) for e in [*sent, lost])
     assert sweep_unprojected(store, leave_budgeted=True) == 0
-    assert sweep_unprojected(store) == 3
+    assert sweep_unprojected(store) == 4
+
+
+def test_past_the_parked_cap_a_replay_is_refused_and_the_sweep_offers_it_again(
+        worker_store: EventStore, worker_settings: Settings, qwen3: Any) -> None:
+    """One place and two parked at most: of five replays sent, one is queued, two parked,
+    two refused (nothing kept of them in Redis); the sweep finds the refused ones in
+    PostgreSQL and offers them again, refused while the list is full, parked once it has
+    room."""
+    store = worker_store
+    settings = worker_settings.model_copy(update={"replay_project_running": 1,
+                                                  "replay_project_parked": 2})
+    store.settings = settings
+    run_id = project_run(store, "flood")
+    episodes = [record(store, episode(qwen3, run_id, i), f"c{i}") for i in range(5)]
+    answers = [fair.offer(settings, fair.REPLAY, "trajstore.replay_episode", [e], {},
+                          project="flood", ticket=f"{e}@{store.stream_version(e)}")
+               for e in episodes]
+    assert answers == [1, 0, 0, -1, -1]
+    k = fair.keys(settings, fair.REPLAY, "flood")
+    redis = fair.broker.redis_client(settings)
+    assert redis.llen(k.parked) == 2 and redis.scard(k.parked_tickets) == 2
+    assert sweep_unprojected(store, leave_budgeted=True) == 0  # still full
+    # The parked ones leave the list (as a hand-on queues them): the sweep parks the rest.
+    redis.delete(k.parked, k.parked_tickets)
+    assert sweep_unprojected(store, leave_budgeted=True) == 2
+    assert fair.parked_count(settings, fair.REPLAY, "flood") == 2
+
+
+@pytest.mark.timeout(600)
+def test_a_flood_past_the_parked_cap_is_all_projected_with_its_list_bounded(
+        worker_store: EventStore, worker_settings: Settings, start_worker: Any,
+        qwen3: Any) -> None:
+    """A project finishes 40 episodes at once with one place and five parked at most: its
+    Redis list never holds more than five, the 34 refused are offered again by the sweep
+    (the worker's beat, every second here) as the list drains, and every episode is
+    projected once; another project's episode is projected before the flood's backlog."""
+    store = worker_store
+    flood_run, neighbour_run = project_run(store, "flood"), project_run(store, "neighbour")
+    flood = [record(store, episode(qwen3, flood_run, i), f"cap{i}") for i in range(FLOOD - 20)]
+    neighbour = record(store, episode(qwen3, neighbour_run, 2000), "neighbour")
+    worker = start_worker("--queues", "replay", "--beat", TRAJSTORE_REPLAY_PROJECT_RUNNING="1",
+                          TRAJSTORE_REPLAY_PROJECT_PARKED="5")
+    worker.wait_ready()
+    projections = Projections(store)
+    most = 0
+
+    def done() -> bool:
+        nonlocal most
+        most = max(most, fair.parked_count(worker_settings, fair.REPLAY, "flood"))
+        return len(projected_at(store, flood)) == len(flood)
+
+    wait_for(lambda: projections.projected_version(neighbour), what="the neighbour's episode")
+    at = projected_at(store, [neighbour])[neighbour]
+    assert sum(1 for t in projected_at(store, flood).values() if t < at) < len(flood) // 2
+    wait_for(done, timeout=400, what="the flood, past its parked cap")
+    assert 0 < most <= 5, most
+    wait_for(lambda: settled(worker_settings, "flood"), timeout=60,
+             what="the places handed back")
+    assert samples_per_episode(store, [*flood, neighbour]) == dict.fromkeys([*flood, neighbour],
+                                                                           1)
+    assert worker.proc.poll() is None
+
+
+#: A template that loops for ever in practice, printing nothing (the renderer's budget ends it).
+BUSY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.timeout(600)
+def test_the_default_replay_slots_leave_a_neighbour_one_while_a_template_renders(
+        worker_store: EventStore, worker_settings: Settings, start_worker: Any,
+        qwen3: Any) -> None:
+    """A replay worker with its default slots (``replay_project_running`` + 1) and one place
+    per project: while a project's three episodes of a run whose template renders until
+    ``RENDER_BUDGET_S`` (20 s here, two renders an episode) take one slot and wait parked,
+    another project's episode is projected on the other slot, before the first of them."""
+    store = worker_store
+    hostile_run = f"run-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(hostile_run), [RunCreated(
+        run_id=hostile_run, project="hostile", config=RunConfig(
+            tokenizer="qwen3", chat_template=BUSY + qwen3.chat_template))], NO_STREAM)
+    neighbour_run = project_run(store, "neighbour")
+    worker = start_worker("--queues", "replay", TRAJSTORE_RENDER_BUDGET_S="20")
+    worker.wait_ready()
+    hostile = [record(store, episode(qwen3, hostile_run, i), f"h{i}") for i in range(3)]
+    wait_for(lambda: fair.parked_count(worker_settings, fair.REPLAY, "hostile") == 2,
+             what="the hostile project's place taken, two replays parked")
+    neighbour = record(store, episode(qwen3, neighbour_run, 3000), "neighbour")
+    projections = Projections(store)
+    wait_for(lambda: projections.projected_version(neighbour), what="the neighbour's episode")
+    assert not any(projections.projected_version(e) for e in hostile)
+    assert fair.parked_count(worker_settings, fair.REPLAY, "hostile") == 2
