@@ -52,8 +52,8 @@ class DerivedDataset:
     """What ``derive_dataset`` did: the version (new, or the one of the same hash that the
     name already held: ``created`` False) and, of the runs' episodes, how many gave rows and
     how many each reason left out; how many took their samples from their current
-    projection (``from_projection``) and how many were replayed from their events
-    (``replayed``): either way the same rows."""
+    projection (``from_projection``) and how many were read from their events whole
+    (``replayed``: replayed unless left out before replay): either way the same rows."""
 
     version: tables.DatasetVersion
     created: bool
