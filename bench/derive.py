@@ -3,25 +3,33 @@ rules, against a plain sequential read of the same events in the same run.
 
 Records ``episodes`` episodes of ``turns`` tool-calling turns each in one run per round
 (Qwen3's chat template and tokenizer, prompts rendered and tokenized as an engine would:
-``bench/replay.py``'s episodes, in GRPO groups of four), then times, in alternating rounds:
+``bench/replay.py``'s episodes, in GRPO groups of four) and projects them (untimed: a live
+replay worker projects each episode as it finishes), then times, in alternating rounds:
 (a) reading every episode's events one stream at a time (``read_stream``, token payloads
 decoded), (b) deriving a dataset version of the run in this process (``derive_dataset``:
-listing the run's episodes, reading their events in batches, replaying each under the rules,
+listing the run's episodes, taking each one's samples from its current projection since the
+rules replay as the run does, reading its other events for the filters and the reward,
 capping negatives, computing GRPO advantages, hashing every row and writing the version in
-one transaction) and (c) the same derivation on a ``DerivePool`` of ``--jobs`` processes
-(started and warmed before the timing, as a long-lived worker would hold it). Target: (b) at
-least 0.5x the plain read, (c) faster than it.
+one transaction), (c) the same derivation on a ``DerivePool`` of ``--jobs`` processes
+(started and warmed before the timing, as a long-lived worker would hold it), and (d), (e)
+the same two derivations replaying every episode from its events
+(``from_projection=False``: what rules that change the replay, or episodes without a current
+projection, cost). Target: (b) at least 0.5x the plain read, (c) faster than it.
+``--last-turn`` trains only each sample's last turn, a rule the projection cannot serve:
+(b) and (c) replay too.
 
-Each round times (a), (b) and (c) ``--repeat`` times, interleaved (each derivation under a
-name of its own, so every one writes its version), and keeps the fastest time of each: on
-a machine shared with other work a single timing mostly measures whoever else ran then
-(``--repeat 1`` is one timing of each per round).
+Each round times (a) to (e) ``--repeat`` times, interleaved (each derivation under a name of
+its own, so every one writes its version), and keeps the fastest time of each: on a machine
+shared with other work a single timing mostly measures whoever else ran then (``--repeat 1``
+is one timing of each per round).
 
     python bench/derive.py [--episodes 40 --turns 6 --rounds 3 --repeat 3 --jobs 2 --last-turn]
 
-It ends with a line ``RESULT derive_vs_read_1p=<b/a> derive_vs_read_2p=<c/a> ...`` (medians
-over the rounds; rates compared, so above 1 is faster than the read). ``derive_vs_read_1p_cpu``
-compares the CPU time this process spent on (a) and (b) instead of their wall-clock time:
+It ends with a line ``RESULT derive_vs_read_1p=<b/a> derive_vs_read_2p=<c/a>
+replay_derive_vs_read_1p=<d/a> replay_derive_vs_read_2p=<e/a> ... path=<projection|replay>``
+(medians over the rounds; rates compared, so above 1 is faster than the read; ``path``: what
+(b) and (c) took). ``derive_vs_read_1p_cpu`` and ``replay_derive_vs_read_1p_cpu`` compare
+the CPU time this process spent on (a) and on (b) or (d) instead of their wall-clock time:
 the database server's share is left out of both, and so is most of what other work on the
 machine does to the timings.
 """
@@ -45,6 +53,7 @@ from store.events import RunConfig, RunCreated  # noqa: E402
 from store.settings import Settings  # noqa: E402
 from workers.datasets import DerivePool, derive_dataset  # noqa: E402
 from workers.engines.tokenizers import load_tokenizer  # noqa: E402
+from workers.replay.jobs.project import project_episodes  # noqa: E402
 
 
 def record(store: EventStore, tokenizer, run_id: str, count: int, turns: int) -> list[str]:
@@ -75,63 +84,91 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rules = {"advantage": {"kind": "grpo"},
              "train": {"turns": "last" if args.last_turn else "all"}}
     tokenizer = load_tokenizer("qwen3")
-    one: list[float] = []
-    two: list[float] = []
+    kinds = ("1p", "2p", "replay_1p", "replay_2p")
+    ratios: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: list[float] = []
+    replay_cpu: list[float] = []
+    projected_path = not args.last_turn
     with scratch_database() as url, DerivePool(url, jobs=args.jobs) as pool:
         store = EventStore(Database(url, max_size=2), Settings(database_url=url))
-        # Warm up: the tokenizer's tables in this process and in every pool process.
+        # Warm up: the tokenizer's tables in this process and in every pool process, both
+        # paths.
         warm = f"warm-{uuid.uuid4().hex[:6]}"
-        record(store, tokenizer, warm, 4 * args.jobs, 1)
-        derive_dataset(store, "warm", [warm], rules)
-        derive_dataset(store, "warm-pool", [warm], rules, pool=pool, batch=1)
+        project_episodes(store, record(store, tokenizer, warm, 4 * args.jobs, 1))
+        for from_projection in (True, False):
+            derive_dataset(store, f"warm-{from_projection}", [warm], rules,
+                           from_projection=from_projection)
+            derive_dataset(store, f"warm-pool-{from_projection}", [warm], rules, pool=pool,
+                           batch=1, from_projection=from_projection)
         for r in range(args.rounds):
             run_id = f"bench-{r}-{uuid.uuid4().hex[:6]}"
             ids = record(store, tokenizer, run_id, args.episodes, args.turns)
+            for i in range(0, len(ids), 50):
+                project_episodes(store, ids[i:i + 50])
             n_events = sum(len(store.read_stream(ep)) for ep in ids)
-            read_s = one_s = two_s = read_cpu = one_cpu = float("inf")
+            best = {k: float("inf") for k in ("read", *kinds)}
+            read_cpu = one_cpu = replay_one_cpu = float("inf")
+            hashes = set()
             for k in range(args.repeat):
                 t0, c0 = time.perf_counter(), time.process_time()
                 for ep in ids:
                     store.read_stream(ep)
-                read_s = min(read_s, time.perf_counter() - t0)
+                best["read"] = min(best["read"], time.perf_counter() - t0)
                 read_cpu = min(read_cpu, time.process_time() - c0)
-                t0, c0 = time.perf_counter(), time.process_time()
-                single = derive_dataset(store, f"d1-{r}-{k}", [run_id], rules)
-                one_s = min(one_s, time.perf_counter() - t0)
-                one_cpu = min(one_cpu, time.process_time() - c0)
-                t0 = time.perf_counter()
-                pooled = derive_dataset(store, f"d2-{r}-{k}", [run_id], rules, pool=pool)
-                two_s = min(two_s, time.perf_counter() - t0)
-                # The same rules over the same events: the same rows, whichever way.
-                assert single.created and pooled.created
-                assert single.version.content_hash == pooled.version.content_hash
-                assert single.episodes == args.episodes, single
-            one.append(read_s / one_s)
-            two.append(read_s / two_s)
+                for kind in kinds:
+                    replay = kind.startswith("replay")
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    derived = derive_dataset(
+                        store, f"d-{kind}-{r}-{k}", [run_id], rules,
+                        pool=pool if kind.endswith("2p") else None,
+                        from_projection=not replay)
+                    best[kind] = min(best[kind], time.perf_counter() - t0)
+                    if kind == "1p":
+                        one_cpu = min(one_cpu, time.process_time() - c0)
+                    elif kind == "replay_1p":
+                        replay_one_cpu = min(replay_one_cpu, time.process_time() - c0)
+                    # The same rules over the same events: the same rows, whichever way.
+                    assert derived.created and derived.episodes == args.episodes, derived
+                    want = args.episodes if projected_path and not replay else 0
+                    assert derived.from_projection == want, (kind, derived)
+                    hashes.add(derived.version.content_hash)
+                    rows = derived.version.num_rows
+            assert len(hashes) == 1, hashes
+            for kind in kinds:
+                ratios[kind].append(best["read"] / best[kind])
             cpu.append(read_cpu / one_cpu)
-            print(f"  round {r + 1}: plain read {len(ids) / read_s:7.1f} episodes/s "
-                  f"({n_events / read_s:8.1f} events/s) | derive, 1 process "
-                  f"{len(ids) / one_s:7.1f} episodes/s (ratio {one[-1]:.2f}) | derive, "
-                  f"{args.jobs} processes {len(ids) / two_s:7.1f} episodes/s "
-                  f"(ratio {two[-1]:.2f}) | CPU of this process per episode: read "
-                  f"{read_cpu / len(ids) * 1e3:.2f} ms, derive {one_cpu / len(ids) * 1e3:.2f} ms "
-                  f"| {single.version.num_rows} rows")
+            replay_cpu.append(read_cpu / replay_one_cpu)
+            n = len(ids)
+            print(f"  round {r + 1}: plain read {n / best['read']:7.1f} episodes/s "
+                  f"({n_events / best['read']:8.1f} events/s) | derive, 1 process "
+                  f"{n / best['1p']:7.1f} episodes/s (ratio {ratios['1p'][-1]:.2f}) | derive, "
+                  f"{args.jobs} processes {n / best['2p']:7.1f} episodes/s "
+                  f"(ratio {ratios['2p'][-1]:.2f}) | replaying every episode: 1 process "
+                  f"{ratios['replay_1p'][-1]:.2f}, {args.jobs} processes "
+                  f"{ratios['replay_2p'][-1]:.2f} | CPU of this process per episode: read "
+                  f"{read_cpu / n * 1e3:.2f} ms, derive {one_cpu / n * 1e3:.2f} ms, "
+                  f"replaying {replay_one_cpu / n * 1e3:.2f} ms | {rows} rows")
         store.close()
 
     def verdict(ratio: float, target: float) -> str:
         return f"{ratio:.2f} ({'met' if ratio >= target else 'not met'})"
 
-    m1, m2, mc = statistics.median(one), statistics.median(two), statistics.median(cpu)
+    m = {k: statistics.median(v) for k, v in ratios.items()}
+    mc, mrc = statistics.median(cpu), statistics.median(replay_cpu)
+    path = "projection" if projected_path else "replay"
     print(f"{args.episodes} episodes x {args.turns} turns per round"
           f"{' (last turn only)' if args.last_turn else ''}, fastest of {args.repeat}; median "
-          f"derive/read: one process "
-          f"{verdict(m1, 0.5)} against 0.5, {args.jobs} processes {verdict(m2, 1.0)} "
-          f"against 1.0")
-    print(f"RESULT derive_vs_read_1p={m1:.3f} derive_vs_read_2p={m2:.3f} "
-          f"derive_vs_read_1p_cpu={mc:.3f} "
-          f"jobs={args.jobs} episodes={args.episodes} turns={args.turns} repeat={args.repeat}")
-    return {"1p": m1, "2p": m2}
+          f"derive/read ({path}): one process "
+          f"{verdict(m['1p'], 0.5)} against 0.5, {args.jobs} processes {verdict(m['2p'], 1.0)} "
+          f"against 1.0; replaying every episode: one process {verdict(m['replay_1p'], 0.5)}, "
+          f"{args.jobs} processes {verdict(m['replay_2p'], 1.0)}")
+    print(f"RESULT derive_vs_read_1p={m['1p']:.3f} derive_vs_read_2p={m['2p']:.3f} "
+          f"replay_derive_vs_read_1p={m['replay_1p']:.3f} "
+          f"replay_derive_vs_read_2p={m['replay_2p']:.3f} "
+          f"derive_vs_read_1p_cpu={mc:.3f} replay_derive_vs_read_1p_cpu={mrc:.3f} "
+          f"path={path} jobs={args.jobs} episodes={args.episodes} turns={args.turns} "
+          f"repeat={args.repeat}")
+    return m
 
 
 if __name__ == "__main__":

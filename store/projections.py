@@ -29,7 +29,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from store.arguments import whole_number
-from store.codec import pack_ids, pack_logprobs, pack_mask
+from store.codec import pack_ids, pack_logprobs, pack_mask, unpack_ids, unpack_logprobs, unpack_mask
 from store.db import scalar
 from store.eventlog import EventStore, LogPosition
 
@@ -80,6 +80,8 @@ class EpisodeRow:
     tokens: int = 0
     started_at: dt.datetime | None = None
     finished_at: dt.datetime | None = None
+    # The code version that replayed the episode (``workers.replay.code_version``).
+    projected_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,7 @@ _EPISODE_TYPES = {
     "tool_errors": "int", "attempts_failed": "int", "rollbacks": "int", "timelines": "int",
     "survivors": "int", "forks": "int", "drifted_messages": "int", "negatives": "int",
     "tokens": "int", "started_at": "timestamptz", "finished_at": "timestamptz",
+    "projected_by": "text",
 }
 _FORK_TYPES = {"episode_id": "text", "agent": "text", "timeline": "int", "other": "int",
                "message_index": "int", "reason": "text"}
@@ -360,6 +363,58 @@ class Projections:
             (list(episode_ids),),
         ).fetchall()
         return dict(rows)
+
+    def current_samples(self, episode_ids: Sequence[str], projected_by: str, *,
+                        conn: psycopg.Connection | None = None
+                        ) -> dict[str, tuple[str, int | None, list[SampleRow]]]:
+        """The samples of those of ``episode_ids`` whose projection is current, by episode:
+        ``(run_id, policy_version, samples)``, samples in (kind, timeline index) order,
+        token columns decoded. Current: replayed at its stream's latest version by the code
+        version ``projected_by``, not ``invalid``, no projection conflict ever recorded for
+        it (a leased or consumed sample kept from an earlier projection may differ from
+        what replay gives now) and holding exactly the samples its replay made (one per
+        survivor, none for an aborted episode, and its negatives). Other episodes are left
+        out. Read on ``conn`` when given."""
+        if not episode_ids:
+            return {}
+        if conn is None:
+            with self.db.connection() as own:
+                return self.current_samples(episode_ids, projected_by, conn=own)
+        cur = conn.cursor(binary=True)
+        rows = cur.execute(
+            "SELECT e.episode_id, e.run_id, e.policy_version,"
+            " CASE WHEN e.status = 'aborted' THEN 0 ELSE e.survivors END, e.negatives"
+            " FROM episodes e WHERE e.episode_id = ANY(%b::text[]) AND e.projected_by = %b"
+            " AND e.status NOT IN ('invalid', 'running')"
+            " AND e.projected_version = (SELECT max(v.stream_version) FROM events v"
+            " WHERE v.stream_id = e.episode_id)"
+            " AND NOT EXISTS (SELECT 1 FROM projection_conflicts c"
+            " WHERE c.episode_id = e.episode_id)",
+            (list(episode_ids), projected_by),
+        ).fetchall()
+        if not rows:
+            return {}
+        found: dict[str, list[SampleRow]] = {r[0]: [] for r in rows}
+        for (episode_id, group_id, agent, kind, index, reward, policy, prompt, ids, mask,
+             logprobs, failure_version, error_types) in cur.execute(
+                "SELECT episode_id, group_id, agent, kind, timeline_index, reward,"
+                " policy_version, prompt_length, token_ids, loss_mask, logprobs,"
+                " failure_version, error_types FROM samples"
+                " WHERE episode_id = ANY(%b::text[]) ORDER BY episode_id, kind, timeline_index",
+                (list(found),)).fetchall():
+            found[episode_id].append(SampleRow(
+                run_id="", group_id=group_id, episode_id=episode_id, agent=agent, kind=kind,
+                timeline_index=index, reward=reward, policy_version=policy,
+                prompt_length=prompt, token_ids=unpack_ids(ids), loss_mask=unpack_mask(mask),
+                logprobs=unpack_logprobs(logprobs), failure_version=failure_version,
+                error_types=error_types))
+        out: dict[str, tuple[str, int | None, list[SampleRow]]] = {}
+        for episode_id, run_id, policy, positives, negatives in rows:
+            samples = found[episode_id]
+            kinds = [s.kind for s in samples]
+            if kinds.count("positive") == positives and kinds.count("negative") == negatives:
+                out[episode_id] = (run_id, policy, samples)
+        return out
 
     def write(
         self,

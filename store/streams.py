@@ -38,11 +38,14 @@ def _read_events(store: EventStore, stream_ids: Sequence[str], where: str, *,
 
 
 def read_streams(store: EventStore, stream_ids: Sequence[str], *,
-                 conn: psycopg.Connection | None = None) -> dict[str, list[RecordedEvent]]:
+                 conn: psycopg.Connection | None = None, llm_calls: bool = True
+                 ) -> dict[str, list[RecordedEvent]]:
     """Every event of each stream, in version order, by stream id (a stream with no events
-    is absent), read with one query on ``conn`` (a connection of ``store.db``) when given."""
+    is absent), read with one query on ``conn`` (a connection of ``store.db``) when given.
+    ``llm_calls`` False leaves the ``llm_called`` events out (most of a stream's bytes)."""
     out: dict[str, list[RecordedEvent]] = {}
-    for event in _read_events(store, stream_ids, "ORDER BY stream_id, stream_version",
+    where = "" if llm_calls else "AND type <> 'llm_called' "
+    for event in _read_events(store, stream_ids, where + "ORDER BY stream_id, stream_version",
                               conn=conn):
         out.setdefault(event.stream_id, []).append(event)
     return out

@@ -116,13 +116,16 @@ def derive(
         store.close()
     v = made.version
     if as_json:
-        typer.echo(json.dumps({**_summary(v), "created": made.created}, sort_keys=True))
+        typer.echo(json.dumps({**_summary(v), "created": made.created,
+                               "from_projection": made.from_projection,
+                               "replayed": made.replayed}, sort_keys=True))
         return
     left = ", ".join(f"{k} {n}" for k, n in sorted(made.excluded.items())) or "none"
     typer.echo(f"dataset {v.name} version {v.version} "
                f"({'new' if made.created else 'exists already, nothing written'}): "
                f"{v.num_rows} rows from {v.num_episodes} episodes, sha256 {v.content_hash}; "
-               f"episodes left out: {left}")
+               f"episodes left out: {left}; samples of {made.from_projection} episode(s) "
+               f"taken from their projection, {made.replayed} replayed")
 
 
 @dataset_app.command("list")

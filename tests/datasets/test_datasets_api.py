@@ -26,6 +26,7 @@ from store.db import Database
 from store.eventlog import EventStore
 from store.settings import Settings, get_settings
 from tests.api.conftest import Project, make_project
+from workers.replay.jobs.project import project_episodes
 
 
 @pytest.fixture
@@ -172,8 +173,13 @@ def test_the_command_line_derives_lists_shows_and_compares(
     assert first.exit_code == 0, first.output
     assert f"dataset {name} version 1 (new)" in first.output
     assert "no_reward 1, unfinished 1" in first.output
-    again = cli("derive", name, "--run", run.run_id, "--json")
-    assert json.loads(again.output)["created"] is False
+    # Nothing projected: every episode replays.
+    assert "samples of 0 episode(s) taken from their projection, 6 replayed" in first.output
+    project_episodes(store, list(run.episodes.values()))
+    again = json.loads(cli("derive", name, "--run", run.run_id, "--json").output)
+    # The same version, the samples of the five finished episodes from their projection.
+    assert again["created"] is False
+    assert again["from_projection"] == 5 and again["replayed"] == 1
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps({"filters": {"statuses": ["completed"]}}))
     second = cli("derive", name, "--run", run.run_id, "--rules", str(rules), "--last-turn")

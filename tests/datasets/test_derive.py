@@ -16,9 +16,10 @@ from test_replay_reuse import tool_episode
 from store import errors
 from store.datasets import read_rows, record_trained_by
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
-from store.events import LLMCalled, RunConfig, RunCreated
+from store.events import LLMCalled, RewardAssigned, RunConfig, RunCreated
 from workers.datasets import (
     DatasetBuildError,
+    DerivePool,
     EmptySelectionError,
     delete_version,
     derive_dataset,
@@ -359,3 +360,76 @@ def test_a_dataset_of_two_runs_holds_the_rows_of_both(store: EventStore, qwen3, 
     elsewhere = record_run(store, qwen3, project=f"p-{uuid.uuid4().hex[:6]}")
     with pytest.raises(errors.ValidationError, match="several projects"):
         derive_dataset(store, name(), [run.run_id, elsewhere.run_id])
+
+
+def _rows_of(store: EventStore, derived) -> list[tuple]:
+    return [(r.key, r.agent, r.prompt_length, r.reward, r.advantage, r.failure_type,
+             r.error_types, r.token_ids.tobytes(), r.loss_mask.tobytes(), r.logprobs.tobytes(),
+             r.row_hash) for r in read_rows(store.db, derived.version.dataset_id)]
+
+
+def test_the_projection_path_gives_the_replay_s_rows_and_falls_back_where_it_must(
+        store: EventStore, run) -> None:
+    e = run.episodes
+    # Nothing projected yet: every episode replays.
+    before = derive_dataset(store, name(), [run.run_id], {"advantage": {"kind": "grpo"}})
+    assert before.from_projection == 0 and before.replayed == 6
+    project_episodes(store, list(e.values()))
+    # A late reward projected again (current), one not projected yet (stale: replayed),
+    # and one projection written by other code (replayed).
+    store.append(e["a1"], [RewardAssigned(value=0.25)])
+    project_episodes(store, [e["a1"]])
+    store.append(e["err"], [RewardAssigned(value=0.75)])
+    with store.db.transaction() as conn:
+        conn.execute("UPDATE episodes SET projected_by = 'trajstore 0.0.0' WHERE episode_id = %s",
+                     (e["a0"],))
+    pool = DerivePool(store.db.url, jobs=2)
+    for rules in ({"advantage": {"kind": "grpo"}},
+                  {"negatives": {"cap": 0}, "filters": {"statuses": ["completed", "error"]}},
+                  {"train": {"agents": ["main"]}, "reward": {"source": None}},
+                  {"negatives": {"reward": -0.5}},  # a rule that replays otherwise
+                  {"train": {"turns": "last"}}):
+        fast = derive_dataset(store, name(), [run.run_id], rules)
+        slow = derive_dataset(store, name(), [run.run_id], rules, from_projection=False)
+        pooled = derive_dataset(store, name(), [run.run_id], rules, pool=pool, batch=2)
+        assert slow.from_projection == 0 and slow.replayed == 6
+        assert fast.version.content_hash == slow.version.content_hash, rules
+        assert pooled.version.content_hash == slow.version.content_hash, rules
+        assert _rows_of(store, fast) == _rows_of(store, slow)
+        assert fast.excluded == slow.excluded and fast.episodes == slow.episodes
+        if "turns" in rules.get("train", {}) or "reward" in rules.get("negatives", {}):
+            assert fast.from_projection == 0, rules
+        else:
+            # fail, a1 (projected again after its late reward) and bare; not err (stale),
+            # a0 (other code) nor open (never projected: unfinished).
+            assert fast.from_projection == 3 and fast.replayed == 3, rules
+            assert pooled.from_projection == 3, rules
+        rows = read_rows(store.db, fast.version.dataset_id)
+        if rules == {"advantage": {"kind": "grpo"}}:
+            # The late rewards: err's 0.75 replayed, a1's 0.25 from the projection.
+            assert {r.reward for r in rows if r.episode_id == e["a1"]} == {0.25}
+            assert {r.reward for r in rows if r.episode_id == e["err"]} == {0.75}
+            assert any(r.kind == "negative" for r in rows)
+        if rules == {"negatives": {"reward": -0.5}}:
+            negatives = [r for r in rows if r.kind == "negative"]
+            assert negatives and all(r.reward == -0.5 for r in negatives)
+    pool.close()
+
+
+def test_a_projection_with_a_conflict_is_replayed(store: EventStore, run) -> None:
+    e = run.episodes
+    project_episodes(store, list(e.values()))
+    with store.db.transaction() as conn:
+        # A sample a trainer held when its episode was projected again: what it holds may
+        # differ from the replay's, so the episode replays.
+        conn.execute(
+            "INSERT INTO projection_conflicts (episode_id, run_id, kind, timeline_index,"
+            " sample_id, sample_status, action, columns, projected_version)"
+            " SELECT episode_id, run_id, kind, timeline_index, sample_id, 'leased', 'change',"
+            " '{reward}', 1 FROM samples WHERE episode_id = %s AND kind = 'positive' LIMIT 1",
+            (e["a0"],))
+        conn.execute("UPDATE samples SET logprobs = '' WHERE episode_id = %s", (e["a0"],))
+    fast = derive_dataset(store, name(), [run.run_id])
+    slow = derive_dataset(store, name(), [run.run_id], from_projection=False)
+    assert fast.version.content_hash == slow.version.content_hash
+    assert fast.from_projection == 4  # a1, fail, err and bare; a0 replayed

@@ -35,14 +35,16 @@ from store.events import (
     ToolReturned,
     failure_order_key,
 )
+from store.projections import SampleRow
 from workers.datasets.rules import DatasetRules
 from workers.replay.episode import needs_tokenizer, replay_episode
 from workers.replay.errors import ReplayError
 from workers.replay.timeline import Timeline
 
 __all__ = ["DatasetBuildError", "EmptySelectionError", "Episode", "EpisodeOutcome",
-           "apply_rules_to_config", "build_episode", "content_hash", "finish_rows",
-           "grpo_advantages", "row_hash"]
+           "ProjectedEpisode", "apply_rules_to_config", "build_episode", "content_hash",
+           "finish_rows", "grpo_advantages", "projection_applies", "replays_as_run",
+           "row_hash"]
 
 
 class DatasetBuildError(errors.ValidationError):
@@ -99,6 +101,35 @@ class EpisodeOutcome:
         default_factory=list)
 
 
+@dataclass(frozen=True)
+class ProjectedEpisode:
+    """What an episode's current projection holds of what replay would give (see
+    ``projection_applies``): the policy version of its last LLM call and its samples
+    (``store.projections.SampleRow``, token columns decoded; a negative one with its
+    ``failure_version``, the stream version of its failed attempt)."""
+
+    policy_version: int
+    samples: list[SampleRow]
+
+
+def replays_as_run(config: RunConfig, applied: RunConfig) -> bool:
+    """Whether replaying under ``applied`` (``apply_rules_to_config(config, rules)``) gives
+    every episode of the run the timelines, samples and failures that replaying under the
+    run's own ``config`` gave its projection: the same merge, rollback and negative reward
+    (the negative cap is applied over the whole group afterwards, projection or not)."""
+    return (applied.merge == config.merge and applied.rollback == config.rollback
+            and applied.negatives.negative_reward == config.negatives.negative_reward)
+
+
+def projection_applies(rules: DatasetRules) -> bool:
+    """Whether ``rules`` may take an episode's rows from its projection at all: no reward
+    function (it is called with every event of the episode, LLM calls included; a recorded
+    reward is read from the events either way) and every turn trained (training only the
+    last turn needs the timeline's message boundaries, which the projection does not keep).
+    The run's configuration must replay the same way too (``replays_as_run``)."""
+    return rules.reward.function is None and rules.train.turns == "all"
+
+
 def apply_rules_to_config(config: RunConfig, rules: DatasetRules) -> RunConfig:
     """The run's configuration with the rules' merge and negative settings over it."""
     merge = config.merge.model_dump()
@@ -116,7 +147,8 @@ def apply_rules_to_config(config: RunConfig, rules: DatasetRules) -> RunConfig:
                                      "rollback": rollback})
 
 
-def _episode(episode_id: str, events: list[Event]) -> Episode:
+def _episode(episode_id: str, events: list[Event], policy_version: int | None = None
+             ) -> Episode:
     started = events[0]
     assert isinstance(started, EpisodeStarted)
     status = reason = None
@@ -136,7 +168,8 @@ def _episode(episode_id: str, events: list[Event]) -> Episode:
             error_types.extend(e.error_types)
     return Episode(episode_id=episode_id, run_id=started.run_id, group_id=started.group_id,
                    task_id=started.task_id, status=status, reason=reason,
-                   policy_version=version, recorded_reward=reward,
+                   policy_version=version if policy_version is None else policy_version,
+                   recorded_reward=reward,
                    error_types=list(dict.fromkeys(error_types)), events=events)
 
 
@@ -196,13 +229,14 @@ def _last_turn(timeline: Timeline) -> tuple[np.ndarray, int] | None:
 
 
 def _row(episode: Episode, *, agent: str, kind: str, timeline_index: int, token_ids: Any,
-         loss_mask: Any, logprobs: Any, prompt_length: int, timeline: Timeline,
+         loss_mask: Any, logprobs: Any, prompt_length: int, timeline: Timeline | None,
          rules: DatasetRules, reward: float, failure_type: str | None,
          error_types: list[str] | None) -> DatasetRow | None:
     ids = np.asarray(token_ids, dtype=np.int32)
     mask = np.frombuffer(bytes(loss_mask), dtype=np.uint8)
     lps = np.asarray(logprobs, dtype=np.float32)
     if rules.train.turns == "last":
+        assert timeline is not None, "training the last turn needs the timeline"
         last = _last_turn(timeline)
         if last is None:
             return None
@@ -222,7 +256,8 @@ def _row(episode: Episode, *, agent: str, kind: str, timeline_index: int, token_
 def build_episode(episode_id: str, events: Sequence[Event], *, config: RunConfig,
                   tokenizer: Any, rules: DatasetRules,
                   reward_function: Callable[[Episode], Any] | None = None,
-                  applied: RunConfig | None = None) -> EpisodeOutcome:
+                  applied: RunConfig | None = None,
+                  projected: ProjectedEpisode | None = None) -> EpisodeOutcome:
     """The candidate rows of one episode under ``rules`` (see ``EpisodeOutcome``).
     ``config`` is the run's configuration (the rules are put over it here, unless
     ``applied`` gives ``apply_rules_to_config(config, rules)`` already: a caller building
@@ -230,12 +265,18 @@ def build_episode(episode_id: str, events: Sequence[Event], *, config: RunConfig
     will do when no call carries token ids); ``reward_function`` the loaded
     ``rules.reward.function``. Raises DatasetBuildError naming the episode when
     the reward function raises or returns anything but a finite number; an episode that
-    cannot be replayed is ``invalid``, not an error."""
+    cannot be replayed is ``invalid``, not an error.
+
+    ``projected``: the samples of the episode's current projection, taken instead of
+    replaying (the caller checked ``projection_applies``, ``replays_as_run`` and that the
+    projection is of the stream's latest version, written by this code version); then
+    ``events`` may leave out the ``llm_called`` events, which only replay reads."""
     items = list(events)
     if not items or not isinstance(items[0], EpisodeStarted):
         return EpisodeOutcome(episode_id, "", "", excluded="invalid",
                               detail="the stream does not begin with episode_started")
-    episode = _episode(episode_id, items)
+    episode = _episode(episode_id, items,
+                       None if projected is None else projected.policy_version)
     out: dict[str, Any] = dict(episode_id=episode_id, run_id=episode.run_id,
                                group_id=episode.group_id)
     if episode.status is None:
@@ -253,17 +294,32 @@ def build_episode(episode_id: str, events: Sequence[Event], *, config: RunConfig
         reward = recorded
     if applied is None:
         applied = apply_rules_to_config(config, rules)
-    try:
-        result = replay_episode(items, config=applied,
-                                tokenizer=tokenizer if needs_tokenizer(items) else None,
-                                episode_id=episode_id)
-    except ReplayError as exc:
-        return EpisodeOutcome(**out, excluded="invalid", detail=str(exc))
     agents = set(rules.train.agents) if rules.train.agents is not None else None
     first_error = episode.error_types[0] if episode.error_types else None
+    # (sample, timeline): a replayed survivor's sample with its merged timeline, or a
+    # projected sample alone (its rules train every turn: no timeline needed).
+    trained: list[tuple[Any, Timeline | None]] = []
+    failed: list[tuple[Any, int | None, list[str], Timeline | None]] = []
+    if projected is not None:
+        for s in projected.samples:
+            if s.kind == "positive":
+                trained.append((s, None))
+            else:
+                failed.append((s, None if s.failure_version is None else s.failure_version - 1,
+                               list(s.error_types or ()), None))
+    else:
+        try:
+            result = replay_episode(items, config=applied,
+                                    tokenizer=tokenizer if needs_tokenizer(items) else None,
+                                    episode_id=episode_id)
+        except ReplayError as exc:
+            return EpisodeOutcome(**out, excluded="invalid", detail=str(exc))
+        trained = list(zip(result.samples, result.survivors, strict=True))
+        failed = [(n.sample, n.failure_index, list(n.error_types),
+                   result.timelines[n.sample.timeline_index]) for n in result.failures]
     positives = []
     if episode.status != "aborted":  # as the projection: an aborted episode trains nothing
-        for sample, timeline in zip(result.samples, result.survivors, strict=True):
+        for sample, timeline in trained:
             if agents is not None and sample.agent not in agents:
                 continue
             row = _row(episode, agent=sample.agent, kind="positive",
@@ -275,19 +331,18 @@ def build_episode(episode_id: str, events: Sequence[Event], *, config: RunConfig
                 positives.append(row)
     negatives = []
     keep_negatives = applied.rollback.save_negative_samples
-    for n in result.failures if keep_negatives else []:
-        s = n.sample
+    for s, failure_index, error_types, timeline in failed if keep_negatives else []:
         if agents is not None and s.agent not in agents:
             continue
         assert s.reward is not None
         row = _row(episode, agent=s.agent, kind="negative", timeline_index=s.timeline_index,
                    token_ids=s.token_ids, loss_mask=s.loss_mask, logprobs=s.logprobs,
-                   prompt_length=s.prompt_length, timeline=result.timelines[s.timeline_index],
+                   prompt_length=s.prompt_length, timeline=timeline,
                    rules=rules, reward=s.reward,
-                   failure_type=n.error_types[0] if n.error_types else None,
-                   error_types=list(n.error_types))
+                   failure_type=error_types[0] if error_types else None,
+                   error_types=error_types)
         if row is not None:
-            negatives.append((failure_order_key(episode_id, n.failure_index), row))
+            negatives.append((failure_order_key(episode_id, failure_index), row))
     if not positives and not negatives:
         return EpisodeOutcome(**out, excluded="nothing_trained")
     return EpisodeOutcome(**out, positives=positives, negatives=negatives)

@@ -10,9 +10,7 @@ raises, rules that select nothing) writes nothing. No model is called.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import importlib.metadata
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -26,17 +24,22 @@ from store import errors
 from store.db import Database
 from store.eventlog import EventStore, RecordedEvent
 from store.events import RunConfig, RunCreated
+from store.projections import Projections
 from store.streams import read_run_events, read_streams
 from workers.datasets.build import (
     EmptySelectionError,
     EpisodeOutcome,
+    ProjectedEpisode,
     apply_rules_to_config,
     build_episode,
     content_hash,
     finish_rows,
+    projection_applies,
+    replays_as_run,
 )
 from workers.datasets.rules import DatasetRules, canonical, check_name, load_reward_function
 from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
+from workers.replay import code_version
 
 __all__ = ["BATCH", "DerivePool", "DerivedDataset", "code_version", "derive_dataset", "parse_rules"]
 
@@ -48,23 +51,16 @@ BATCH = 50
 class DerivedDataset:
     """What ``derive_dataset`` did: the version (new, or the one of the same hash that the
     name already held: ``created`` False) and, of the runs' episodes, how many gave rows and
-    how many each reason left out."""
+    how many each reason left out; how many took their samples from their current
+    projection (``from_projection``) and how many were read from their events whole
+    (``replayed``: replayed unless left out before replay): either way the same rows."""
 
     version: tables.DatasetVersion
     created: bool
     episodes: int
     excluded: dict[str, int]
-
-
-@functools.cache
-def code_version() -> str:
-    """The version of the code that builds a dataset: the installed ``trajstore``
-    distribution's (``unknown`` from a checkout that was not installed), read once per
-    process."""
-    try:
-        return f"trajstore {importlib.metadata.version('trajstore')}"
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
-        return "trajstore unknown"
+    from_projection: int = 0
+    replayed: int = 0
 
 
 def parse_rules(rules: DatasetRules | dict[str, Any] | None) -> DatasetRules:
@@ -103,7 +99,8 @@ class _Builder:
 
     def __init__(self, store: EventStore, rules: DatasetRules,
                  tokenizer_loader: Callable[[str | None], Any],
-                 runs: dict[str, RecordedEvent] | None = None) -> None:
+                 runs: dict[str, RecordedEvent] | None = None, *,
+                 from_projection: bool = True) -> None:
         self.store = store
         self.rules = rules
         self.loader = tokenizer_loader
@@ -111,6 +108,10 @@ class _Builder:
         self.configs: dict[str, RunConfig | None] = {}
         #: Each run's configuration with the rules over it (``apply_rules_to_config``).
         self.applied: dict[str, RunConfig] = {}
+        #: Whether episodes whose projection is current take their samples from it.
+        self.from_projection = from_projection and projection_applies(rules)
+        #: How many episodes took their samples from the projection, and how many replayed.
+        self.counts = {"projection": 0, "replay": 0}
         known = runs or {}  # run_created events the caller read already
         for run_id in known:
             self._config(known, run_id)
@@ -124,6 +125,12 @@ class _Builder:
                                     and isinstance(event.event, RunCreated) else None)
         return self.configs[run_id]
 
+    def _applied(self, run_id: str, config: RunConfig) -> RunConfig:
+        applied = self.applied.get(run_id)
+        if applied is None:
+            applied = self.applied[run_id] = apply_rules_to_config(config, self.rules)
+        return applied
+
     def build(self, episode_ids: Sequence[str]) -> list[EpisodeOutcome]:
         # The whole batch, read and replay, with the collector paused (the replay allocates
         # most of it); the batch's events are dropped when ``_build`` returns, so only the
@@ -132,11 +139,34 @@ class _Builder:
             return self._build(episode_ids)
 
     def _build(self, episode_ids: Sequence[str]) -> list[EpisodeOutcome]:
+        projected: dict[str, ProjectedEpisode] = {}
         with self.store.db.connection() as conn:
-            streams = read_streams(self.store, episode_ids, conn=conn)
+            if self.from_projection:
+                current = Projections(self.store).current_samples(
+                    episode_ids, code_version(), conn=conn)
+                unknown = {owner for owner, _, _ in current.values()} - set(self.configs)
+                if unknown:
+                    known = read_run_events(self.store, unknown, conn=conn)
+                    for owner in unknown:
+                        self._config(known, owner)
+                for episode_id, (owner, policy, samples) in current.items():
+                    run_config = self.configs.get(owner)
+                    # A run whose replay the rules change replays (so does an unknown run,
+                    # which replay reports as invalid).
+                    if run_config is not None and policy is not None and replays_as_run(
+                            run_config, self._applied(owner, run_config)):
+                        projected[episode_id] = ProjectedEpisode(policy, samples)
+            # Their events but the LLM calls (the samples stand for those); the others' whole.
+            streams = read_streams(self.store, list(projected), conn=conn,
+                                   llm_calls=False) if projected else {}
+            rest = [e for e in episode_ids if e not in projected]
+            if rest:
+                streams.update(read_streams(self.store, rest, conn=conn))
             run_ids = {s[0].event.run_id for s in streams.values()  # type: ignore[attr-defined]
                        if hasattr(s[0].event, "run_id")} - set(self.configs)
             runs = read_run_events(self.store, run_ids, conn=conn) if run_ids else {}
+        self.counts["projection"] += len(projected)
+        self.counts["replay"] += len(episode_ids) - len(projected)
         out = []
         for episode_id in episode_ids:
             recorded = streams.get(episode_id, [])
@@ -147,19 +177,20 @@ class _Builder:
                 out.append(EpisodeOutcome(episode_id, run_id or "", "", excluded="invalid",
                                           detail="no run_created for its run"))
                 continue
-            try:
-                tokenizer = self._tokenizer(config)
-            except TokenizerNotFound as exc:
-                out.append(EpisodeOutcome(episode_id, run_id or "", "", excluded="invalid",
-                                          detail=str(exc)))
-                continue
+            from_projection = projected.get(episode_id)
+            tokenizer = None
+            if from_projection is None:
+                try:
+                    tokenizer = self._tokenizer(config)
+                except TokenizerNotFound as exc:
+                    out.append(EpisodeOutcome(episode_id, run_id or "", "",
+                                              excluded="invalid", detail=str(exc)))
+                    continue
             assert run_id is not None  # a config was found for it
-            applied = self.applied.get(run_id)
-            if applied is None:
-                applied = self.applied[run_id] = apply_rules_to_config(config, self.rules)
             out.append(build_episode(episode_id, events, config=config, tokenizer=tokenizer,
                                      rules=self.rules, reward_function=self.reward,
-                                     applied=applied))
+                                     applied=self._applied(run_id, config),
+                                     projected=from_projection))
         return out
 
     def _tokenizer(self, config: RunConfig) -> Any:
@@ -181,13 +212,18 @@ def _start(database_url: str) -> None:
     _store = EventStore(Database(database_url, min_size=1, max_size=2))
 
 
-def _build(rules_json: str, episode_ids: list[str]) -> list[EpisodeOutcome]:
+def _build(rules_json: str, from_projection: bool, episode_ids: list[str]
+           ) -> tuple[list[EpisodeOutcome], dict[str, int]]:
     assert _store is not None, "the worker process was not started by a DerivePool"
-    builder = _builders.get(rules_json)
+    key = f"{from_projection}:{rules_json}"
+    builder = _builders.get(key)
     if builder is None:
-        builder = _builders[rules_json] = _Builder(
-            _store, DatasetRules.model_validate_json(rules_json), load_tokenizer)
-    return builder.build(episode_ids)
+        builder = _builders[key] = _Builder(
+            _store, DatasetRules.model_validate_json(rules_json), load_tokenizer,
+            from_projection=from_projection)
+    before = dict(builder.counts)
+    built = builder.build(episode_ids)
+    return built, {k: v - before[k] for k, v in builder.counts.items()}
 
 
 class DerivePool:
@@ -204,13 +240,21 @@ class DerivePool:
             max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
             initializer=_start, initargs=(database_url,))
 
-    def build(self, rules: DatasetRules, batches: list[list[str]]) -> list[EpisodeOutcome]:
-        """The outcomes of ``batches`` under ``rules``, in order. An error in a process (a
+    def build(self, rules: DatasetRules, batches: list[list[str]], *,
+              from_projection: bool = True, counts: dict[str, int] | None = None
+              ) -> list[EpisodeOutcome]:
+        """The outcomes of ``batches`` under ``rules``, in order (``from_projection``: as
+        ``derive_dataset`` takes it); ``counts`` (when given) gains how many episodes took
+        their samples from the projection and how many replayed. An error in a process (a
         reward function that raised, a database error) propagates."""
         rules_json = rules.model_dump_json()
         out: list[EpisodeOutcome] = []
-        for built in self._executor.map(_build, [rules_json] * len(batches), batches):
+        for built, done in self._executor.map(_build, [rules_json] * len(batches),
+                                              [from_projection] * len(batches), batches):
             out.extend(built)
+            if counts is not None:
+                for k, v in done.items():
+                    counts[k] = counts.get(k, 0) + v
         return out
 
     def close(self) -> None:
@@ -235,6 +279,7 @@ def derive_dataset(
     batch: int = BATCH,
     pool: DerivePool | None = None,
     tokenizer_loader: Callable[[str | None], Any] = load_tokenizer,
+    from_projection: bool = True,
 ) -> DerivedDataset:
     """Derive a version of dataset ``name`` from the episodes of ``run_ids`` under
     ``rules`` and store it, unless the name already holds a version of the same content
@@ -244,6 +289,11 @@ def derive_dataset(
     ``jobs`` > 1 replays on that many new processes, ``pool`` on the processes of a
     ``DerivePool`` (``batch`` episodes per read; at most as many as give every process
     work).
+    ``from_projection``: an episode whose projection is current (replayed at its stream's
+    latest version by this code version, no conflict recorded) takes its samples from it
+    instead of being replayed, when the rules replay as the run does (the same merge,
+    rollback and negative reward; no reward function; every turn trained): the rows and the
+    hash are those of the replay. False replays every episode.
     Raises ValidationError (``field`` naming the rule) for a bad name, rule or reward
     function; NotFoundError for an unknown run; ``DatasetBuildError`` naming the episode
     when the reward function raises or returns no finite number; ``EmptySelectionError``
@@ -290,15 +340,19 @@ def derive_dataset(
     size = max(1, min(batch, -(-len(episode_ids) // processes)))
     batches = [episode_ids[i:i + size] for i in range(0, len(episode_ids), size)]
     outcomes: list[EpisodeOutcome] = []
+    counts: dict[str, int] = {}
     if pool is not None:
-        outcomes = pool.build(parsed, batches)
+        outcomes = pool.build(parsed, batches, from_projection=from_projection, counts=counts)
     elif jobs == 1 or len(batches) <= 1:
-        builder = _Builder(store, parsed, tokenizer_loader, configs)
+        builder = _Builder(store, parsed, tokenizer_loader, configs,
+                           from_projection=from_projection)
         for ids in batches:
             outcomes.extend(builder.build(ids))
+        counts = builder.counts
     else:
         with DerivePool(store.db.url, jobs=jobs) as own:
-            outcomes = own.build(parsed, batches)
+            outcomes = own.build(parsed, batches, from_projection=from_projection,
+                                 counts=counts)
 
     excluded: dict[str, int] = {}
     for o in outcomes:
@@ -321,4 +375,6 @@ def derive_dataset(
         store.db, project=owner, name=name, content_hash=digest,
         rules=parsed.model_dump(mode="json"), run_ids=runs, code_version=version_of_code,
         rows=rows, num_episodes=kept, excluded=excluded)
-    return DerivedDataset(version=version, created=created, episodes=kept, excluded=excluded)
+    return DerivedDataset(version=version, created=created, episodes=kept, excluded=excluded,
+                          from_projection=counts.get("projection", 0),
+                          replayed=counts.get("replay", 0))

@@ -12,6 +12,7 @@ nor anything that does I/O.
 
 from workers.replay.episode import (
     ReplayResult,
+    code_version,
     discarded_calls,
     has_token_ids,
     merge_policy_of,
@@ -55,6 +56,7 @@ __all__ = [
     "build_initial_timeline",
     "build_negative",
     "build_sample",
+    "code_version",
     "detect_forks",
     "discarded_calls",
     "loss_mask",

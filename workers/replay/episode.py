@@ -9,6 +9,8 @@ replayed; the worker records such episodes as ``invalid``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +34,22 @@ from workers.replay.samples import Sample, build_sample
 from workers.replay.segment import Segmenter
 from workers.replay.timeline import MergePolicy, Timeline
 
-__all__ = ["ReplayResult", "discarded_calls", "has_token_ids", "merge_policy_of",
+__all__ = ["ReplayResult", "code_version", "discarded_calls", "has_token_ids", "merge_policy_of",
            "needs_tokenizer", "replay_episode", "untokenized_reason"]
 
 #: Event types that belong to a run's own stream, never to an episode's.
 _RUN_STREAM_TYPES = ("run_created", "policy_updated", "policy_served")
+
+
+@functools.cache
+def code_version() -> str:
+    """The version of the code that replays (and so of what a projection or a dataset
+    version holds): the installed ``trajstore`` distribution's (``unknown`` from a checkout
+    that was not installed), read once per process."""
+    try:
+        return f"trajstore {importlib.metadata.version('trajstore')}"
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
+        return "trajstore unknown"
 
 
 @dataclass(frozen=True)

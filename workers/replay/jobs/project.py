@@ -47,6 +47,7 @@ from store.streams import read_run_events, read_streams
 from workers.engines.tokenizers import TokenizerNotFound, load_tokenizer
 from workers.replay.episode import (
     ReplayResult,
+    code_version,
     needs_tokenizer,
     replay_episode,
     untokenized_reason,
@@ -229,6 +230,7 @@ def build_projection(
         tokens=sum(len(c.response_ids) for c in calls),
         started_at=events[0].recorded_at,
         finished_at=finished.recorded_at if finished else None,
+        projected_by=code_version(),
     )
     if result is None:
         episode = EpisodeRow(status="invalid", invalid_reason=invalid_reason, **base)
