@@ -16,14 +16,17 @@ the same two derivations replaying every episode from its events
 (``from_projection=False``: what rules that change the replay, or episodes without a current
 projection, cost). Target: (b) at least 0.5x the plain read, (c) faster than it.
 ``--last-turn`` trains only each sample's last turn, a rule the projection cannot serve:
-(b) and (c) replay too.
+(b) and (c) replay too. ``--rescore`` scores every episode with a reward function
+(``tool_calls_reward``) instead of its recorded reward, as re-scoring a run does: (b) and (c)
+take the samples from the projection and read every event (the function is given them all).
 
 Each round times (a) to (e) ``--repeat`` times, interleaved (each derivation under a name of
 its own, so every one writes its version), and keeps the fastest time of each: on a machine
 shared with other work a single timing mostly measures whoever else ran then (``--repeat 1``
 is one timing of each per round).
 
-    python bench/derive.py [--episodes 40 --turns 6 --rounds 3 --repeat 3 --jobs 2 --last-turn]
+    python bench/derive.py [--episodes 40 --turns 6 --rounds 3 --repeat 3 --jobs 2 --last-turn
+                            --rescore]
 
 It ends with a line ``RESULT derive_vs_read_1p=<b/a> derive_vs_read_2p=<c/a>
 replay_derive_vs_read_1p=<d/a> replay_derive_vs_read_2p=<e/a> ... path=<projection|replay>``
@@ -42,6 +45,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -67,6 +71,14 @@ def record(store: EventStore, tokenizer, run_id: str, count: int, turns: int) ->
     return ids
 
 
+def tool_calls_reward(episode: Any) -> float:
+    """``--rescore``'s reward function: 1.0 for an episode whose LLM calls requested at most
+    three tool calls, else 0.5 (it reads every event, LLM calls included)."""
+    calls = sum(len(e.response.get("tool_calls") or ())
+                for e in episode.events if e.type == "llm_called")
+    return 1.0 if calls <= 3 else 0.5
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=40)
@@ -78,11 +90,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                         help="processes of the DerivePool timed in (c)")
     parser.add_argument("--last-turn", action="store_true",
                         help="train only each sample's last turn (a rule that reshapes masks)")
+    parser.add_argument("--rescore", action="store_true",
+                        help="score every episode with a reward function (bench.derive:"
+                        "tool_calls_reward) instead of its recorded reward: re-scoring a run")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
-    rules = {"advantage": {"kind": "grpo"},
-             "train": {"turns": "last" if args.last_turn else "all"}}
+    rules: dict[str, Any] = {"advantage": {"kind": "grpo"},
+                             "train": {"turns": "last" if args.last_turn else "all"}}
+    if args.rescore:
+        rules["reward"] = {"function": "bench.derive:tool_calls_reward"}
     tokenizer = load_tokenizer("qwen3")
     kinds = ("1p", "2p", "replay_1p", "replay_2p")
     ratios: dict[str, list[float]] = {k: [] for k in kinds}
@@ -157,7 +174,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     mc, mrc = statistics.median(cpu), statistics.median(replay_cpu)
     path = "projection" if projected_path else "replay"
     print(f"{args.episodes} episodes x {args.turns} turns per round"
-          f"{' (last turn only)' if args.last_turn else ''}, fastest of {args.repeat}; median "
+          f"{' (last turn only)' if args.last_turn else ''}"
+          f"{' (re-scored by a reward function)' if args.rescore else ''}, "
+          f"fastest of {args.repeat}; median "
           f"derive/read ({path}): one process "
           f"{verdict(m['1p'], 0.5)} against 0.5, {args.jobs} processes {verdict(m['2p'], 1.0)} "
           f"against 1.0; replaying every episode: one process {verdict(m['replay_1p'], 0.5)}, "
@@ -167,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"replay_derive_vs_read_2p={m['replay_2p']:.3f} "
           f"derive_vs_read_1p_cpu={mc:.3f} replay_derive_vs_read_1p_cpu={mrc:.3f} "
           f"path={path} jobs={args.jobs} episodes={args.episodes} turns={args.turns} "
-          f"repeat={args.repeat}")
+          f"repeat={args.repeat} rules={'rescore' if args.rescore else 'recorded'}")
     return m
 
 

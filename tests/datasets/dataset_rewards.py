@@ -16,6 +16,11 @@ TABLE: dict[str, float] = {}
 COLLECTOR: list[bool] = []
 
 
+def llm_calls(episode: Any) -> float:
+    """The number of the episode's LLM calls (it must be given every event)."""
+    return float(sum(e.type == "llm_called" for e in episode.events))
+
+
 def recorded_or_zero(episode: Any) -> float:
     return episode.recorded_reward or 0.0
 

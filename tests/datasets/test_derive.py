@@ -388,6 +388,10 @@ def test_the_projection_path_gives_the_replay_s_rows_and_falls_back_where_it_mus
                   {"negatives": {"cap": 0}, "filters": {"statuses": ["completed", "error"]}},
                   {"train": {"agents": ["main"]}, "reward": {"source": None}},
                   {"negatives": {"reward": -0.5}},  # a rule that replays otherwise
+                  # Re-scored from the projection's samples, the reward function given every
+                  # event of the episode (its LLM calls counted).
+                  {"reward": {"function": "dataset_rewards:llm_calls"},
+                   "advantage": {"kind": "grpo"}},
                   {"train": {"turns": "last"}}):
         fast = derive_dataset(store, name(), [run.run_id], rules)
         slow = derive_dataset(store, name(), [run.run_id], rules, from_projection=False)
@@ -410,6 +414,13 @@ def test_the_projection_path_gives_the_replay_s_rows_and_falls_back_where_it_mus
             assert {r.reward for r in rows if r.episode_id == e["a1"]} == {0.25}
             assert {r.reward for r in rows if r.episode_id == e["err"]} == {0.75}
             assert any(r.kind == "negative" for r in rows)
+        if "function" in rules.get("reward", {}):
+            calls = {ep: sum(r.event.type == "llm_called" for r in store.read_stream(ep))
+                     for ep in e.values()}
+            assert {(r.episode_id, r.reward) for r in rows if r.kind == "positive"} == \
+                {(r.episode_id, float(calls[r.episode_id])) for r in rows
+                 if r.kind == "positive"}
+            assert max(calls.values()) > 1
         if rules == {"negatives": {"reward": -0.5}}:
             negatives = [r for r in rows if r.kind == "negative"]
             assert negatives and all(r.reward == -0.5 for r in negatives)

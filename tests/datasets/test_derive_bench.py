@@ -21,15 +21,19 @@ def test_derive_benchmark_runs_at_a_tiny_size(capsys) -> None:
     spec.loader.exec_module(module)
     # It asserts that every derivation gives one content hash and keeps every episode, and
     # which took the samples from the projection.
-    for last_turn, path in ((["--last-turn"], "replay"), ([], "projection")):
+    for last_turn, path in ((["--last-turn"], "replay"), ([], "projection"),
+                            (["--rescore"], "projection")):
         ratios = module.main(["--episodes", "4", "--turns", "2", "--rounds", "1",
                               "--repeat", "1", *last_turn])
         assert set(ratios) == {"1p", "2p", "replay_1p", "replay_2p"}
         assert all(r > 0 for r in ratios.values())
         out = capsys.readouterr().out
-        assert (f"4 episodes x 2 turns per round{' (last turn only)' if last_turn else ''}, "
+        shape = (" (last turn only)" if "--last-turn" in last_turn else
+                 " (re-scored by a reward function)" if "--rescore" in last_turn else "")
+        assert (f"4 episodes x 2 turns per round{shape}, "
                 f"fastest of 1; median derive/read ({path})") in out
         assert "derive, 2 processes" in out
         last = out.splitlines()[-1]
         assert last.startswith("RESULT derive_vs_read_1p=") and " derive_vs_read_2p=" in last
         assert " replay_derive_vs_read_2p=" in last and f" path={path} " in last
+        assert last.endswith(" rules=rescore" if "--rescore" in last_turn else " rules=recorded")

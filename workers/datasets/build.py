@@ -122,12 +122,13 @@ def replays_as_run(config: RunConfig, applied: RunConfig) -> bool:
 
 
 def projection_applies(rules: DatasetRules) -> bool:
-    """Whether ``rules`` may take an episode's rows from its projection at all: no reward
-    function (it is called with every event of the episode, LLM calls included; a recorded
-    reward is read from the events either way) and every turn trained (training only the
-    last turn needs the timeline's message boundaries, which the projection does not keep).
-    The run's configuration must replay the same way too (``replays_as_run``)."""
-    return rules.reward.function is None and rules.train.turns == "all"
+    """Whether ``rules`` may take an episode's rows from its projection at all: every turn
+    trained (training only the last turn needs the timeline's message boundaries, which the
+    projection does not keep). A reward function still takes the samples from the
+    projection: it is called with every event of the episode, LLM calls included, which are
+    then read (and not replayed). The run's configuration must replay the same way too
+    (``replays_as_run``)."""
+    return rules.train.turns == "all"
 
 
 def apply_rules_to_config(config: RunConfig, rules: DatasetRules) -> RunConfig:

@@ -156,9 +156,10 @@ class _Builder:
                     if run_config is not None and policy is not None and replays_as_run(
                             run_config, self._applied(owner, run_config)):
                         projected[episode_id] = ProjectedEpisode(policy, samples)
-            # Their events but the LLM calls (the samples stand for those); the others' whole.
+            # Their events but the LLM calls (the samples stand for those; a reward function
+            # is called with every event, so it gets them); the others' whole.
             streams = read_streams(self.store, list(projected), conn=conn,
-                                   llm_calls=False) if projected else {}
+                                   llm_calls=self.reward is not None) if projected else {}
             rest = [e for e in episode_ids if e not in projected]
             if rest:
                 streams.update(read_streams(self.store, rest, conn=conn))
