@@ -190,6 +190,8 @@ def test_a_replay_only_worker_runs_one_slot_more_than_a_projects_places() -> Non
 
     assert default_concurrency(Settings(), ["replay"]) == 2
     assert default_concurrency(Settings(replay_project_running=3), ["replay"]) == 4
+    # A budget turned off starts no hundred thousand processes.
+    assert default_concurrency(Settings(replay_project_running=100_000), ["replay"]) == 32
     assert default_concurrency(Settings(rollout_groups=5), ["replay", "rollout"]) == 5
     assert default_concurrency(Settings(), ["train"]) == 1
     assert default_concurrency(Settings(), ["replay", "train"]) == 1
