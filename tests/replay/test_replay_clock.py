@@ -11,8 +11,9 @@ from replay_episodes import SEARCH_TOOL, Script, tool_call
 from replay_tokenizers import LLAMA_STYLE_TEMPLATE
 
 from store.events import MergeConfig, RunConfig
-from workers.engines.render import ChatRenderer
-from workers.replay import replay_episode
+from store.settings import get_settings
+from workers.engines.render import ChatRenderer, RenderBudgetExceeded, budgets_spent
+from workers.replay import ReplayError, replay_episode
 from workers.replay.errors import PromptMismatchError
 from workers.replay.segment import Segmenter
 
@@ -106,3 +107,33 @@ def test_an_episode_replays_with_the_dates_its_calls_were_rendered_on(llama) -> 
     assert text.absorber == [2, 2, None]
     (sample,) = text.samples
     assert sample.token_ids == [*calls[2].prompt_ids, *calls[2].response_ids]
+
+
+#: Loops that never end in practice, printing nothing.
+BUSY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("template", [BUSY + LLAMA_STYLE_TEMPLATE, BUSY + DATED],
+                         ids=["plain", "reads the clock"])
+def test_a_template_past_its_budget_spends_it_once_per_episode(
+        llama, template, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The episode is refused at the first render past the budget: neither the full path
+    nor the clock's marker render tries the template again (each would cost the budget)."""
+    monkeypatch.setenv("TRAJSTORE_RENDER_BUDGET_S", "0.2")
+    get_settings.cache_clear()
+    try:
+        s = Script(llama, tools=[SEARCH_TOOL])
+        history = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = {"role": "assistant", "content": "Looking.",
+                 "tool_calls": [tool_call("search", {"query": "Paris"}, "c1")]}
+        s.call(list(history), first)
+        history += [first, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        s.call(list(history), {"role": "assistant", "content": "Sunny."})
+        before = budgets_spent()
+        with pytest.raises(ReplayError, match="TRAJSTORE_RENDER_BUDGET_S") as refused:
+            replay_episode(s.finish(1.0), config=RunConfig(chat_template=template),
+                           tokenizer=llama)
+        assert isinstance(refused.value.__cause__, RenderBudgetExceeded)
+        assert budgets_spent() - before == 1
+    finally:
+        get_settings.cache_clear()

@@ -492,6 +492,8 @@ class _Watchdog:
         self._blocks: dict[int, render_budget] = {}
         self._thread: threading.Thread | None = None
         self._idle = False
+        #: Renders interrupted at their budget in this process.
+        self.fired = 0
 
     def add(self, block: render_budget) -> None:
         with self._cond:
@@ -521,12 +523,19 @@ class _Watchdog:
                 for block in self._blocks.values():
                     if not block.fired and now >= block.deadline:
                         block.fired = True
+                        self.fired += 1
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(
                             ctypes.c_ulong(block.thread),
                             ctypes.py_object(RenderBudgetExceeded))
 
 
 _watchdog = _Watchdog()
+
+
+def budgets_spent() -> int:
+    """How many renders this process has interrupted at their budget so far (each cost a
+    whole ``RENDER_BUDGET_S`` of CPU)."""
+    return _watchdog.fired
 
 
 class render_budget:  # noqa: N801 - used as a context manager, like a function

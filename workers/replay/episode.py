@@ -26,6 +26,7 @@ from store.events import (
     RolledBack,
     RunConfig,
 )
+from workers.engines.render import RenderBudgetExceeded
 from workers.replay.errors import ReplayError
 from workers.replay.forks import ForkPoint, merge_and_detect_forks
 from workers.replay.initial import build_initial_timeline
@@ -186,11 +187,12 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
         result = _replay(items, started, config, policy, segmenter, episode_id)
         if segmenter.verify():
             return result
-    except ReplayError:
-        pass
+    except ReplayError as exc:
+        if isinstance(exc.__cause__, RenderBudgetExceeded):
+            raise  # the full path renders the same template: its budget would go again
     # A prompt rendering taken over from an earlier call did not hold, or something could
     # not be replayed: segment every call in full, which gives the full path's result or
-    # raises its error.
+    # raises its error (a render past its budget is that error at once).
     return _replay(items, started, config, policy,
                    Segmenter(tokenizer, chat_template=config.chat_template, reuse=False),
                    episode_id)

@@ -96,7 +96,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.engines.render import ChatRenderer
+from workers.engines.render import ChatRenderer, RenderBudgetExceeded
 from workers.replay.equality import PrefixInterner, content_text
 from workers.replay.errors import PromptMismatchError, ReplayError, SegmentationError
 from workers.replay.offsets import IdDecoder
@@ -290,6 +290,13 @@ _MARK = re.compile("\ue000(\\d+)\ue001")
 _CLOCK_TEXT = 200
 
 
+def _cannot_render(exc: Exception, count: int) -> SegmentationError:
+    """The error of a template that refused (or ran out of budget on) ``count`` messages;
+    raise it ``from exc`` (a render budget's error is recognised by its cause)."""
+    return SegmentationError(f"the chat template cannot render the first {count} messages: "
+                             f"{type(exc).__name__}: {exc}", message_index=count - 1)
+
+
 def _clock_function(clock: Clock) -> Callable[[str], str]:
     """``strftime_now`` answering as ``clock`` recorded (a format it did not record: the
     current time's, as transformers' own)."""
@@ -315,6 +322,8 @@ def _recorded_clock(renderer: ChatRenderer, messages: Sequence[Mapping[str, Any]
         return f"\ue000{len(formats) - 1}\ue001"
     try:
         rendered = renderer.render(messages, tools=tools, generation_prompt=False, clock=mark)
+    except RenderBudgetExceeded as exc:  # another render would spend the budget again
+        raise _cannot_render(exc, len(messages)) from exc
     except Exception:  # the template's own errors: the full path reports them
         return None
     parts = _MARK.split(rendered) if isinstance(rendered, str) else []
@@ -433,9 +442,7 @@ class Segmenter:
             out = self._renderer.render(messages, tools=tools,
                                         generation_prompt=generation_prompt, clock=clock)
         except Exception as exc:  # the template's own raise_exception and Jinja errors
-            raise SegmentationError(
-                f"the chat template cannot render the first {len(messages)} messages: "
-                f"{type(exc).__name__}: {exc}", message_index=len(messages) - 1) from exc
+            raise _cannot_render(exc, len(messages)) from exc
         if not isinstance(out, str):
             raise TypeError(f"apply_chat_template(tokenize=False) returned "
                             f"{type(out).__name__}, expected str")
