@@ -222,8 +222,10 @@ class Settings(BaseSettings):
     )
     render_budget_s: float = Field(
         default=2.0, ge=0, le=3600, allow_inf_nan=False,
-        description="Seconds one render of a chat template may take (replay, timelines); past "
-        "it the episode is invalid (replay) or the request 422 (timelines). 0: no limit.",
+        description="Seconds of CPU one render of a chat template may take (replay, "
+        "timelines; the rendering thread's own CPU, so waiting behind other requests is not "
+        "counted); past it the episode is invalid (replay) or the request 422 (timelines). "
+        "0: no limit.",
     )
     fault_replay_delay_s: float = Field(
         default=0.0,

@@ -33,7 +33,8 @@ transformers' ``tojson`` filter (the tool schemas, every tool call's arguments, 
 render) is memoized by ``_memoized_tojson``: JSON text is a function of the value's types,
 order and contents, which its ``marshal`` bytes give exactly.
 
-Every render runs under a time budget (``RENDER_BUDGET_S``, default 2 s): a template is code a
+Every render runs under a time budget (``RENDER_BUDGET_S``, default 2 s of the rendering
+thread's CPU: waiting for the interpreter lock is not charged): a template is code a
 run's creator chose (a run's own ``chat_template``), and one with nested loops could keep a
 shared worker busy for minutes or for good. Past the budget the render is interrupted where
 it is (``RenderBudgetExceeded`` is raised into the rendering thread, between two Python
@@ -477,52 +478,82 @@ class RenderBudgetExceeded(RuntimeError):
 
 
 def _budget_message(seconds: float) -> str:
-    return (f"the chat template took longer than the render budget of {seconds:g} s "
+    return (f"the chat template took longer than the render budget of {seconds:g} s of CPU "
             "(setting TRAJSTORE_RENDER_BUDGET_S)")
 
 
 class _Watchdog:
-    """One thread per process that interrupts the budgeted blocks past their deadlines (a
-    timer thread per render would cost more than a fast render)."""
+    """One thread per process that interrupts the budgeted blocks past their budgets (a
+    timer thread per render would cost more than a fast render).
+
+    A block's budget is CPU time of its own thread where the platform gives a thread's CPU
+    clock (``time.pthread_getcpuclockid``), else wall-clock time: a render that waits for the
+    interpreter lock behind other threads (a burst of concurrent requests, a tokenizer
+    loading) is not charged for the wait, only a template that computes is stopped.
+
+    The blocks are guarded by a plain ``threading.Lock``, whose ``with`` cannot be split by
+    the asynchronous exception the watchdog raises into a block's thread (a ``Condition``'s
+    ``__enter__`` is Python code: an exception arriving after it took the lock and before the
+    ``with`` began would leave the lock taken for good, and every render of the process
+    waiting on it)."""
 
     TICK_S = 0.05
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
         self._blocks: dict[int, render_budget] = {}
         self._thread: threading.Thread | None = None
-        self._idle = False
         #: Renders interrupted at their budget in this process.
         self.fired = 0
 
     def add(self, block: render_budget) -> None:
-        with self._cond:
+        with self._lock:
             self._blocks[id(block)] = block
-            if self._thread is None:
+            start = self._thread is None
+            if start:
                 self._thread = threading.Thread(target=self._run, name="render-budget",
                                                 daemon=True)
-                self._thread.start()
-            elif self._idle:
-                self._cond.notify()
+        if start:
+            assert self._thread is not None
+            self._thread.start()
+        self._wake.set()
 
     def remove(self, block: render_budget) -> bool:
         """Forgets ``block``; whether it was interrupted (a pending interruption is
         withdrawn, so it is never raised after the block)."""
-        with self._cond:
+        with self._lock:
             self._blocks.pop(id(block), None)
             if block.fired:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(block.thread), None)
             return block.fired
 
     def _run(self) -> None:
-        with self._cond:
-            while True:
-                self._idle = not self._blocks
-                self._cond.wait(None if self._idle else self.TICK_S)
-                now = time.monotonic()
-                for block in self._blocks.values():
-                    if not block.fired and now >= block.deadline:
+        while True:
+            with self._lock:
+                idle = not self._blocks
+                if idle:
+                    self._wake.clear()
+            if idle:
+                self._wake.wait()
+                continue
+            time.sleep(self.TICK_S)
+            with self._lock:
+                for key, block in list(self._blocks.items()):
+                    if block.fired:
+                        # Interrupted, and its thread left the block without removing it
+                        # (the exception arrived in the block's own exit): forget it.
+                        if time.monotonic() > block.fired_at + 1.0:
+                            del self._blocks[key]
+                        continue
+                    try:
+                        spent = block.spent()
+                    except OSError:  # its thread is gone
+                        del self._blocks[key]
+                        continue
+                    if spent >= block.seconds_:
                         block.fired = True
+                        block.fired_at = time.monotonic()
                         self.fired += 1
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(
                             ctypes.c_ulong(block.thread),
@@ -538,24 +569,47 @@ def budgets_spent() -> int:
     return _watchdog.fired
 
 
+def _thread_clock() -> int | None:
+    """The CPU clock of the calling thread, or None where the platform has none."""
+    getter = getattr(time, "pthread_getcpuclockid", None)
+    if getter is None:
+        return None
+    try:
+        return int(getter(threading.get_ident()))
+    except (OSError, OverflowError):
+        return None
+
+
 class render_budget:  # noqa: N801 - used as a context manager, like a function
-    """Interrupts the block in the calling thread after ``seconds`` (None or <= 0: no
-    limit; checked every 50 ms) by raising ``RenderBudgetExceeded`` into it; the block is
-    plain Python (a template's compiled code), so it stops at its next instruction. A block
-    that ends first is never interrupted afterwards: a pending interruption is withdrawn
-    under the watchdog's lock."""
+    """Interrupts the block in the calling thread once it has spent ``seconds`` of its
+    thread's CPU time (wall-clock time where the platform gives no thread CPU clock; None or
+    <= 0: no limit; checked every 50 ms) by raising ``RenderBudgetExceeded`` into it; the
+    block is plain Python (a template's compiled code), so it stops at its next
+    instruction. A block that ends first is never interrupted afterwards: a pending
+    interruption is withdrawn under the watchdog's lock."""
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
-        self.deadline = 0.0
+        self.seconds_ = float(seconds or 0)
         self.thread = 0
         self.fired = False
+        self.fired_at = 0.0
+        self._clock: int | None = None
+        self._start = 0.0
         self._on = False
+
+    def spent(self) -> float:
+        """Seconds the block has spent so far (its thread's CPU, or wall-clock time)."""
+        if self._clock is not None:
+            return time.clock_gettime(self._clock) - self._start
+        return time.monotonic() - self._start
 
     def __enter__(self) -> render_budget:
         if self.seconds is not None and self.seconds > 0:
             self.thread = threading.get_ident()
-            self.deadline = time.monotonic() + self.seconds
+            self._clock = _thread_clock()
+            self._start = (time.clock_gettime(self._clock) if self._clock is not None
+                           else time.monotonic())
             self._on = True
             _watchdog.add(self)
         return self
