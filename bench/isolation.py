@@ -487,11 +487,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             embedded.stop_embedded_redis(Settings(data_dir=Path(tmp)))
     if any(w in REPLAY_FLOODS for w in workloads):
-        from trajstore.cli import default_concurrency
+        from workers.fair import default_replay_slots
 
         places = args.replay_places or Settings().replay_project_running
-        slots = args.replay_slots or default_concurrency(
-            Settings(replay_project_running=places), ["replay"])
+        slots = args.replay_slots or default_replay_slots(
+            Settings(replay_project_running=places))
         print(f"replay worker: {slots} slots, {places} places per project")
     if args.attacker_nice or args.api_workers != 1:
         print(f"attackers at nice {args.attacker_nice}; {args.api_workers} API processes")

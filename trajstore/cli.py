@@ -497,18 +497,15 @@ def default_concurrency(settings: Any, queues: list[str]) -> int:
     ``--concurrency``: ``rollout_groups`` with the rollout queue (its groups share one
     engine); ``replay_project_running + 1`` for the replay queue alone, so that a project
     holding all its replay places (a template rendering at its budget, a burst of
-    episodes) leaves one slot to the next project's episode, at most ``MAX_DEFAULT_REPLAY``
-    (a setting that turns the budget off, 100000, starts no more processes than that); 1
-    otherwise (a trainer holds a model)."""
+    episodes) leaves one slot to the next project's episode, at most 32
+    (``workers.fair.default_replay_slots``); 1 otherwise (a trainer holds a model)."""
+    from workers.fair import default_replay_slots
+
     if "rollout" in queues:
         return int(settings.rollout_groups)
     if list(queues) == ["replay"]:
-        return min(int(settings.replay_project_running) + 1, MAX_DEFAULT_REPLAY)
+        return default_replay_slots(settings)
     return 1
-
-
-#: Most replay processes a replay worker starts without ``--concurrency``.
-MAX_DEFAULT_REPLAY = 32
 
 
 @app.command()

@@ -54,9 +54,22 @@ from typing import Any, TypeVar
 from store.settings import Settings
 from workers import broker
 
-__all__ = ["KINDS", "RELEASE_GRACE_S", "REPLAY", "ROLLOUT", "Keys", "Kind", "admit", "finish",
-           "in_hand", "keys", "offer", "parked_count", "places_held", "release_stranded",
-           "send", "start", "take", "ticket_s", "within"]
+__all__ = ["KINDS", "MAX_DEFAULT_REPLAY", "RELEASE_GRACE_S", "REPLAY", "ROLLOUT", "Keys", "Kind",
+           "admit", "default_replay_slots", "finish", "in_hand", "keys", "offer",
+           "parked_count", "places_held", "release_stranded", "send", "start", "take",
+           "ticket_s", "within"]
+
+#: Most replay processes a replay worker starts without ``--concurrency``.
+MAX_DEFAULT_REPLAY = 32
+
+
+def default_replay_slots(settings: Any) -> int:
+    """The slots of a replay-only worker started without ``--concurrency``:
+    ``replay_project_running + 1``, so that a project holding all its replay places (a
+    template rendering at its budget, a burst of episodes) leaves one slot to the next
+    project's episode, at most ``MAX_DEFAULT_REPLAY`` (a setting that turns the budget off,
+    100000, starts no more processes than that)."""
+    return min(int(settings.replay_project_running) + 1, MAX_DEFAULT_REPLAY)
 
 log = logging.getLogger(__name__)
 

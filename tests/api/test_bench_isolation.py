@@ -21,7 +21,8 @@ def test_isolation_bench_runs_at_a_reduced_size(capsys: pytest.CaptureFixture[st
     fields = dict(part.split("=", 1) for part in last.removeprefix("RESULT ").split())
     assert set(fields) == {"victim_p99_ratio", "api_p99_ratio", "replay_p99_ratio",
                            "victim_errors", "refusals_413", "refusals_429", "refusals_422",
-                           "refusals_other", "accepted", "load_avg"}
+                           "refusals_other", "accepted", "attacker_nice", "api_workers",
+                           "load_avg"}
     assert float(fields["victim_p99_ratio"]) > 0
     assert set(result["ratios"]) == {"ingest", "query", "read", "gateway", "replay"}
     assert int(fields["victim_errors"]) == 0 == result["errors"]
