@@ -80,6 +80,12 @@ def test_a_flooding_projects_backlog_leaves_the_neighbours_episode_projected_ear
     flood_run, neighbour_run = project_run(store, "flood"), project_run(store, "neighbour")
     flood = [record(store, episode(qwen3, flood_run, i), f"flood{i}") for i in range(FLOOD)]
     neighbour = record(store, episode(qwen3, neighbour_run, 1000), "neighbour")
+    # The log is read up to the oldest transaction running on the server, this database's or
+    # another's: while another test's transactions hold part of the flood back, the follower
+    # would see the flood a slice at a time and replay a slice before the neighbour's
+    # episode is even readable. The test is of the budget, so it starts the worker once
+    # nothing is held back.
+    wait_for(lambda: not store.held_back(), what="the appended events readable")
     # Two places per project (so three worker slots, the default). The worker's follower of
     # the log starts after all of it finished: its first batch is the flood, then the
     # neighbour's.
