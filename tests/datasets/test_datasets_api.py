@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.derive_slots import DeriveSlots
+from api.derive_slots import DeriveSlots, derive_places
 from api.errors import ApiError
 from api.keys import KeyStore
 from store.datasets import record_trained_by
@@ -267,15 +267,19 @@ def test_one_project_derives_once_at_a_time_off_the_api_interpreter(api, qwen3,
 
 def test_derivation_places_and_processes(pg_url: str) -> None:
     """Every limit of ``DeriveSlots`` refuses with a 429 naming its setting, and gives its
-    place back when the derivation ends."""
-    slots = DeriveSlots(pg_url, per_project=1, processes=1)
+    place back when the derivation ends; the project's places are the ``ProjectPlaces`` it
+    is given."""
+    places = derive_places()
+    slots = DeriveSlots(pg_url, places=places, per_project=1, processes=1)
     try:
         with slots.slot("p1") as pool:
-            assert pool is not None and pool.jobs == 1
+            assert pool is not None and pool.jobs == 1 and places.running("p1") == 1
             with pytest.raises(ApiError, match="TRAJSTORE_API_DERIVE_PROJECT_RUNNING=1") as one:
                 with slots.slot("p1"):
                     pass
-            assert one.value.status == 429
+            assert one.value.status == 429 and one.value.headers == {"Retry-After": "5"}
+            assert "project 'p1'" in one.value.message
+            assert "trajstore dataset derive --jobs N" in one.value.message
             with pytest.raises(ApiError, match="TRAJSTORE_API_DERIVE_PROCESSES=1") as full:
                 with slots.slot("p2"):
                     pass
@@ -285,6 +289,6 @@ def test_derivation_places_and_processes(pg_url: str) -> None:
         assert slots.running("p1") == slots.running("p2") == 0
     finally:
         slots.close()
-    inline = DeriveSlots(pg_url, per_project=2, processes=0)
+    inline = DeriveSlots(pg_url, places=derive_places(), per_project=2, processes=0)
     with inline.slot("p1") as none, inline.slot("p1") as still_none:
         assert none is None and still_none is None and inline.running("p1") == 2
