@@ -66,10 +66,15 @@ def test_derive_read_compare_and_delete_over_rest(api, qwen3) -> None:
     assert first.status_code == 201, first.text
     made = first.json()
     assert made["version"] == 1 and made["created"] is True and made["rows"] > 0
+    # Nothing projected: every episode replays (as the command line reports it).
+    assert made["from_projection"] == 0 and made["replayed"] == 6, made
+    project_episodes(store, list(run.episodes.values()))
     again = client.post("/v1/datasets", json=body, headers=project.headers("admin"))
     assert again.status_code == 200
     assert again.json()["content_hash"] == made["content_hash"]
     assert again.json()["created"] is False
+    # The five finished episodes' samples from their projection, the same version.
+    assert again.json()["from_projection"] == 5 and again.json()["replayed"] == 1
 
     second = client.post("/v1/datasets", json={**body, "rules": {
         "negatives": {"reward": -0.25}, "advantage": {"kind": "grpo"}}},
@@ -82,6 +87,7 @@ def test_derive_read_compare_and_delete_over_rest(api, qwen3) -> None:
     assert client.get(f"/v1/datasets/{name}", headers=other.headers("read")).status_code == 404
     shown = client.get(f"/v1/datasets/{name}/versions/2", headers=project.headers("read"))
     assert shown.json()["rules"]["negatives"]["reward"] == -0.25
+    assert shown.json()["from_projection"] is None and shown.json()["replayed"] is None
     rows = client.get(f"/v1/datasets/{name}/versions/2/rows?limit=2",
                       headers=project.headers("read")).json()
     assert len(rows["rows"]) == 2 and rows["next_offset"] == 2
