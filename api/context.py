@@ -68,10 +68,11 @@ class ApiContext:
         """The budget and the processes of dataset derivations over REST (``api.derive_slots``)."""
         with _DERIVES_LOCK:  # one budget per process, however many requests ask first
             if self._derives is None:
-                from api.derive_slots import DeriveSlots
+                from api.derive_slots import DeriveSlots, derive_places
 
                 self._derives = DeriveSlots(
-                    self.store.db.url, per_project=self.settings.api_derive_project_running,
+                    self.store.db.url, places=derive_places(),
+                    per_project=self.settings.api_derive_project_running,
                     processes=self.settings.api_derive_processes)
             return self._derives
 

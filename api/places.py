@@ -1,6 +1,7 @@
 """Places per project: a bounded number of requests of one kind in progress at once for each
 project in one API process (``ProjectPlaces``), for the requests that hold a thread or a child
-process for long (OTLP exports being decoded, exports being streamed)."""
+process for long (OTLP exports being decoded, exports being streamed, datasets being
+derived)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ class ProjectPlaces:
     progress in one API process, at most ``limit`` (the value of ``setting``) at once: one
     more is answered 429 naming the setting, with ``Retry-After``. A project flooding such
     requests then holds at most that many of the process's threads (or child processes) for
-    them, and another project's request finds one free."""
+    them, and another project's request finds one free. ``advice`` ends the refusal's
+    message (default: retry after one answers)."""
 
-    def __init__(self, what: str, setting: str, *, retry_after_s: int = 1) -> None:
+    def __init__(self, what: str, setting: str, *, retry_after_s: int = 1,
+                 advice: str = "retry after one answers") -> None:
         self.what = what
         self.setting = setting
         self.retry_after_s = retry_after_s
+        self.advice = advice
         self._lock = threading.Lock()
         self._running: Counter[str] = Counter()
 
@@ -40,8 +44,8 @@ class ProjectPlaces:
             if self._running[project] >= limit:
                 raise ApiError(
                     429, "too_many_requests",
-                    f"this project has {limit} {self.what} in progress already, the limit "
-                    f"(setting {self.setting}); retry after one answers",
+                    f"project {project!r} has {limit} {self.what} in progress in this API "
+                    f"process already, the limit ({self.setting}={limit}); {self.advice}",
                     headers={"Retry-After": str(self.retry_after_s)}, refused_by_limit=True)
             self._running[project] += 1
         given_back = False

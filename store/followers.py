@@ -21,7 +21,8 @@ from store.eventlog import EventStore
 from store.rows import LogPosition, safe_data
 
 __all__ = ["NO_REPLAY", "REPLAY_FOLLOWER", "ReplayDue", "due_replays", "leader_present",
-           "leadership", "load_cursor", "not_projected", "save_cursor", "unprojected_replays"]
+           "leadership", "load_cursor", "not_projected", "save_cursor", "unprojected_page",
+           "unprojected_replays"]
 
 #: The follower that queues (or runs) the replay of every finished episode: the replay
 #: workers' dispatcher, and ``trajstore serve``'s own unless it runs with ``--no-replay``.
@@ -167,16 +168,28 @@ def unprojected_replays(store: EventStore, limit: int = 200) -> list[ReplayDue]:
     """Up to ``limit`` finished episodes whose projection is missing or older than their last
     event, oldest finish first (``Projections.finished_unprojected``), each with its last
     version and its project: what the sweep projects when no replay of it is on its way."""
+    return unprojected_page(store, limit)[0]
+
+
+def unprojected_page(store: EventStore, limit: int = 200, *, after: int | None = None
+                     ) -> tuple[list[ReplayDue], int | None]:
+    """:func:`unprojected_replays` whose ``episode_finished`` lies past log position ``after``
+    (None: from the start), and the position to pass as ``after`` for the next page (None
+    when this page is the last: fewer than ``limit`` found). Paging on from page to page reads
+    every finished episode once. ValueError for a ``limit`` below 1."""
+    if limit < 1:
+        raise ValueError(f"a page holds at least one episode, got limit={limit}")
     with store.db.connection() as conn:
         rows = conn.execute(
-            f"SELECT u.e, u.v, {_PROJECT} FROM ("
+            f"SELECT u.e, u.v, {_PROJECT}, u.n FROM ("
             "  SELECT f.stream_id AS e, f.position AS n,"
             "         (SELECT max(l.stream_version) FROM events l"
             "           WHERE l.stream_id = f.stream_id) AS v,"
             "         p.projected_version AS pv"
             "    FROM events f LEFT JOIN episodes p ON p.episode_id = f.stream_id"
-            "   WHERE f.type = 'episode_finished') u"
+            "   WHERE f.type = 'episode_finished' AND f.position > %s) u"
             " WHERE u.pv IS NULL OR u.pv < u.v"
             " ORDER BY u.n LIMIT %s",
-            (limit,)).fetchall()
-    return [ReplayDue(r[0], int(r[1]), str(r[2])) for r in rows]
+            (-1 if after is None else after, limit)).fetchall()
+    due = [ReplayDue(r[0], int(r[1]), str(r[2])) for r in rows]
+    return due, (int(rows[-1][3]) if len(rows) == limit else None)

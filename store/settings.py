@@ -415,7 +415,9 @@ class Settings(BaseSettings):
         "replay_project_running places). A finished episode past them is not parked: the "
         "periodic sweep, which finds every finished, unprojected episode in PostgreSQL, "
         "offers it to the budget again (every TRAJSTORE_SWEEP_INTERVAL_S), so the Redis "
-        "list of a flooding project stays bounded and no episode is lost or refused.",
+        "list of a flooding project stays bounded and no episode is lost or refused. Also "
+        "the most replays of one project queued in trajstore serve's own replay, whose "
+        "next pass over PostgreSQL finds an episode past them.",
     )
     rollout_wait_s: float = Field(
         default=900.0,

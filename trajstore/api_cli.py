@@ -72,13 +72,14 @@ def serve(
 
 
 def _start_replay(settings: Any) -> None:
-    """Run a copy of the replay follower in this process, projecting episodes here
-    (``workers.replay.jobs.dispatch.project_here``). When replay cannot run here (its
-    packages are not installed), say so loudly and serve anyway."""
+    """Run a copy of the replay follower in this process, projecting episodes here on one
+    thread, a replay of each project in turn (``workers.replay.jobs.dispatch.replay_here``).
+    When replay cannot run here (its packages are not installed), say so loudly and serve
+    anyway."""
     from store.followers import NO_REPLAY
 
     try:
-        from workers.replay.jobs.dispatch import project_here, start_dispatcher
+        from workers.replay.jobs.dispatch import replay_here
         from workers.replay.jobs.project import project_episode  # noqa: F401 - its imports
     except ImportError as exc:
         typer.secho(f"WARNING: this process cannot replay ({exc}): {NO_REPLAY}", err=True,
@@ -86,7 +87,7 @@ def _start_replay(settings: Any) -> None:
         return
     from store.eventlog import EventStore
 
-    start_dispatcher(lambda: EventStore.open(settings), send=project_here)
+    replay_here(lambda: EventStore.open(settings), settings)
     typer.echo("replay: finished episodes are replayed in this process unless a replay "
                "worker leads (--no-replay leaves it to the workers)", err=True)
 

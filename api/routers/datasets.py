@@ -37,12 +37,14 @@ DatasetName = Annotated[str, Path(min_length=1, max_length=100,
 Version = Annotated[int, Path(ge=1, le=2_147_483_647)]
 
 
-def dataset_out(v: DatasetVersion, *, created: bool | None = None) -> DatasetOut:
+def dataset_out(v: DatasetVersion, *, created: bool | None = None,
+                from_projection: int | None = None, replayed: int | None = None
+                ) -> DatasetOut:
     return DatasetOut(name=v.name, version=v.version, project=v.project,
                       content_hash=v.content_hash, rules=v.rules, run_ids=v.run_ids,
                       code_version=v.code_version, rows=v.num_rows, episodes=v.num_episodes,
                       excluded=v.excluded, created_at=v.created_at, trained_by=v.trained_by,
-                      created=created)
+                      created=created, from_projection=from_projection, replayed=replayed)
 
 
 def _found(ctx: ApiContext, project: str, name: str, version: int) -> DatasetVersion:
@@ -70,7 +72,9 @@ def _reward_module_allowed(function: str, allowed: str) -> bool:
 def derive(body: DatasetDerive, key: IngestKey, ctx: Ctx, response: Response) -> DatasetOut:
     """Derive a version of dataset ``name`` from the episodes of ``runs`` under ``rules``,
     by replaying their events (no model is called). 201 with a new version; 200 with the
-    existing one when the name already holds a version of the same content hash. 404 for an
+    existing one when the name already holds a version of the same content hash; either way
+    ``from_projection`` and ``replayed`` say how many of the runs' episodes took their
+    samples from their projection and how many were replayed. 404 for an
     unknown run, 403 for another project's or for a reward function whose module the
     server's ``api_dataset_reward_modules`` does not name; 422 naming the field for a bad
     rule, a reward function that cannot be imported, that raises or returns no finite
@@ -100,7 +104,8 @@ def derive(body: DatasetDerive, key: IngestKey, ctx: Ctx, response: Response) ->
         raise ApiError(422, "invalid_request", exc.reason, field=field) from None
     if not made.created:
         response.status_code = 200
-    return dataset_out(made.version, created=made.created)
+    return dataset_out(made.version, created=made.created,
+                       from_projection=made.from_projection, replayed=made.replayed)
 
 
 @router.get("", response_model=DatasetList)

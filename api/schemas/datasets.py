@@ -27,7 +27,10 @@ class DatasetDerive(BaseModel):
 
 class DatasetOut(BaseModel):
     """One version of a dataset. ``created``: on a derive, False when the name already held
-    a version of the same content hash (nothing was written)."""
+    a version of the same content hash (nothing was written). ``from_projection`` and
+    ``replayed``: on a derive, how many of the runs' episodes took their samples from their
+    current projection and how many were read from their events whole (replayed unless
+    left out before replay); null elsewhere."""
 
     name: str
     version: int
@@ -44,6 +47,12 @@ class DatasetOut(BaseModel):
     trained_by: list[dict[str, Any]] = Field(
         default_factory=list, description="Training steps that trained this version.")
     created: bool | None = None
+    from_projection: int | None = Field(
+        default=None, description="On a derive: episodes whose samples were taken from "
+        "their current projection.")
+    replayed: int | None = Field(
+        default=None, description="On a derive: episodes read from their events whole "
+        "(replayed unless left out before replay).")
 
 
 class DatasetList(BaseModel):

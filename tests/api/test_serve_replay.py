@@ -1,4 +1,5 @@
-"""``trajstore serve`` alone replays what it ingests; with ``--no-replay`` and no replay
+"""``trajstore serve`` alone replays what it ingests, a replay of each project in turn, and
+after a restart what it had queued when it died; with ``--no-replay`` and no replay
 worker it says so loudly at start and in ``/ready``. Real ``trajstore serve`` processes on a
 database of their own (a replay follower reads the whole log it is given), episodes sent over
 REST, rendered with the real Qwen3 chat template."""
@@ -6,6 +7,7 @@ REST, rendered with the real Qwen3 chat template."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import uuid
@@ -17,8 +19,10 @@ import pytest
 
 from api.keys import KeyStore
 from store.db import Database
-from store.events import Event
+from store.eventlog import NO_STREAM, EventStore, run_stream_id
+from store.events import Event, RunConfig, RunCreated
 from store.followers import NO_REPLAY
+from store.projections import Projections
 from store.settings import Settings
 from tests.api.episodes import episode_events
 from tests.servers import ServerProcess, free_port
@@ -30,11 +34,12 @@ def own_db(migrated_db: str) -> str:
     return migrated_db
 
 
-def _serve(url: str, tmp_path: Path, *flags: str) -> ServerProcess:
+def _serve(url: str, tmp_path: Path, *flags: str, env_add: dict[str, str] | None = None
+           ) -> ServerProcess:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
     env.update(TRAJSTORE_DATABASE_URL=url, TRAJSTORE_DATA_DIR=str(tmp_path),
-               TRAJSTORE_API_KEY_SCRYPT_N="1024")
+               TRAJSTORE_API_KEY_SCRYPT_N="1024", **(env_add or {}))
     return ServerProcess([sys.executable, "-m", "trajstore", "serve", "--host", "127.0.0.1",
                           "--port", str(port), *flags], port=port,
                          log=tmp_path / f"serve-{port}.log", env=env)
@@ -114,3 +119,130 @@ def test_no_replay_and_no_worker_is_said_at_start_and_in_ready(own_db: str,
         assert ready["warnings"] == [NO_REPLAY]
         assert "trajstore worker --queues replay" in NO_REPLAY
     assert f"WARNING: {NO_REPLAY}" in server.log_path.read_text()
+
+
+# --- fairness between projects (workers.replay.jobs.inprocess) ---------------------------
+
+def _store(url: str, tmp_path: Path) -> EventStore:
+    return EventStore(Database(url, max_size=2), Settings(database_url=url, data_dir=tmp_path))
+
+
+def _project_run(store: EventStore, project: str) -> str:
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project=project,
+                                                    config=RunConfig(tokenizer="qwen3"))],
+                 NO_STREAM)
+    return run_id
+
+
+def _record(store: EventStore, tokenizer: Any, run_id: str, seed: int) -> str:
+    episode = f"ep-{seed}-{uuid.uuid4().hex[:8]}"
+    store.append(episode, episode_events(tokenizer, run_id=run_id, group_id="g0", a=seed,
+                                         b=1, reward=1.0), NO_STREAM)
+    return episode
+
+
+def _projected_at(store: EventStore, episodes: list[str]) -> dict[str, Any]:
+    with store.db.connection() as conn:
+        return dict(conn.execute("SELECT episode_id, projected_at FROM episodes"
+                                 " WHERE episode_id = ANY(%s) AND projected_version IS NOT NULL",
+                                 (episodes,)).fetchall())
+
+
+def _written_once(store: EventStore, episodes: list[str]) -> None:
+    """Every episode projected at its last version, with its one sample (a second write
+    would have doubled it)."""
+    with store.db.connection() as conn:
+        samples = dict(conn.execute("SELECT episode_id, count(*) FROM samples"
+                                    " WHERE episode_id = ANY(%s) GROUP BY episode_id",
+                                    (episodes,)).fetchall())
+    assert samples == dict.fromkeys(episodes, 1), samples
+    projections = Projections(store)
+    assert all(projections.projected_version(e) == store.stream_version(e) for e in episodes)
+
+
+def _wait(predicate: Any, server: ServerProcess, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: " \
+                                            f"{server.log_tail()}"
+        time.sleep(0.25)
+
+
+def _following(server: ServerProcess) -> None:
+    _wait(lambda: httpx.get(f"{server.url}/ready").json()["replay"] == "following", server,
+          "the replay follower to lead", timeout=60)
+
+
+FLOOD = 30
+
+
+@pytest.mark.timeout(600)
+def test_serve_replays_a_neighbours_episode_before_a_flooding_projects_backlog(
+        own_db: str, tmp_path: Path) -> None:
+    """A project finishes 30 episodes, then another project one: the server's replay takes
+    the projects in turn, so at most a couple of the flood's replays go after the
+    neighbour's episode arrived and before it (in log order all 30 would), and every episode
+    of both is projected once. Each replay sleeps a little in its transaction, so the
+    flood's backlog is still there when the neighbour's episode comes."""
+    from workers.engines.tokenizers import load_tokenizer
+
+    qwen3 = load_tokenizer("qwen3")
+    store = _store(own_db, tmp_path)
+    try:
+        flood_run, neighbour_run = _project_run(store, "flood"), _project_run(store, "neighbour")
+        with _serve(own_db, tmp_path, env_add={"TRAJSTORE_FAULT_REPLAY_DELAY_S": "0.2"}
+                    ) as server:
+            _following(server)
+            flood = [_record(store, qwen3, flood_run, i) for i in range(FLOOD)]
+            neighbour = _record(store, qwen3, neighbour_run, 1000)
+            with store.db.connection() as conn:
+                row = conn.execute("SELECT clock_timestamp()").fetchone()
+            assert row is not None
+            appended = row[0]
+            _wait(lambda: neighbour in _projected_at(store, [neighbour]), server,
+                  "the neighbour's episode")
+            at = _projected_at(store, [neighbour])[neighbour]
+            before = [t for t in _projected_at(store, flood).values() if t < at]
+            after_append = [t for t in before if t >= appended]
+            assert len(after_append) <= 2, f"{len(after_append)} of the flood's replays went " \
+                                           "first after the neighbour's episode arrived"
+            assert len(before) < FLOOD, "the flood's backlog was all replayed first"
+            _wait(lambda: len(_projected_at(store, flood)) == FLOOD, server,
+                  "the flood's backlog")
+            _written_once(store, [*flood, neighbour])
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(600)
+def test_episodes_queued_in_a_server_killed_before_their_replay_are_replayed_after_a_restart(
+        own_db: str, tmp_path: Path) -> None:
+    """The follower saves its position once a batch is queued in the process, not once it
+    is projected: a server killed with replays queued leaves them to the next server's pass
+    over PostgreSQL's unprojected episodes (no sweep runs beside a lone server), and every
+    episode is projected, once."""
+    from store.followers import REPLAY_FOLLOWER, load_cursor
+    from workers.engines.tokenizers import load_tokenizer
+
+    qwen3 = load_tokenizer("qwen3")
+    store = _store(own_db, tmp_path)
+    try:
+        run_id = _project_run(store, "flood")
+        slow = _serve(own_db, tmp_path, env_add={"TRAJSTORE_FAULT_REPLAY_DELAY_S": "2"})
+        with slow:
+            _following(slow)
+            episodes = [_record(store, qwen3, run_id, i) for i in range(8)]
+            last = store.get_episode(episodes[-1])[-1].log_position
+            _wait(lambda: (c := load_cursor(store, REPLAY_FOLLOWER)) is not None and c >= last,
+                  slow, "the follower to queue every episode")
+            assert len(_projected_at(store, episodes)) < len(episodes)
+            assert slow.proc is not None
+            os.killpg(slow.proc.pid, signal.SIGKILL)
+            slow.proc.wait(timeout=30)
+        with _serve(own_db, tmp_path) as server:
+            _wait(lambda: len(_projected_at(store, episodes)) == len(episodes), server,
+                  "the episodes the killed server had queued")
+            _written_once(store, episodes)
+    finally:
+        store.close()

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.derive_slots import DeriveSlots
+from api.derive_slots import DeriveSlots, derive_places
 from api.errors import ApiError
 from api.keys import KeyStore
 from store.datasets import record_trained_by
@@ -66,10 +66,15 @@ def test_derive_read_compare_and_delete_over_rest(api, qwen3) -> None:
     assert first.status_code == 201, first.text
     made = first.json()
     assert made["version"] == 1 and made["created"] is True and made["rows"] > 0
+    # Nothing projected: every episode replays (as the command line reports it).
+    assert made["from_projection"] == 0 and made["replayed"] == 6, made
+    project_episodes(store, list(run.episodes.values()))
     again = client.post("/v1/datasets", json=body, headers=project.headers("admin"))
     assert again.status_code == 200
     assert again.json()["content_hash"] == made["content_hash"]
     assert again.json()["created"] is False
+    # The five finished episodes' samples from their projection, the same version.
+    assert again.json()["from_projection"] == 5 and again.json()["replayed"] == 1
 
     second = client.post("/v1/datasets", json={**body, "rules": {
         "negatives": {"reward": -0.25}, "advantage": {"kind": "grpo"}}},
@@ -82,6 +87,7 @@ def test_derive_read_compare_and_delete_over_rest(api, qwen3) -> None:
     assert client.get(f"/v1/datasets/{name}", headers=other.headers("read")).status_code == 404
     shown = client.get(f"/v1/datasets/{name}/versions/2", headers=project.headers("read"))
     assert shown.json()["rules"]["negatives"]["reward"] == -0.25
+    assert shown.json()["from_projection"] is None and shown.json()["replayed"] is None
     rows = client.get(f"/v1/datasets/{name}/versions/2/rows?limit=2",
                       headers=project.headers("read")).json()
     assert len(rows["rows"]) == 2 and rows["next_offset"] == 2
@@ -267,15 +273,19 @@ def test_one_project_derives_once_at_a_time_off_the_api_interpreter(api, qwen3,
 
 def test_derivation_places_and_processes(pg_url: str) -> None:
     """Every limit of ``DeriveSlots`` refuses with a 429 naming its setting, and gives its
-    place back when the derivation ends."""
-    slots = DeriveSlots(pg_url, per_project=1, processes=1)
+    place back when the derivation ends; the project's places are the ``ProjectPlaces`` it
+    is given."""
+    places = derive_places()
+    slots = DeriveSlots(pg_url, places=places, per_project=1, processes=1)
     try:
         with slots.slot("p1") as pool:
-            assert pool is not None and pool.jobs == 1
+            assert pool is not None and pool.jobs == 1 and places.running("p1") == 1
             with pytest.raises(ApiError, match="TRAJSTORE_API_DERIVE_PROJECT_RUNNING=1") as one:
                 with slots.slot("p1"):
                     pass
-            assert one.value.status == 429
+            assert one.value.status == 429 and one.value.headers == {"Retry-After": "5"}
+            assert "project 'p1'" in one.value.message
+            assert "trajstore dataset derive --jobs N" in one.value.message
             with pytest.raises(ApiError, match="TRAJSTORE_API_DERIVE_PROCESSES=1") as full:
                 with slots.slot("p2"):
                     pass
@@ -285,6 +295,6 @@ def test_derivation_places_and_processes(pg_url: str) -> None:
         assert slots.running("p1") == slots.running("p2") == 0
     finally:
         slots.close()
-    inline = DeriveSlots(pg_url, per_project=2, processes=0)
+    inline = DeriveSlots(pg_url, places=derive_places(), per_project=2, processes=0)
     with inline.slot("p1") as none, inline.slot("p1") as still_none:
         assert none is None and still_none is None and inline.running("p1") == 2
