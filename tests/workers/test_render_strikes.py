@@ -25,8 +25,8 @@ import pytest
 from store.eventlog import NO_STREAM, EventStore, run_stream_id
 from store.events import Event, RunConfig, RunCreated
 from store.settings import get_settings
-from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.replay.replay_episodes import SEARCH_TOOL, Script, tool_call
+from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.workers.conftest import wait_for
 from tests.workers.test_replay_budget import BUSY, episode, record
 from tests.workers.test_replay_dispatch import project_run

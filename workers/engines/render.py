@@ -741,11 +741,19 @@ class _IdleThread:
                 job.done.set()
             del job
 
+    def usable(self) -> bool:
+        """Whether the thread can take a render: it runs, in this process."""
+        return self.pid == os.getpid() and self.thread.is_alive()
+
     def run(self, call: Callable[[], Any]) -> Any:
-        """``call()`` on the render thread; its value, or its exception raised here."""
+        """``call()`` on the render thread; its value, or its exception raised here
+        (RuntimeError if the thread stopped before it answered)."""
         job = _Job(call)
         self._jobs.put(job)
-        job.done.wait()  # releases the interpreter lock while the render runs
+        # Waiting releases the interpreter lock while the render runs.
+        while not job.done.wait(1.0):
+            if not self.thread.is_alive():
+                raise RuntimeError("the idle render thread stopped")
         if job.error is not None:
             try:
                 raise job.error
@@ -792,7 +800,7 @@ def isolate_struck_renders(on: bool = True) -> bool:
         if not on:
             _isolation = None
             return False
-        if _isolation is not None and _isolation.pid == os.getpid():
+        if _isolation is not None and _isolation.usable():
             return True
         _watchdog.start()
         thread = _IdleThread()
@@ -920,6 +928,20 @@ class ChatRenderer:
         strike_s = self.strike_s
         if strike_s <= 0:
             return self._render(messages, tools, generation_prompt, clock)
+        try:
+            if isolation is not None and isolation.usable() \
+                    and _struck(self._key(), strike_s):
+                with _strikes_lock:
+                    _isolated += 1
+                return isolation.run(
+                    lambda: self._render(messages, tools, generation_prompt, clock))
+            return self._render(messages, tools, generation_prompt, clock)
+        except RenderBudgetExceeded:
+            _strike(self._key(), strike_s)
+            raise
+
+    def _key(self) -> str:
+        """What this renderer's strikes are remembered by: its owner, else its template."""
         key = self._owner_key
         if key is None:
             template = self.chat_template
@@ -927,17 +949,7 @@ class ChatRenderer:
                 template = repr(getattr(self.tokenizer, "chat_template", None))
             digest = hashlib.sha256(template.encode("utf-8", "surrogatepass")).hexdigest()
             key = self._owner_key = f"template {digest[:16]}"
-        try:
-            if isolation is not None and isolation.pid == os.getpid() \
-                    and _struck(key, strike_s):
-                with _strikes_lock:
-                    _isolated += 1
-                return isolation.run(
-                    lambda: self._render(messages, tools, generation_prompt, clock))
-            return self._render(messages, tools, generation_prompt, clock)
-        except RenderBudgetExceeded:
-            _strike(key, strike_s)
-            raise
+        return key
 
     def _render(self, messages: Sequence[Mapping[str, Any]],
                 tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool,
