@@ -227,6 +227,13 @@ class Settings(BaseSettings):
         "counted); past it the episode is invalid (replay) or the request 422 (timelines). "
         "0: no limit.",
     )
+    render_strike_s: float = Field(
+        default=600.0, ge=0, le=86400, allow_inf_nan=False,
+        description="Seconds after a project's last chat template render past "
+        "render_budget_s during which a replay worker process renders that project's "
+        "templates on a thread at the lowest CPU priority (nice 19), so that its renders "
+        "take only the CPU other projects' replays leave; same budget. 0: off.",
+    )
     fault_replay_delay_s: float = Field(
         default=0.0,
         ge=0,

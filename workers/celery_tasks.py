@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
 from store.errors import TransientError
 from store.eventlog import EventStore
@@ -36,6 +36,20 @@ def _start_replay_dispatcher(sender: Any = None, **_: Any) -> None:
 def _stop_replay_dispatcher(**_: Any) -> None:
     if _dispatcher is not None:
         _dispatcher.set()
+
+@worker_process_init.connect
+def _isolate_struck_renders(**_: Any) -> None:
+    """A pool process of a worker on the ``replay`` queue renders the templates of projects
+    whose renders ran past their budget lately on a thread at the lowest CPU priority
+    (``workers.engines.render.isolate_struck_renders``). Celery sends this signal in the
+    processes of the prefork pool only: a worker of threads (a replay and rollout worker)
+    keeps every render in its caller's thread, as the API process does."""
+    if not app.conf.get("trajstore_replay_dispatch"):
+        return
+    from workers.engines.render import isolate_struck_renders
+
+    isolate_struck_renders()
+
 
 _store: EventStore | None = None
 _lock = threading.Lock()

@@ -41,6 +41,20 @@ it is (``RenderBudgetExceeded`` is raised into the rendering thread, between two
 instructions of the template's compiled code) and the error names the limit and its
 setting; replay records the episode ``invalid`` with it, the timelines route answers 422.
 
+Struck owners render at idle priority. A render past its budget strikes its owner in the
+process (``ChatRenderer(owner=...)``: replay passes the run's project; without an owner the
+template's source stands for it). For ``RENDER_STRIKE_S`` (default 600 s; 0: off) after the
+owner's last strike, in a process that called :func:`isolate_struck_renders` (a replay
+worker's pool process, never the API's), the owner's renders run on the process's render
+thread, whose CPU priority was lowered once to nice 19, while the caller waits for the
+result: the same code under the same budget of the rendering thread's CPU, so the same text
+or the same exception (a template error, ``RenderBudgetExceeded``), and a niced render is
+charged only for the CPU it got. A project that floods episodes of a template that loops
+for ever then spends its budgets on the CPU other projects' replays leave, instead of
+taking a core from them for each episode; its ordinary episodes replay as before, at that
+priority. Where the thread's priority cannot be lowered (not Linux, not permitted) every
+render runs in its caller's thread, as without isolation.
+
 A template's first ``CHECKED`` renders in a process are compared with
 ``apply_chat_template``'s; a template whose render differs once (a transformers version that
 sets up its environment or its inputs differently) is rendered by ``apply_chat_template`` from
@@ -50,7 +64,11 @@ then on, as is every template when transformers' compiled environment cannot be 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import logging
 import marshal
+import os
+import queue
 import threading
 import time
 import types
@@ -62,7 +80,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from workers.engines.content_tokens import check_content
 
-__all__ = ["ChatRenderer", "RenderBudgetExceeded", "prompt_ids", "render_budget"]
+__all__ = ["ChatRenderer", "RenderBudgetExceeded", "budgets_spent", "is_struck",
+           "isolate_struck_renders", "isolated_renders", "isolation_thread", "prompt_ids",
+           "render_budget"]
+
+log = logging.getLogger(__name__)
 
 #: Exact types whose instances have no attributes of their own: an attribute the type lacks
 #: is looked up as an item straight away (what the sandbox does after its getattr fails);
@@ -519,6 +541,17 @@ class _Watchdog:
             self._thread.start()
         self._wake.set()
 
+    def start(self) -> None:
+        """Starts the watchdog's thread now, from the calling thread (a thread takes the CPU
+        priority of the thread that starts it: the idle render thread must not), or again
+        in a process forked after it started (its thread is not in the child)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self._run, name="render-budget",
+                                            daemon=True)
+            self._thread.start()
+
     def remove(self, block: render_budget) -> bool:
         """Forgets ``block``; whether it was interrupted (a pending interruption is
         withdrawn, so it is never raised after the block)."""
@@ -625,19 +658,208 @@ def _default_budget() -> float:
     return float(get_settings().render_budget_s)
 
 
+def _default_strike() -> float:
+    from store.settings import get_settings
+
+    return float(get_settings().render_strike_s)
+
+
+#: Owner key -> ``time.monotonic()`` of its last render past the budget in this process.
+_strikes: dict[str, float] = {}
+_strikes_lock = threading.Lock()
+
+
+def _strike(key: str, strike_s: float) -> None:
+    """Remember that ``key``'s render ran past its budget now (forgetting strikes older than
+    ``strike_s``, so the table holds only the owners struck lately)."""
+    now = time.monotonic()
+    with _strikes_lock:
+        first = key not in _strikes
+        for old in [k for k, at in _strikes.items() if now - at >= strike_s]:
+            del _strikes[old]
+        _strikes[key] = now
+    if first and _isolation is not None:
+        log.warning("%s: a chat template ran past its render budget; its renders run at idle "
+                    "priority for %g s (TRAJSTORE_RENDER_STRIKE_S)", key, strike_s)
+
+
+def _struck(key: str, strike_s: float) -> bool:
+    """Whether ``key`` struck within the last ``strike_s`` seconds (an older strike is
+    forgotten here)."""
+    with _strikes_lock:
+        at = _strikes.get(key)
+        if at is None:
+            return False
+        if time.monotonic() - at < strike_s:
+            return True
+        del _strikes[key]
+        return False
+
+
+def is_struck(owner: str, strike_s: float | None = None) -> bool:
+    """Whether renders of ``owner`` (a project id as replay passes it) ran past the budget
+    within the last ``strike_s`` seconds (None: ``RENDER_STRIKE_S``) in this process. An
+    owner never struck, or struck longer ago, is not."""
+    return _struck(f"project {owner}", _default_strike() if strike_s is None else strike_s)
+
+
+class _IdleThread:
+    """The process's render thread at nice 19: runs one render at a time for callers that
+    wait for it (``run``)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self.pid = os.getpid()
+        #: The thread's id for the kernel (what ``os.getpriority`` takes), once it runs.
+        self.native_id = 0
+        self.niced = False
+        self.error = ""
+        self.thread = threading.Thread(target=self._run, name="render-idle", daemon=True)
+        self.thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        self.native_id = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.native_id, 19)
+            self.niced = os.getpriority(os.PRIO_PROCESS, self.native_id) == 19
+            if not self.niced:
+                self.error = "its priority did not change"
+        except (AttributeError, OSError) as exc:  # not Linux, or not permitted
+            self.error = f"{type(exc).__name__}: {exc}"
+        self._ready.set()
+        if not self.niced:
+            return
+        while True:
+            job = self._jobs.get()
+            try:
+                job.result = job.call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+                job.error = exc
+            finally:
+                job.done.set()
+            del job
+
+    def usable(self) -> bool:
+        """Whether the thread can take a render: it runs, in this process."""
+        return self.pid == os.getpid() and self.thread.is_alive()
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on the render thread; its value, or its exception raised here
+        (RuntimeError if the thread stopped before it answered)."""
+        job = _Job(call)
+        self._jobs.put(job)
+        # Waiting releases the interpreter lock while the render runs.
+        while not job.done.wait(1.0):
+            if not self.thread.is_alive():
+                raise RuntimeError("the idle render thread stopped")
+        if job.error is not None:
+            try:
+                raise job.error
+            finally:
+                job.error = None
+        return job.result
+
+
+class _Job:
+    __slots__ = ("call", "done", "error", "result")
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+#: The idle render thread of a process that isolates struck renders (None: every render
+#: runs in its caller's thread).
+_isolation: _IdleThread | None = None
+_isolation_lock = threading.Lock()
+_isolated = 0
+
+
+def isolate_struck_renders(on: bool = True) -> bool:
+    """From now on, in this process, render the templates of struck owners (module
+    docstring) on a render thread of the process at nice 19, the lowest CPU priority,
+    started here; ``on=False`` renders every template in its caller's thread again. Returns
+    whether isolation is on: False where the thread's priority cannot be lowered (not Linux,
+    not permitted), and every render then runs in its caller's thread as before.
+
+    Call it in a replay worker's pool process only (``workers.celery_tasks`` does, for
+    prefork children of a worker on the ``replay`` queue), never in the API process
+    (``trajstore serve``) nor a worker of threads: a niced thread that holds the interpreter
+    lock while the kernel leaves it off the CPU (the machine busy with everyone else's
+    work, which is when it matters) would stall every other thread of the process behind
+    it, the API's request threads with it (priority inversion). In a replay worker's pool
+    process the caller waits for the render anyway, and the only other thread is the
+    budget's watchdog. The render thread does not survive a fork: a child calls this
+    again."""
+    global _isolation
+    with _isolation_lock:
+        if not on:
+            _isolation = None
+            return False
+        if _isolation is not None and _isolation.usable():
+            return True
+        _watchdog.start()
+        thread = _IdleThread()
+        if not thread.niced:
+            _isolation = None
+            log.warning("struck renders are not isolated: the render thread's priority "
+                        "could not be lowered (%s)", thread.error)
+            return False
+        _isolation = thread
+    log.info("renders of templates past their budget run at nice 19 on thread %d for "
+             "TRAJSTORE_RENDER_STRIKE_S", thread.native_id)
+    return True
+
+
+def _forget_isolation_after_fork() -> None:
+    global _isolation, _isolation_lock
+    _isolation = None
+    _isolation_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_isolation_after_fork)
+
+
+def isolated_renders() -> int:
+    """How many renders this process has run on its idle render thread so far."""
+    return _isolated
+
+
+def isolation_thread() -> int | None:
+    """The kernel's id of this process's idle render thread (``os.getpriority(
+    os.PRIO_PROCESS, id)`` is its nice value), or None when isolation is off."""
+    found = _isolation
+    return found.native_id if found is not None else None
+
+
 class ChatRenderer:
     """Renders ``tokenizer``'s chat template (or ``chat_template``) the way
     ``tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
     add_generation_prompt=..., chat_template=chat_template)`` does, and gives the same text
     (see the module docstring). Exceptions are those of the template (or of
-    ``apply_chat_template``)."""
+    ``apply_chat_template``). ``owner``: whose template it is (replay passes the run's
+    project), to remember its renders past the budget by (module docstring, struck owners);
+    None: the template's source stands for its owner. Raises TypeError when ``owner`` is
+    neither a string nor None."""
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
-                 budget_s: float | None = None) -> None:
+                 budget_s: float | None = None, owner: str | None = None) -> None:
+        if owner is not None and not isinstance(owner, str):
+            raise TypeError(f"owner must be a project id (a string) or None, got "
+                            f"{type(owner).__name__}")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         #: Seconds one render may take (module docstring); None: the setting.
         self.budget_s = _default_budget() if budget_s is None else budget_s
+        self.owner = owner
+        #: Seconds a render past the budget marks its owner struck (``RENDER_STRIKE_S``).
+        self.strike_s = _default_strike()
+        self._owner_key: str | None = None if owner is None else f"project {owner}"
         #: The template's source and compiled template, with and without tools (None:
         #: rendered by apply_chat_template).
         self._fast: dict[bool, tuple[str, _FastTemplate | None]] = {}
@@ -698,7 +920,40 @@ class ChatRenderer:
         given copies; the compiled template, which cannot change them, exact dicts as they
         are), with ``clock`` as the template's ``strftime_now`` when given (else the
         current time's, as transformers gives it). Raises RenderBudgetExceeded past
-        ``budget_s``."""
+        ``budget_s``, and marks the owner struck then. The render of a struck owner runs on
+        the process's idle render thread where ``isolate_struck_renders`` is on (the same
+        code, so the same text or exception; the caller waits for it)."""
+        global _isolated
+        isolation = _isolation
+        strike_s = self.strike_s
+        if strike_s <= 0:
+            return self._render(messages, tools, generation_prompt, clock)
+        try:
+            if isolation is not None and isolation.usable() \
+                    and _struck(self._key(), strike_s):
+                with _strikes_lock:
+                    _isolated += 1
+                return isolation.run(
+                    lambda: self._render(messages, tools, generation_prompt, clock))
+            return self._render(messages, tools, generation_prompt, clock)
+        except RenderBudgetExceeded:
+            _strike(self._key(), strike_s)
+            raise
+
+    def _key(self) -> str:
+        """What this renderer's strikes are remembered by: its owner, else its template."""
+        key = self._owner_key
+        if key is None:
+            template = self.chat_template
+            if not isinstance(template, str):
+                template = repr(getattr(self.tokenizer, "chat_template", None))
+            digest = hashlib.sha256(template.encode("utf-8", "surrogatepass")).hexdigest()
+            key = self._owner_key = f"template {digest[:16]}"
+        return key
+
+    def _render(self, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool,
+                clock: Callable[[str], str] | None) -> Any:
         chat = [m if type(m) is dict else dict(m) for m in messages]
         schemas = [t if type(t) is dict else dict(t) for t in tools] if tools else None
         source, fast = self._compiled(schemas is not None)

@@ -160,7 +160,7 @@ def _check_stream(events: Sequence[Event]) -> tuple[list[Event], EpisodeStarted]
 
 
 def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any,
-                   episode_id: str | None = None) -> ReplayResult:
+                   episode_id: str | None = None, owner: str | None = None) -> ReplayResult:
     """Replay one episode: initial timelines, merge, forks, samples, negative samples.
 
     ``events``: the episode stream's events in stream order (``store.events`` models);
@@ -170,7 +170,8 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
     are skipped: they give no timeline (nor negative sample) and are listed in
     ``untokenized_calls``. Discarded calls (``discarded_calls``) are never trained in a
     positive sample (see ``ReplayResult``). The latest ``reward_assigned`` is the episode's
-    reward, late ones (after ``episode_finished``) included.
+    reward, late ones (after ``episode_finished``) included. ``owner``: the run's project,
+    whose chat template renders past the budget mark it struck (``render.ChatRenderer``).
     Raises TypeError for arguments of the wrong type and ReplayError when the events cannot
     be replayed: a stream that does not begin with ``episode_started`` or has events other
     than ``reward_assigned`` after ``episode_finished``, a repeated call id, prompt ids that
@@ -183,7 +184,7 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
         # Nothing to segment: no Segmenter (which needs a tokenizer with a template).
         return _replay(items, started, config, policy, None, episode_id)
     try:
-        segmenter = Segmenter(tokenizer, chat_template=config.chat_template)
+        segmenter = Segmenter(tokenizer, chat_template=config.chat_template, owner=owner)
         result = _replay(items, started, config, policy, segmenter, episode_id)
         if segmenter.verify():
             return result
@@ -194,7 +195,8 @@ def replay_episode(events: Sequence[Event], *, config: RunConfig, tokenizer: Any
     # not be replayed: segment every call in full, which gives the full path's result or
     # raises its error (a render past its budget is that error at once).
     return _replay(items, started, config, policy,
-                   Segmenter(tokenizer, chat_template=config.chat_template, reuse=False),
+                   Segmenter(tokenizer, chat_template=config.chat_template, reuse=False,
+                             owner=owner),
                    episode_id)
 
 

@@ -398,15 +398,16 @@ class _Placed:
 class Segmenter:
     """Segments prompts of one episode with ``tokenizer`` and its chat template (or
     ``chat_template`` when given), reusing earlier segmentations of the episode's calls
-    unless ``reuse`` is False (see the module docstring). Raises ValueError when neither
-    gives a template."""
+    unless ``reuse`` is False (see the module docstring); ``owner``: the run's project, whose
+    renders past the budget mark it struck (``render.ChatRenderer``). Raises ValueError when
+    neither gives a template."""
 
     #: Earlier segmentations kept for calls that extend them (agents of an episode take
     #: turns, so a call usually extends one of the last few).
     KEEP = 8
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
-                 reuse: bool = True) -> None:
+                 reuse: bool = True, owner: str | None = None) -> None:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("tokenizer has no chat_template and no chat_template was given")
         if chat_template is not None and not isinstance(chat_template, str):
@@ -415,7 +416,7 @@ class Segmenter:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.reuse = reuse
-        self._renderer = ChatRenderer(tokenizer, chat_template=chat_template)
+        self._renderer = ChatRenderer(tokenizer, chat_template=chat_template, owner=owner)
         self._decode = IdDecoder(tokenizer)
         self._interner = PrefixInterner()
         self._renders: dict[int, str] = {0: ""}

@@ -479,7 +479,7 @@ def _build(events: list[RecordedEvent], run_event: RecordedEvent | None,
                 tokenizers[name] = tokenizer_loader(name)
             tokenizer = tokenizers[name]
         result = replay_episode(plain, config=config, tokenizer=tokenizer,
-                                episode_id=episode_id)
+                                episode_id=episode_id, owner=run.project)
         if result.untokenized_calls:
             log.info("episode %s: %s", episode_id, result.untokenized_reason)
         return build_projection(run, events, result)
