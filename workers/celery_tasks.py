@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 
 from store.errors import TransientError
 from store.eventlog import EventStore
@@ -36,6 +36,20 @@ def _start_replay_dispatcher(sender: Any = None, **_: Any) -> None:
 def _stop_replay_dispatcher(**_: Any) -> None:
     if _dispatcher is not None:
         _dispatcher.set()
+
+@worker_init.connect
+def _warm_replay_imports(**_: Any) -> None:
+    """A worker on the ``replay`` queue imports what a replay loads before its pool forks
+    (``workers.replay.warm.import_replay_modules``): each pool process inherits it, so no
+    process's first replay spends seconds importing transformers and torch while the
+    episode waits (a fresh slot's first replay took 2.6 to 12 s on a busy two-core machine,
+    against tens of milliseconds warm)."""
+    if not app.conf.get("trajstore_replay_dispatch"):
+        return
+    from workers.replay.warm import import_replay_modules
+
+    import_replay_modules()
+
 
 @worker_process_init.connect
 def _isolate_struck_renders(**_: Any) -> None:
