@@ -41,27 +41,59 @@ def broker(rollout_broker: str) -> Celery:
     return producer
 
 
-@pytest.fixture
-def server(start_server: Callable[..., Server], tiny_model_dir: Path) -> Server:
-    return start_server(TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tiny_model_dir),
-                        TRAJSTORE_GATEWAY_MAX_TOKENS="16")
+@pytest.fixture(scope="module")
+def module_settings(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    """The module's server and worker settings: one ``trajstore serve`` and one rollout
+    worker serve every test of the module (each test's run, project and RolloutServer are
+    its own), instead of a process of each started for each test."""
+    return Settings(database_url=pg_url, data_dir=tmp_path_factory.mktemp("remote-agent"),
+                    api_key_scrypt_n=1024, api_max_request_bytes=2 * 1024 * 1024,
+                    api_page_size=50, tokenizer_roots=str(tmp_path_factory.getbasetemp()))
 
 
-@pytest.fixture
-def worker(server: Server, api_settings: Settings, rollout_broker: str, tmp_path: Path
-           ) -> Iterator[Worker]:
-    """A ``trajstore worker --queues rollout`` that gives RolloutServers ``server``'s URL."""
-    settings = Settings(database_url=api_settings.database_url, redis_url=rollout_broker,
-                        data_dir=tmp_path / "worker")
+@pytest.fixture(scope="module")
+def server(module_settings: Settings, tiny_model_dir: Path) -> Iterator[Server]:
+    s = Server(module_settings, Path(module_settings.data_dir) / "server.log",
+               TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tiny_model_dir),
+               TRAJSTORE_GATEWAY_MAX_TOKENS="16")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(server: Server, module_settings: Settings, rollout_broker: str) -> Iterator[Worker]:
+    """A ``trajstore worker --queues rollout`` on the module's broker that gives
+    RolloutServers ``server``'s URL. Tests that start workers of their own play on a
+    broker of their own (:func:`own_broker`), where this one takes nothing of theirs."""
+    directory = Path(module_settings.data_dir) / "worker"
+    settings = Settings(database_url=module_settings.database_url, redis_url=rollout_broker,
+                        data_dir=directory)
     w = Worker(settings, ["--queues", "rollout", "--concurrency", "4"],
-               tmp_path / "worker.log", TRAJSTORE_REMOTE_AGENT_STORE_URL=server.url,
+               Path(module_settings.data_dir) / "worker.log",
+               TRAJSTORE_REMOTE_AGENT_STORE_URL=server.url,
                TRAJSTORE_API_KEY_SCRYPT_N="1024",
-               TRAJSTORE_TOKENIZER_ROOTS=api_settings.tokenizer_roots)
+               TRAJSTORE_TOKENIZER_ROOTS=module_settings.tokenizer_roots)
     try:
         w.wait_ready()
         yield w
     finally:
         w.stop()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> tuple[str, Celery]:
+    """An embedded Redis of the test's own and a producer of its rollout queue: the workers
+    a test starts there are the only ones that take its groups."""
+    from store import embedded
+    from workers.app import celery_settings
+
+    url = embedded.redis_url(Settings(data_dir=tmp_path / "own-broker"))
+    producer = Celery("remote-agent-own")
+    producer.conf.update(celery_settings(Settings(redis_url=url), url))
+    return url, producer
 
 
 @pytest.fixture
@@ -177,9 +209,9 @@ def test_the_remote_agent_plays_groups_with_exact_masks_and_rewards(
 
 
 def test_a_worker_writing_through_the_api_plays_a_remote_agent_run(
-        server: Server, broker: Celery, api_store: EventStore, project: Project,
-        tiny_model_dir: Path, agents: Callable[..., AgentServer], api_settings: Settings,
-        key_store: KeyStore, rollout_broker: str, tmp_path: Path) -> None:
+        server: Server, own_broker: tuple[str, Celery], api_store: EventStore,
+        project: Project, tiny_model_dir: Path, agents: Callable[..., AgentServer],
+        module_settings: Settings, key_store: KeyStore, tmp_path: Path) -> None:
     """A rollout worker with ``api_url`` (and the project's admin key) mints each episode's
     credential through the API, whose scrypt cost the keys carry (the worker's own is
     another), and revokes it there once the episode ended."""
@@ -189,13 +221,14 @@ def test_a_worker_writing_through_the_api_plays_a_remote_agent_run(
     agent = agents("sync-chat", turns=1)
     run_id = new_run(server, project, tiny_model_dir, {"url": agent.url,
                                                        "protocol": "sync-chat"})
-    settings = Settings(database_url=api_settings.database_url, redis_url=rollout_broker,
+    broker_url, broker = own_broker
+    settings = Settings(database_url=module_settings.database_url, redis_url=broker_url,
                         data_dir=tmp_path / "api-worker")
     w = Worker(settings, ["--queues", "rollout", "--concurrency", "1"],
                tmp_path / "api-worker.log", TRAJSTORE_API_URL=server.url,
                TRAJSTORE_API_KEY=project.admin, TRAJSTORE_REMOTE_AGENT_STORE_URL=server.url,
                TRAJSTORE_API_KEY_SCRYPT_N="2048",
-               TRAJSTORE_TOKENIZER_ROOTS=api_settings.tokenizer_roots)
+               TRAJSTORE_TOKENIZER_ROOTS=module_settings.tokenizer_roots)
     try:
         w.wait_ready()
         episodes = play(broker, api_store, run_id, rewarded=True)
@@ -217,7 +250,7 @@ def test_a_worker_writing_through_the_api_plays_a_remote_agent_run(
         row = api_keys.key_secret_row(key_store.db, parse_key(token)[0])
         assert row is not None
         # Minted by the API (its scrypt cost), for this episode of this run, and revoked.
-        assert row[8] == f"scrypt${api_settings.api_key_scrypt_n}$8$1", row[8]
+        assert row[8] == f"scrypt${module_settings.api_key_scrypt_n}$8$1", row[8]
         assert row[9] == run_id and row[10] in episodes and row[5] is not None
         r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 401, r.text
@@ -327,9 +360,9 @@ def test_a_slow_server_does_not_slow_another_projects_requests(
 
 
 def test_max_in_flight_holds_across_worker_processes(
-        server: Server, broker: Celery, api_store: EventStore, project: Project,
-        tiny_model_dir: Path, agents: Callable[..., AgentServer], api_settings: Settings,
-        rollout_broker: str, tmp_path: Path) -> None:
+        server: Server, own_broker: tuple[str, Celery], api_store: EventStore,
+        project: Project, tiny_model_dir: Path, agents: Callable[..., AgentServer],
+        module_settings: Settings, tmp_path: Path) -> None:
     """Two rollout worker processes play a group each of a run with max_in_flight 2: the
     RolloutServer never has more than 2 of the run's rollouts at once (each process alone
     would allow 2, 4 together), and every episode ends."""
@@ -337,16 +370,17 @@ def test_max_in_flight_holds_across_worker_processes(
     run_id = new_run(server, project, tiny_model_dir,
                      {"url": agent.url, "protocol": "sync-chat", "max_in_flight": 2},
                      group_size=4)
+    broker_url, broker = own_broker
     workers = []
     try:
         for name in ("a", "b"):
-            settings = Settings(database_url=api_settings.database_url,
-                                redis_url=rollout_broker, data_dir=tmp_path / f"worker-{name}")
+            settings = Settings(database_url=module_settings.database_url,
+                                redis_url=broker_url, data_dir=tmp_path / f"worker-{name}")
             workers.append(Worker(settings, ["--queues", "rollout", "--concurrency", "1"],
                                   tmp_path / f"worker-{name}.log",
                                   TRAJSTORE_REMOTE_AGENT_STORE_URL=server.url,
                                   TRAJSTORE_API_KEY_SCRYPT_N="1024",
-                                  TRAJSTORE_TOKENIZER_ROOTS=api_settings.tokenizer_roots))
+                                  TRAJSTORE_TOKENIZER_ROOTS=module_settings.tokenizer_roots))
         for w in workers:
             w.wait_ready()
         for index in (0, 1):
