@@ -89,15 +89,22 @@ def test_a_flooding_projects_backlog_leaves_the_neighbours_episode_projected_ear
     # Two places per project (so three worker slots, the default). The worker's follower of
     # the log starts after all of it finished: its first batch is the flood, then the
     # neighbour's.
-    worker = start_worker("--queues", "replay", TRAJSTORE_REPLAY_PROJECT_RUNNING="2")
+    # Each replay holds its transaction 0.5 s: a pool process's first replay (opening its
+    # store, loading the tokenizer) takes seconds, and without the delay the flood's backlog
+    # went through a warm slot, 10 to 40 ms a replay, while the neighbour's episode, sent
+    # third, was still in its slot's first replay.
+    worker = start_worker("--queues", "replay", TRAJSTORE_REPLAY_PROJECT_RUNNING="2",
+                          TRAJSTORE_FAULT_REPLAY_DELAY_S="0.5")
     worker.wait_ready()
     projections = Projections(store)
     wait_for(lambda: projections.projected_version(neighbour), what="the neighbour's episode")
     # Without budgets the neighbour's episode would be the 61st replay; with them, the
-    # flood's two queued replays are all that is ahead of it.
+    # flood's two queued replays are all that is ahead of it. They run beside it, each slot
+    # starting cold, so one more replay of each of the flood's two places may end before the
+    # neighbour's slower first one does: at most four end first.
     at = projected_at(store, [neighbour])[neighbour]
     ahead = sorted(t for t in projected_at(store, flood).values() if t < at)
-    assert len(ahead) <= 2, f"{len(ahead)} of the flood's replays went first"
+    assert len(ahead) <= 4, f"{len(ahead)} of the flood's replays went first"
     assert len(projected_at(store, flood)) < FLOOD, "the flood's backlog was done first"
     # The flood's backlog is replayed in turn, every episode once, and nothing stays held.
     wait_for(lambda: len(projected_at(store, flood)) == FLOOD, timeout=300,
