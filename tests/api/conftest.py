@@ -112,6 +112,19 @@ class Server(ServerProcess):
         self.launch()
 
 
+def serve_tiny_engine(settings: Settings, tiny_model_dir: Path, log: Path) -> Iterator[Server]:
+    """A started ``trajstore serve`` on ``settings`` with the tiny model as its gateway's
+    engine (16 tokens a call at most), stopped when the generator is closed: the body of a
+    module's shared server fixture (``yield from``)."""
+    server = Server(settings, log, TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tiny_model_dir),
+                    TRAJSTORE_GATEWAY_MAX_TOKENS="16")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def start_server(api_settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []

@@ -22,7 +22,7 @@ from api.gateway.tool_facts import classify_output, tool_results
 from store.eventlog import EventStore
 from store.events import AttemptFailed, LLMCalled, RolledBack, ToolReturned
 from store.settings import Settings
-from tests.api.conftest import Project, Server
+from tests.api.conftest import Project, Server, serve_tiny_engine
 from trajstore.client import TrajstoreClient
 from workers.replay.jobs.project import project_episode
 
@@ -42,14 +42,8 @@ def module_settings(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Se
 
 @pytest.fixture(scope="module")
 def server(module_settings: Settings, tiny_model_dir: Path) -> Iterator[Server]:
-    s = Server(module_settings, module_settings.data_dir / "engine.log",
-               TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tiny_model_dir),
-               TRAJSTORE_GATEWAY_MAX_TOKENS="16")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serve_tiny_engine(module_settings, tiny_model_dir,
+                                 module_settings.data_dir / "engine.log")
 
 
 def run_python(code: str) -> str:

@@ -22,7 +22,7 @@ from celery import Celery
 from api.keys import KeyStore
 from store.eventlog import EventStore
 from store.settings import Settings
-from tests.api.conftest import Project, Server
+from tests.api.conftest import Project, Server, serve_tiny_engine
 from tests.rollout.agent_server import AgentServer
 from tests.workers.conftest import Worker
 from workers.replay.jobs.project import project_episode
@@ -53,14 +53,8 @@ def module_settings(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Se
 
 @pytest.fixture(scope="module")
 def server(module_settings: Settings, tiny_model_dir: Path) -> Iterator[Server]:
-    s = Server(module_settings, Path(module_settings.data_dir) / "server.log",
-               TRAJSTORE_GATEWAY_ENGINE_MODEL=str(tiny_model_dir),
-               TRAJSTORE_GATEWAY_MAX_TOKENS="16")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serve_tiny_engine(module_settings, tiny_model_dir,
+                                 Path(module_settings.data_dir) / "server.log")
 
 
 @pytest.fixture(scope="module")
