@@ -6,6 +6,7 @@ process that died had queued. (``tests/api/test_serve_replay.py`` runs it in a r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,41 @@ def test_a_cap_below_one_is_refused() -> None:
         InProcessReplay(lambda: None, cap=0)  # type: ignore[arg-type, return-value]
     with pytest.raises(ValueError, match="retry_s"):
         InProcessReplay(lambda: None, cap=1, retry_s=-1)  # type: ignore[arg-type, return-value]
+
+
+def test_a_replay_that_keeps_failing_is_tried_again_less_and_less_often(
+        store: EventStore, qwen3: Any) -> None:
+    """A replay that fails with an error that is not transient is looked for again after
+    retry_s, then twice that, and so on (not every retry_s for good, each failure a logged
+    traceback); once it replays, it is forgotten."""
+    run = project_run(store, "failing")
+    episode_id = record(store, episode(qwen3, run, 1), "fails")
+    attempts = []
+    broken = [True]
+
+    def before_commit() -> None:
+        attempts.append(1)
+        if broken[0]:
+            raise RuntimeError("a replay that fails every time")
+
+    replay = replay_on(store, cap=10, retry_s=0.05, before_commit=before_commit)
+    replay.start()
+    try:
+        assert replay.offer(due(store, episode_id, "failing"))
+        wait_for(lambda: replay.failing().get(episode_id, 0) >= 4, timeout=60,
+                 what="four failures")
+        # Waits of 0.05, 0.1, 0.2, then 0.4 and 0.8 s: in the next second it fails once or
+        # twice more (every 0.05 s, twenty times); the follower offering the same version
+        # meanwhile is taken as queued, and changes nothing.
+        failures = replay.failing()[episode_id]
+        assert replay.offer(due(store, episode_id, "failing"))
+        time.sleep(1.0)
+        broken[0] = False
+        wait_for(lambda: projected_at(store, [episode_id]), timeout=60, what="the replay")
+        wait_for(lambda: replay.failing() == {}, timeout=10, what="the failure forgotten")
+    finally:
+        replay.stop(timeout=30)
+    # The failures counted, at most two more in the second, one more before the fix took,
+    # and the replay that wrote.
+    assert len(attempts) <= failures + 4, (len(attempts), failures)
+    assert samples_per_episode(store, [episode_id]) == {episode_id: 1}

@@ -23,7 +23,10 @@ again; it runs
   (``trajstore serve`` runs no sweep);
 - when every project refused since the last pass has an empty queue (the pass then refills
   them oldest first, up to ``cap`` each; a project refused again waits for the next);
-- ``retry_s`` after a replay failed (the episode is found again then).
+- ``retry_s`` after a replay failed (the episode is found again then). An episode whose
+  replay keeps failing (an error that is not transient) is offered again after ``retry_s``,
+  then twice that, doubling up to ``MAX_BACKOFF_S``: the passes skip it until then, unless a
+  new version of it (a late reward) is due.
 
 A replay that meets a transient database error goes back to the head of its queue and the
 thread waits ``retry_s``. Replays are idempotent, so an episode offered twice (by the follower
@@ -49,6 +52,9 @@ log = logging.getLogger(__name__)
 #: Finished, unprojected episodes a pass reads per query.
 PAGE = 500
 
+#: The longest wait before a replay that keeps failing is tried again (seconds).
+MAX_BACKOFF_S = 300.0
+
 
 class InProcessReplay:
     """Per-project queues of due replays and the one thread that projects them in turn
@@ -73,6 +79,8 @@ class InProcessReplay:
         self._turn: deque[str] = deque()  # projects with queued replays, next first
         self._running: str | None = None  # the project of the replay in progress
         self._refused: set[str] = set()  # projects refused since the last pass
+        # episode -> (failures in a row, not offered again before (monotonic), its version)
+        self._failing: dict[str, tuple[int, float, int]] = {}
         self._pass_at: float | None = None  # when a pass is due (monotonic), None: none
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,6 +101,10 @@ class InProcessReplay:
         queued once per episode), False when it is refused (the project has ``cap``
         queued; a later pass finds it)."""
         with self._cond:
+            failing = self._failing.get(due.episode_id)
+            if failing is not None and due.version <= failing[2] \
+                    and time.monotonic() < failing[1]:
+                return True  # failing: a pass offers it again when its wait is over
             queue = self._queues.setdefault(due.project, OrderedDict())
             if due.episode_id in queue:
                 return True
@@ -221,13 +233,26 @@ class InProcessReplay:
             self._stop.wait(self._retry_s)
             return
         except Exception:
+            with self._cond:
+                failures = self._failing.get(due.episode_id, (0, 0.0, 0))[0] + 1
+                wait = min(self._retry_s * 2 ** (failures - 1), MAX_BACKOFF_S)
+                self._failing[due.episode_id] = (failures, time.monotonic() + wait,
+                                                 due.version)
             self._done(due.project)
-            log.exception("in-process replay of %s failed; it is looked for again in %g s",
-                          due.episode_id, self._retry_s)
-            self._want_pass(self._retry_s)
+            log.exception("in-process replay of %s failed (%d time(s) in a row); it is "
+                          "looked for again in %g s", due.episode_id, failures, wait)
+            self._want_pass(wait)
             return
+        with self._cond:
+            self._failing.pop(due.episode_id, None)
         self._done(due.project)
         log.info("replayed %s: %s", due.episode_id, outcome.outcome)
+
+    def failing(self) -> dict[str, int]:
+        """The episodes whose replay failed, and how many times in a row (those that
+        replayed since are left out)."""
+        with self._cond:
+            return {e: n for e, (n, _, _) in self._failing.items()}
 
     def _catch_up(self, store: EventStore) -> None:
         """A pass: offer every finished, unprojected episode (module docstring)."""
