@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
@@ -36,6 +35,7 @@ def _start_replay_dispatcher(sender: Any = None, **_: Any) -> None:
 def _stop_replay_dispatcher(**_: Any) -> None:
     if _dispatcher is not None:
         _dispatcher.set()
+
 
 @worker_init.connect
 def _warm_replay_imports(**_: Any) -> None:
@@ -78,11 +78,6 @@ def worker_store() -> EventStore:
         return _store
 
 
-def _fault_delay() -> Any:
-    delay = get_settings().fault_replay_delay_s
-    return (lambda: time.sleep(delay)) if delay > 0 else None
-
-
 @app.task(name="trajstore.replay_episode", acks_late=True, autoretry_for=(TransientError,),
           retry_backoff=True, retry_backoff_max=60, max_retries=20)
 def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> str:
@@ -94,12 +89,12 @@ def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> 
     sweep; either way the place is handed on when the replay ends). A retry after a
     transient error is sent with the same budget."""
     from workers import fair
-    from workers.replay.jobs.project import project_episode
+    from workers.replay.jobs.project import fault_delay, project_episode
 
     outcome = fair.within(
         get_settings(), fair.REPLAY, "trajstore.replay_episode", [episode_id], {}, budget,
         lambda: project_episode(worker_store(), episode_id,
-                                before_commit=_fault_delay()).outcome)
+                                before_commit=fault_delay(get_settings())).outcome)
     return "parked" if outcome is None else outcome
 
 

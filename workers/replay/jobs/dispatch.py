@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from store import errors
@@ -104,10 +103,10 @@ def replay_here(store_factory: Callable[[], EventStore], settings: Settings, *,
     replay, the follower's thread and the event that stops the follower
     (``InProcessReplay.stop`` stops the replay). An episode that cannot be replayed is
     recorded ``invalid`` by the projection, as a replay worker records it."""
-    delay = settings.fault_replay_delay_s
+    from workers.replay.jobs.project import fault_delay
+
     replay = InProcessReplay(store_factory, cap=settings.replay_project_parked,
-                             retry_s=standby_s,
-                             before_commit=(lambda: time.sleep(delay)) if delay > 0 else None)
+                             retry_s=standby_s, before_commit=fault_delay(settings))
     replay.start()
     thread, stop = start_dispatcher(store_factory, standby_s=standby_s,
                                     poll_interval=poll_interval, send=replay.send,

@@ -14,6 +14,7 @@ import datetime as dt
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,8 @@ from workers.replay.episode import (
 )
 from workers.replay.errors import ReplayError
 
-__all__ = ["BATCH", "ProjectOutcome", "build_projection", "project_episode", "project_episodes",
+__all__ = ["BATCH", "ProjectOutcome", "build_projection", "fault_delay", "project_episode",
+           "project_episodes",
            "run_row"]
 
 log = logging.getLogger(__name__)
@@ -276,6 +278,13 @@ def build_projection(
         drifted_messages=result.drifted_messages, negatives=len(negatives), **base)
     return EpisodeProjection(run=run, episode=episode, samples=samples, forks=forks,
                              failures=failures, tool_calls=tool_calls)
+
+
+def fault_delay(settings: Any) -> Callable[[], None] | None:
+    """The ``before_commit`` of a replay under ``TRAJSTORE_FAULT_REPLAY_DELAY_S`` (tests hold
+    each replay's transaction open that long): a sleep of it, or None when it is 0."""
+    delay = float(settings.fault_replay_delay_s)
+    return (lambda: time.sleep(delay)) if delay > 0 else None
 
 
 def project_episode(
