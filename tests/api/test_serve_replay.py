@@ -19,13 +19,14 @@ import pytest
 
 from api.keys import KeyStore
 from store.db import Database
-from store.eventlog import NO_STREAM, EventStore, run_stream_id
-from store.events import Event, RunConfig, RunCreated
+from store.eventlog import NO_STREAM, EventStore
+from store.events import Event
 from store.followers import NO_REPLAY
 from store.projections import Projections
 from store.settings import Settings
 from tests.api.episodes import episode_events
 from tests.servers import ServerProcess, free_port
+from tests.workers.test_replay_dispatch import project_run
 
 
 @pytest.fixture
@@ -127,14 +128,6 @@ def _store(url: str, tmp_path: Path) -> EventStore:
     return EventStore(Database(url, max_size=2), Settings(database_url=url, data_dir=tmp_path))
 
 
-def _project_run(store: EventStore, project: str) -> str:
-    run_id = f"run-{uuid.uuid4().hex[:8]}"
-    store.append(run_stream_id(run_id), [RunCreated(run_id=run_id, project=project,
-                                                    config=RunConfig(tokenizer="qwen3"))],
-                 NO_STREAM)
-    return run_id
-
-
 def _record(store: EventStore, tokenizer: Any, run_id: str, seed: int) -> str:
     episode = f"ep-{seed}-{uuid.uuid4().hex[:8]}"
     store.append(episode, episode_events(tokenizer, run_id=run_id, group_id="g0", a=seed,
@@ -190,7 +183,7 @@ def test_serve_replays_a_neighbours_episode_before_a_flooding_projects_backlog(
     qwen3 = load_tokenizer("qwen3")
     store = _store(own_db, tmp_path)
     try:
-        flood_run, neighbour_run = _project_run(store, "flood"), _project_run(store, "neighbour")
+        flood_run, neighbour_run = project_run(store, "flood"), project_run(store, "neighbour")
         with _serve(own_db, tmp_path, env_add={"TRAJSTORE_FAULT_REPLAY_DELAY_S": "0.2"}
                     ) as server:
             _following(server)
@@ -228,7 +221,7 @@ def test_episodes_queued_in_a_server_killed_before_their_replay_are_replayed_aft
     qwen3 = load_tokenizer("qwen3")
     store = _store(own_db, tmp_path)
     try:
-        run_id = _project_run(store, "flood")
+        run_id = project_run(store, "flood")
         slow = _serve(own_db, tmp_path, env_add={"TRAJSTORE_FAULT_REPLAY_DELAY_S": "2"})
         with slow:
             _following(slow)
