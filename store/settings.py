@@ -234,6 +234,16 @@ class Settings(BaseSettings):
         "templates on a thread at the lowest CPU priority (nice 19), so that its renders "
         "take only the CPU other projects' replays leave; same budget. 0: off.",
     )
+    replay_over_share_nice: int = Field(
+        default=10, ge=0, le=19,
+        description="CPU priority (nice, 1 to 19) at which a replay worker process runs "
+        "the replays of a project that took more than its share of that process's replay "
+        "CPU over the last 10 s (over 1.25 times the mean of the projects that replayed): "
+        "a project that replays as fast as it can takes only the CPU the other projects' "
+        "replays, the API and PostgreSQL leave, and one that replays now and then goes "
+        "first. A project alone is never over its share. 0: every replay at the worker's "
+        "own priority.",
+    )
     fault_replay_delay_s: float = Field(
         default=0.0,
         ge=0,

@@ -55,14 +55,18 @@ def _warm_replay_imports(**_: Any) -> None:
 def _isolate_struck_renders(**_: Any) -> None:
     """A pool process of a worker on the ``replay`` queue renders the templates of projects
     whose renders ran past their budget lately on a thread at the lowest CPU priority
-    (``workers.engines.render.isolate_struck_renders``). Celery sends this signal in the
-    processes of the prefork pool only: a worker of threads (a replay and rollout worker)
-    keeps every render in its caller's thread, as the API process does."""
+    (``workers.engines.render.isolate_struck_renders``), and replays the episodes of projects
+    over their share of its replay CPU on a thread at ``REPLAY_OVER_SHARE_NICE``
+    (``workers.replay.jobs.shares``). Celery sends this signal in the processes of the
+    prefork pool only: a worker of threads (a replay and rollout worker) keeps every render
+    and replay in its caller's thread, as the API process does."""
     if not app.conf.get("trajstore_replay_dispatch"):
         return
     from workers.engines.render import isolate_struck_renders
+    from workers.replay.jobs.shares import start_over_share_thread
 
     isolate_struck_renders()
+    start_over_share_thread(get_settings())
 
 
 _store: EventStore | None = None
@@ -90,11 +94,13 @@ def replay_episode(episode_id: str, *, budget: dict[str, Any] | None = None) -> 
     transient error is sent with the same budget."""
     from workers import fair
     from workers.replay.jobs.project import fault_delay, project_episode
+    from workers.replay.jobs.shares import replay_at_priority
 
+    settings = get_settings()
     outcome = fair.within(
-        get_settings(), fair.REPLAY, "trajstore.replay_episode", [episode_id], {}, budget,
-        lambda: project_episode(worker_store(), episode_id,
-                                before_commit=fault_delay(get_settings())).outcome)
+        settings, fair.REPLAY, "trajstore.replay_episode", [episode_id], {}, budget,
+        lambda: replay_at_priority(settings, budget, lambda: project_episode(
+            worker_store(), episode_id, before_commit=fault_delay(settings)).outcome))
     return "parked" if outcome is None else outcome
 
 

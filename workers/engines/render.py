@@ -68,7 +68,6 @@ import hashlib
 import logging
 import marshal
 import os
-import queue
 import threading
 import time
 import types
@@ -79,6 +78,7 @@ from jinja2 import compiler, idtracking, nodes, runtime, utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from workers.engines.content_tokens import check_content
+from workers.engines.niced import NicedThread
 
 __all__ = ["ChatRenderer", "RenderBudgetExceeded", "budgets_spent", "is_struck",
            "isolate_struck_renders", "isolated_renders", "isolation_thread", "prompt_ids",
@@ -703,78 +703,9 @@ def is_struck(owner: str, strike_s: float | None = None) -> bool:
     return _struck(f"project {owner}", _default_strike() if strike_s is None else strike_s)
 
 
-class _IdleThread:
-    """The process's render thread at nice 19: runs one render at a time for callers that
-    wait for it (``run``)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._ready = threading.Event()
-        self.pid = os.getpid()
-        #: The thread's id for the kernel (what ``os.getpriority`` takes), once it runs.
-        self.native_id = 0
-        self.niced = False
-        self.error = ""
-        self.thread = threading.Thread(target=self._run, name="render-idle", daemon=True)
-        self.thread.start()
-        self._ready.wait()
-
-    def _run(self) -> None:
-        self.native_id = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, self.native_id, 19)
-            self.niced = os.getpriority(os.PRIO_PROCESS, self.native_id) == 19
-            if not self.niced:
-                self.error = "its priority did not change"
-        except (AttributeError, OSError) as exc:  # not Linux, or not permitted
-            self.error = f"{type(exc).__name__}: {exc}"
-        self._ready.set()
-        if not self.niced:
-            return
-        while True:
-            job = self._jobs.get()
-            try:
-                job.result = job.call()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
-                job.error = exc
-            finally:
-                job.done.set()
-            del job
-
-    def usable(self) -> bool:
-        """Whether the thread can take a render: it runs, in this process."""
-        return self.pid == os.getpid() and self.thread.is_alive()
-
-    def run(self, call: Callable[[], Any]) -> Any:
-        """``call()`` on the render thread; its value, or its exception raised here
-        (RuntimeError if the thread stopped before it answered)."""
-        job = _Job(call)
-        self._jobs.put(job)
-        # Waiting releases the interpreter lock while the render runs.
-        while not job.done.wait(1.0):
-            if not self.thread.is_alive():
-                raise RuntimeError("the idle render thread stopped")
-        if job.error is not None:
-            try:
-                raise job.error
-            finally:
-                job.error = None
-        return job.result
-
-
-class _Job:
-    __slots__ = ("call", "done", "error", "result")
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.call = call
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
 #: The idle render thread of a process that isolates struck renders (None: every render
 #: runs in its caller's thread).
-_isolation: _IdleThread | None = None
+_isolation: NicedThread | None = None
 _isolation_lock = threading.Lock()
 _isolated = 0
 
@@ -803,7 +734,7 @@ def isolate_struck_renders(on: bool = True) -> bool:
         if _isolation is not None and _isolation.usable():
             return True
         _watchdog.start()
-        thread = _IdleThread()
+        thread = NicedThread(19, "render-idle")
         if not thread.niced:
             _isolation = None
             log.warning("struck renders are not isolated: the render thread's priority "
