@@ -250,6 +250,12 @@ class Settings(BaseSettings):
         description="Fault injection for tests: a replay sleeps this long inside its "
         "transaction, before commit.",
     )
+    fault_warmstart_abort_once: Path | None = Field(
+        default=None,
+        description="Fault injection for tests: the first spawned rank of a warm-start build "
+        "to create this file kills itself with SIGABRT; later ranks and attempts find it and "
+        "train. Unset: off.",
+    )
 
     @field_validator(
         "database_url", "redis_url", "test_database_url", "api_url", "api_key", mode="before"

@@ -19,10 +19,15 @@ from celery import Celery
 from celery.signals import setup_logging
 
 from store.settings import get_settings
+from workers import redis_transport
 
 __all__ = ["app", "QUEUES", "celery_settings", "configure", "ensure_configured"]
 
 QUEUES = ("replay", "rollout", "train")
+
+# Before any connection is made: the Redis URLs get kombu's transport with the guard that
+# keeps a worker alive when the broker goes away under an unacknowledged task.
+redis_transport.install()
 
 app = Celery("trajstore", include=["workers.celery_tasks", "workers.rollout.celery_tasks"])
 _configured = False

@@ -135,10 +135,9 @@ def test_redis_outage_during_ingest_then_the_sweep_catches_up(
         ingest(3)
         wait_for(lambda: all(projections.projected_version(e) for e in episodes),
                  what="projection before the outage")
-        # The outage comes between replays, as this test means it: a replay's commit comes
-        # just before its acknowledgement, and kombu's Redis transport cannot restore a
-        # message still unacknowledged when the broker goes (the worker stops on an
-        # AttributeError of the client; a supervisor restarts it).
+        # The outage comes between replays, as this test means it: its subject is the
+        # messages sent while Redis is down. An outage under an unacknowledged replay is
+        # tests/faults/test_worker_faults.py's.
         broker = redis_client.Redis(unix_socket_path=str(own_redis.socket))
         unacked = f"{settings.redis_key_prefix}unacked"
         wait_for(lambda: broker.hlen(unacked) == 0, what="the replays' acknowledgements")

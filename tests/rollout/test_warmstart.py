@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from store.settings import get_settings
 from workers.engines.tinymodel import build_tiny_model
 from workers.engines.toolcall import parse_response
 from workers.rollout.rewards import Transcript, tool_answer_reward
@@ -23,6 +27,26 @@ from workers.rollout.warmstart import (
 )
 
 SMALL = WarmStartOptions(transcripts=8, steps=2, batch_size=4, drills=2)
+
+
+@pytest.fixture(scope="module")
+def small_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The SHA-256 of every file of a clean two-process build of ``SMALL``, seed 0."""
+    return verify_warm_start(warm_start_path(tmp_path_factory.mktemp("clean"), seed=0,
+                                             options=SMALL))["sha256"]
+
+
+@pytest.fixture
+def abort_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], None]]:
+    """Sets ``TRAJSTORE_FAULT_WARMSTART_ABORT_ONCE`` for this test's builds (the settings are
+    read once per process, so their cache is cleared before and after)."""
+    def set_flag(flag: Path) -> None:
+        monkeypatch.setenv("TRAJSTORE_FAULT_WARMSTART_ABORT_ONCE", os.fspath(flag))
+        get_settings.cache_clear()
+
+    yield set_flag
+    monkeypatch.delenv("TRAJSTORE_FAULT_WARMSTART_ABORT_ONCE", raising=False)
+    get_settings.cache_clear()
 
 
 def test_solver_makes_mistakes_at_the_set_rate_then_recovers() -> None:
@@ -175,3 +199,85 @@ def test_cache_is_checked_and_a_corrupt_one_rebuilt(tmp_path: Path,
         verify_warm_start(again)
     assert json.loads((warm_start_path(tmp_path, seed=0, options=SMALL)
                        / "warmstart.json").read_text())["sha256"] == manifest["sha256"]
+
+
+def test_a_rank_killed_by_a_signal_is_built_again(
+        tmp_path: Path, abort_once: Callable[[Path], None], caplog: pytest.LogCaptureFixture,
+        small_weights: dict[str, str]) -> None:
+    """A spawned rank that dies of SIGABRT (as one did inside spawn on a loaded machine) is
+    the machine's fault: the build starts again and comes out as a clean build, bit for bit,
+    with a warning naming the rank and the signal."""
+    flag = tmp_path / "aborted"
+    abort_once(flag)
+    with caplog.at_level(logging.WARNING, logger="workers.rollout.warmstart"):
+        path = warm_start_path(tmp_path / "data", seed=0, options=SMALL)
+    assert flag.exists()  # a rank did abort
+    retries = [r.getMessage() for r in caplog.records if "killed by" in r.getMessage()]
+    assert len(retries) == 1, retries
+    assert re.search(r"rank [01] was killed by SIGABRT \(attempt 1 of 3\)", retries[0])
+    assert verify_warm_start(path)["sha256"] == small_weights
+
+
+def test_a_rank_that_raises_is_not_built_again(
+        tmp_path: Path, abort_once: Callable[[Path], None],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A rank that raises is a bug a retry would repeat: the first attempt's exception comes
+    out, naming the error, and nothing is cached. (Both ranks raise here: the fault's file
+    cannot be created in a folder that does not exist.)"""
+    from torch.multiprocessing import ProcessRaisedException
+
+    abort_once(tmp_path / "no" / "flag")
+    with caplog.at_level(logging.WARNING, logger="workers.rollout.warmstart"), \
+            pytest.raises(ProcessRaisedException, match="FileNotFoundError"):
+        warm_start_path(tmp_path / "data", seed=0, options=SMALL)
+    assert "killed by" not in caplog.text
+    assert list((tmp_path / "data").iterdir()) == []
+
+
+def test_only_a_rank_killed_by_a_signal_is_retried(caplog: pytest.LogCaptureFixture) -> None:
+    """The retry decision on the exceptions ``torch.multiprocessing`` raises: a signal is
+    retried up to three attempts in all, then propagates; a non-zero exit code or a raised
+    exception propagates at once."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    from workers.rollout.warmstart import SPAWN_ATTEMPTS, _retry_killed
+
+    def failing(*errors: Exception) -> tuple[list[int], Callable[[int], float]]:
+        calls: list[int] = []
+
+        def attempt(number: int) -> float:
+            calls.append(number)
+            if number <= len(errors):
+                raise errors[number - 1]
+            return 0.5
+
+        return calls, attempt
+
+    def killed(rank: int) -> ProcessExitedException:
+        return ProcessExitedException(f"process {rank} terminated with signal SIGKILL",
+                                      error_index=rank, error_pid=1, exit_code=-9,
+                                      signal_name="SIGKILL")
+
+    exited = ProcessExitedException("process 0 terminated with exit code 3", error_index=0,
+                                    error_pid=1, exit_code=3)
+    raised = ProcessRaisedException("ValueError: bad", error_index=1, error_pid=1)
+    for error in (exited, raised):
+        calls, attempt = failing(error)
+        with pytest.raises(type(error)):
+            _retry_killed(attempt, what="build")
+        assert calls == [1]
+    with caplog.at_level(logging.WARNING, logger="workers.rollout.warmstart"):
+        calls, attempt = failing(killed(1), killed(0))
+        assert _retry_killed(attempt, what="build") == 0.5
+    assert calls == [1, 2, 3]
+    assert [r.getMessage() for r in caplog.records] == [
+        "build: rank 1 was killed by SIGKILL (attempt 1 of 3); starting again in a fresh "
+        "scratch folder",
+        "build: rank 0 was killed by SIGKILL (attempt 2 of 3); starting again in a fresh "
+        "scratch folder"]
+    calls, attempt = failing(*(killed(0) for _ in range(SPAWN_ATTEMPTS)))
+    with pytest.raises(ProcessExitedException, match="SIGKILL"):
+        _retry_killed(attempt, what="build")
+    assert calls == [1, 2, 3]
+    with pytest.raises(ValueError, match="attempts"):
+        _retry_killed(attempt, what="build", attempts=0)

@@ -24,6 +24,12 @@ optimiser step): about 40 seconds on an idle two-core machine, against about 60 
 process. Where no child process can be started (from a daemonic process, or a script read
 from standard input) one process plays both ranks in turn: the same weights, bit for bit.
 Once per seed: the folder is cached.
+
+A rank that a signal kills (a spawn aborted on a loaded machine) is not the recipe's fault: the
+build starts again from the starting weights in a fresh scratch folder, up to
+:data:`SPAWN_ATTEMPTS` times in all, with a warning naming the rank and the signal; the weights
+are the same as a clean build's. A rank that raised or exited with a code is a bug and is not
+retried.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,7 @@ from workers.rollout.rollback import format_error_feedback
 __all__ = [
     "FOLDER_PREFIX",
     "MISTAKES",
+    "SPAWN_ATTEMPTS",
     "WARM_START_VERSION",
     "WarmStartCacheError",
     "WarmStartOptions",
@@ -68,6 +75,8 @@ MISTAKES: tuple[str, ...] = ("malformed", "syntax", "name", "unknown_tool")
 _MANIFEST = "warmstart.json"
 #: How the name of every cached warm-start folder begins.
 FOLDER_PREFIX = "warm-calc-"
+#: Attempts of a spawned build whose ranks a signal kills (module docstring): two retries.
+SPAWN_ATTEMPTS = 3
 
 
 class WarmStartCacheError(ValueError):
@@ -362,11 +371,65 @@ def _rank_gradient(model: Any, params: list[Any], batch: list[tuple[list[int], l
                       for p in params] + [loss.detach().reshape(1)])
 
 
-def _train_rank(rank: int, world: int, rendezvous: str, result: str, *args: Any) -> None:
-    """A spawned rank of :func:`_train`; rank 0 writes the final loss to ``result``."""
+def _train_rank(rank: int, world: int, rendezvous: str, result: str, abort_once: str | None,
+                *args: Any) -> None:
+    """A spawned rank of :func:`_train`; rank 0 writes the final loss to ``result``.
+
+    ``abort_once`` (``TRAJSTORE_FAULT_WARMSTART_ABORT_ONCE``, tests only): the rank that
+    creates this file first kills itself with SIGABRT, as a rank the machine kills dies;
+    a rank that finds it trains. A path that cannot be created raises OSError."""
+    if abort_once is not None:
+        _abort_once(abort_once)
     loss = _train([rank], world, rendezvous, *args)
     if rank == 0:
         Path(result).write_text(repr(loss), encoding="utf-8")
+
+
+def _abort_once(flag: str) -> None:
+    """Create ``flag`` and abort the process, unless it exists (then return)."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    with contextlib.suppress(ImportError, ValueError, OSError):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an injected fault leaves no core
+    os.abort()
+
+
+def _killed_by(exc: BaseException) -> str | None:
+    """The name of the signal that killed a spawned rank when ``exc`` (from
+    ``torch.multiprocessing.start_processes``) says one did; None for anything else: a rank
+    that raised (``ProcessRaisedException``) or exited with a code, which is a bug that a
+    retry would only repeat."""
+    from torch.multiprocessing import ProcessExitedException
+
+    if isinstance(exc, ProcessExitedException) and exc.signal_name:
+        return str(exc.signal_name)
+    return None
+
+
+def _retry_killed(attempt: Callable[[int], float], *, what: str,
+                  attempts: int = SPAWN_ATTEMPTS) -> float:
+    """``attempt(number)`` for number 1, 2, ... until one returns, while each failure is a
+    rank killed by a signal (:func:`_killed_by`), each logged as a warning naming ``what``,
+    the rank and the signal; at most ``attempts`` in all, after which the last exception
+    propagates. Any other exception propagates at once. Raises ValueError when ``attempts``
+    is not a positive integer."""
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ValueError(f"attempts must be a positive integer, got {attempts!r}")
+    for number in range(1, attempts + 1):
+        try:
+            return attempt(number)
+        except Exception as exc:
+            signal_name = _killed_by(exc)
+            if signal_name is None or number == attempts:
+                raise
+            log.warning("%s: rank %d was killed by %s (attempt %d of %d); starting again in a "
+                        "fresh scratch folder", what, getattr(exc, "error_index", -1),
+                        signal_name, number, attempts)
+    raise AssertionError("unreachable")  # the last attempt returned or raised
 
 
 def _can_spawn() -> bool:
@@ -388,7 +451,9 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
     """Build the tiny model for ``seed`` into ``directory`` and fine-tune it on
     :func:`solver_transcripts` in ``options.processes`` processes; writes the weights, the
     tokenizer and the manifest. Returns the folder. Raises ValueError for a negative seed or
-    bad options."""
+    bad options. A spawned rank killed by a signal is retried (module docstring); one that
+    raised or exited with a code raises ``torch.multiprocessing.ProcessException`` at once,
+    as does the last attempt."""
     import torch
     from transformers import AutoTokenizer
 
@@ -396,8 +461,12 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
     options.check()
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    path = build_tiny_model(directory, seed=seed, hidden_size=options.hidden_size,
-                            layers=options.layers, heads=options.heads)
+
+    def starting_model() -> Path:
+        return build_tiny_model(directory, seed=seed, hidden_size=options.hidden_size,
+                                layers=options.layers, heads=options.heads)
+
+    path = starting_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tools = [dict(t) for t in calc_task(seed, 0).tools]
     data = [_encode(tokenizer, t, tools)
@@ -414,12 +483,25 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
     else:
         import torch.multiprocessing as mp
 
-        with tempfile.TemporaryDirectory(prefix="warm-start-") as scratch:
-            result = Path(scratch) / "loss"
-            mp.start_processes(_train_rank, nprocs=options.processes, start_method="spawn",
-                               args=(options.processes, str(Path(scratch) / "rendezvous"),
-                                     str(result), *args))
-            loss = float(result.read_text(encoding="utf-8"))
+        from store.settings import get_settings
+
+        flag = get_settings().fault_warmstart_abort_once
+        abort_once = None if flag is None else str(flag)
+
+        def spawn(number: int) -> float:
+            if number > 1:
+                # A killed rank 0 may have been saving the trained weights over the
+                # starting ones: start from the seed's starting weights again.
+                starting_model()
+            with tempfile.TemporaryDirectory(prefix="warm-start-") as scratch:
+                result = Path(scratch) / "loss"
+                mp.start_processes(_train_rank, nprocs=options.processes,
+                                   start_method="spawn",
+                                   args=(options.processes, str(Path(scratch) / "rendezvous"),
+                                         str(result), abort_once, *args))
+                return float(result.read_text(encoding="utf-8"))
+
+        loss = _retry_killed(spawn, what=f"warm start seed {seed}")
     log.info("warm start seed %d: final SFT loss %.3f", seed, loss)
     manifest = {"version": WARM_START_VERSION, "seed": seed,
                 "options": options.__dict__, "final_loss": round(loss, 4),
