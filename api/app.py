@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.context import ApiContext
 from api.errors import install_error_handlers
-from api.limits import BodyLimit, NoNulInUrl, RefusalBudget
+from api.limits import BodyLimit, FairShare, NoNulInUrl, RefusalBudget
 from api.openapi import install_openapi
 from api.routers import (
     analytics,
@@ -86,6 +86,9 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
     # Outside BodyLimit: a project over its refusal budget is answered before its body is read.
     app.add_middleware(RefusalBudget, budget=settings.api_refusal_budget,
                        window_s=settings.api_refusal_window_s)
+    # Outside the refusal budget: a project over its share waits before anything is read.
+    app.add_middleware(FairShare, max_delay_s=settings.api_share_max_delay_s,
+                       busy_from=settings.api_share_busy)
     app.add_middleware(NoNulInUrl)
     install_error_handlers(app)
     for module in (health, metrics, runs, episodes, credentials, samples, leases, completions,

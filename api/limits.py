@@ -1,4 +1,4 @@
-"""The request size limit, the refusal budget and the URL check.
+"""The request size limit, the refusal budget, the fair share and the URL check.
 
 The request size limit: a body over ``api_max_request_bytes`` is answered 413 before
 any route sees it (a declared ``Content-Length`` over the limit is refused unread; a chunked
@@ -14,12 +14,24 @@ window (said in Retry-After). That answer is held up to ``HOLD_S`` (at most ``MA
 once), so that a client ignoring Retry-After is not answered in a tight loop. A project
 flooding requests that a limit refuses thus costs the server's process a few reads and
 decodes a window and a sleeping coroutine per connection, not work per request, and the
-other projects keep its time. The count is per API process."""
+other projects keep its time. The count is per API process.
+
+The fair share (``FairShare``): the process sums each project's request time over the last
+``SHARE_WINDOW_S`` seconds (``store.shares.Shares``, decayed). While the machine's CPUs are
+at least ``api_share_busy`` busy (half, by default), a request of a project over its share
+(more than ``SHARE_MARGIN`` times the mean of the projects served in the window) waits,
+before it is read, as long as its project's requests take on average, at most
+``api_share_max_delay_s``: a project that sends requests as fast as it is answered then
+sends them at about half that rate while another project is served and the cores are short,
+and the work its requests cause (their rows in PostgreSQL, their replays) slows with them.
+A project alone, or on a machine with idle CPU, never waits; a wait is a sleeping coroutine,
+not a thread."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import threading
 import time
@@ -27,7 +39,10 @@ import urllib.parse
 from collections import deque
 from typing import Any
 
-__all__ = ["LIMIT_CODES", "BodyLimit", "NoNulInUrl", "RefusalBudget"]
+from store.shares import Shares
+
+__all__ = ["LIMIT_CODES", "SHARE_MARGIN", "SHARE_WINDOW_S", "BodyLimit", "FairShare",
+           "NoNulInUrl", "RefusalBudget", "request_project", "request_token"]
 
 #: How long the answer to a project over its refusal budget waits (at most; less when its
 #: budget frees sooner), and how many such answers wait at once in one process (more are
@@ -40,6 +55,43 @@ MAX_HELD = 256
 LIMIT_CODES = frozenset({"limit_exceeded", "render_budget"})
 
 _METHODS = {"POST", "PUT", "PATCH"}
+
+log = logging.getLogger(__name__)
+
+#: Seconds over which a project's request time is summed (decayed), for the fair share.
+SHARE_WINDOW_S = 5.0
+#: A project is over its share past this many times the mean of the projects' sums.
+SHARE_MARGIN = 1.25
+#: How often (seconds) the machine's CPU use is read again.
+_BUSY_EVERY_S = 0.5
+#: Most projects whose waits ``FairShare.waits`` keeps.
+_MAX_COUNTED = 10_000
+
+
+def request_token(scope: Any) -> str | None:
+    """The API key a request carries (``Authorization: Bearer`` or ``X-API-Key``), or
+    None."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            text = value.decode("latin-1")
+            if text[:7].lower() == "bearer ":
+                return text[7:].strip()
+        elif name == b"x-api-key":
+            return str(value.decode("latin-1").strip())
+    return None
+
+
+def request_project(scope: Any, token: str | None) -> str | None:
+    """The project of a request whose key this process trusts already
+    (``api.keys.KeyStore.trusted``: no I/O), the local project for a request without a key
+    in local mode, else None (a key not checked yet, or no key)."""
+    ctx = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
+    if ctx is None:
+        return None
+    if not token:
+        return ctx.local_key.project if ctx.local_key is not None else None
+    key = ctx.keys.trusted(token)
+    return None if key is None else str(key.project)
 
 
 class BodyLimit:
@@ -147,31 +199,11 @@ class RefusalBudget:
                 times = self._refused[project] = deque(maxlen=self.budget)
             times.append(now)
 
-    @staticmethod
-    def _token(scope: Any) -> str | None:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                text = value.decode("latin-1")
-                if text[:7].lower() == "bearer ":
-                    return text[7:].strip()
-            elif name == b"x-api-key":
-                return str(value.decode("latin-1").strip())
-        return None
-
-    def _project(self, scope: Any, token: str | None) -> str | None:
-        ctx = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
-        if ctx is None:
-            return None
-        if not token:
-            return ctx.local_key.project if ctx.local_key is not None else None
-        key = ctx.keys.trusted(token)
-        return None if key is None else str(key.project)
-
     async def _verified_project(self, scope: Any, token: str | None) -> str | None:
         """The project of a refused request whose key this process did not trust yet (a
         limit answered before any route checked it): the key is checked now, once (the
         process trusts it afterwards); None for a key that is not valid."""
-        project = self._project(scope, token)
+        project = request_project(scope, token)
         if project is not None or not token:
             return project
         from starlette.concurrency import run_in_threadpool
@@ -215,8 +247,8 @@ class RefusalBudget:
         if scope["type"] != "http" or not self.budget:
             await self.app(scope, receive, send)
             return
-        token = self._token(scope)
-        project = self._project(scope, token)
+        token = request_token(scope)
+        project = request_project(scope, token)
         if project is not None:
             wait_s = self.wait_s(project)
             if wait_s > 0:
@@ -238,6 +270,140 @@ class RefusalBudget:
                 counted = project or await self._verified_project(scope, token)
                 if counted is not None:
                     self._count(counted)
+
+
+class FairShare:
+    """ASGI middleware giving way to the other projects while the machine is busy (module
+    docstring). ``max_delay_s`` 0 turns it off; ``busy_from`` is the fraction of the
+    machine's CPU in use from which it acts (0: always). A negative or non-finite
+    ``max_delay_s``, or a ``busy_from`` outside 0..1, raises ValueError. ``busy``: a
+    callable answering the fraction of the machine's CPU in use lately (None: read with
+    psutil every ``_BUSY_EVERY_S``)."""
+
+    def __init__(self, app: Any, *, max_delay_s: float, busy_from: float = 0.5,
+                 busy: Any = None) -> None:
+        if not (math.isfinite(max_delay_s) and max_delay_s >= 0):
+            raise ValueError(f"max_delay_s must be a number of seconds >= 0, got "
+                             f"{max_delay_s!r}")
+        if not (math.isfinite(busy_from) and 0 <= busy_from <= 1):
+            raise ValueError(f"busy_from must be a fraction from 0 to 1, got {busy_from!r}")
+        self.app = app
+        self.max_delay_s = float(max_delay_s)
+        self.busy_from = float(busy_from)
+        self.shares = Shares(SHARE_WINDOW_S, SHARE_MARGIN)
+        self._busy = busy or _MachineBusy()
+        #: Project -> how many of its requests waited, and for how long in all (seconds),
+        #: since the process started (the projects that waited most recently, at most
+        #: ``_MAX_COUNTED``).
+        self.waits: dict[str, tuple[int, float]] = {}
+        # Requests past the gate and not yet answered, by project (the event loop's thread
+        # alone touches these), and the condition the waiting ones are woken by.
+        self._in_flight: dict[str, int] = {}
+        self._all_in_flight = 0
+        self._waiting = 0
+        self._condition: tuple[Any, asyncio.Condition] | None = None
+
+    def delay_s(self, project: str) -> float:
+        """How long a request of ``project`` waits now before it is served (0 but for a
+        project over its share while the machine is busy)."""
+        if not self.shares.over(project):
+            return 0.0
+        if self.busy_from > 0 and self._busy() < self.busy_from:
+            return 0.0
+        return min(self.max_delay_s, self.shares.mean_cost(project))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.max_delay_s:
+            await self.app(scope, receive, send)
+            return
+        project = request_project(scope, request_token(scope))
+        if project is None:
+            await self.app(scope, receive, send)
+            return
+        delay = self.delay_s(project)
+        if delay > 0:
+            await self._give_way(project, delay)
+        self._in_flight[project] = self._in_flight.get(project, 0) + 1
+        self._all_in_flight += 1
+        start = time.monotonic()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.shares.add(project, time.monotonic() - start)
+            self._all_in_flight -= 1
+            left = self._in_flight[project] - 1
+            if left:
+                self._in_flight[project] = left
+            else:
+                del self._in_flight[project]
+            if self._waiting:
+                served = self._served()
+                async with served:
+                    served.notify_all()
+
+    def _served(self) -> asyncio.Condition:
+        """The condition a request's end notifies, of the running event loop (an app served
+        by another loop later gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._condition is None or self._condition[0] is not loop:
+            self._condition = (loop, asyncio.Condition())
+        return self._condition[1]
+
+    def _others_in_flight(self, project: str) -> int:
+        return self._all_in_flight - self._in_flight.get(project, 0)
+
+    async def _give_way(self, project: str, delay: float) -> None:
+        """Wait ``delay`` seconds, then for the other projects' requests in flight to end,
+        ``max_delay_s`` at most in all; counted in ``waits``."""
+        started = time.monotonic()
+        self._waiting += 1
+        try:
+            await asyncio.sleep(delay)
+            left = self.max_delay_s - (time.monotonic() - started)
+            if left > 0 and self._others_in_flight(project):
+                served = self._served()
+                async with served:
+                    try:
+                        await asyncio.wait_for(served.wait_for(
+                            lambda: not self._others_in_flight(project)), left)
+                    except TimeoutError:
+                        pass
+        finally:
+            self._waiting -= 1
+            waited = time.monotonic() - started
+            count, total = self.waits.pop(project, (0, 0.0))
+            if not count:
+                log.info("project %s takes more than its share of the API's time while the "
+                         "machine is busy: its requests wait up to %g s for the others' "
+                         "(TRAJSTORE_API_SHARE_MAX_DELAY_S)", project, self.max_delay_s)
+            if len(self.waits) >= _MAX_COUNTED:
+                del self.waits[next(iter(self.waits))]
+            self.waits[project] = (count + 1, total + waited)
+
+
+class _MachineBusy:
+    """The fraction (0 to 1) of the machine's CPU time in use since the last reading, read
+    again at most every ``_BUSY_EVERY_S`` seconds (0.0 where it cannot be read)."""
+
+    def __init__(self) -> None:
+        self._at = 0.0
+        self._value = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if now - self._at < _BUSY_EVERY_S:
+            return self._value
+        with self._lock:
+            if now - self._at >= _BUSY_EVERY_S:
+                try:
+                    import psutil
+
+                    self._value = float(psutil.cpu_percent(interval=None)) / 100.0
+                except Exception:  # noqa: BLE001 - no reading: never busy
+                    self._value = 0.0
+                self._at = now
+        return self._value
 
 
 class NoNulInUrl:

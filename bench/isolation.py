@@ -270,8 +270,8 @@ class _Victim:
 
 
 def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
-                         replay_places: int | None = None, slots: int | None = None
-                         ) -> subprocess.Popen[bytes]:
+                         replay_places: int | None = None, slots: int | None = None,
+                         over_share_nice: int | None = None) -> subprocess.Popen[bytes]:
     from store import embedded
 
     broker = embedded.redis_url(Settings(database_url=url, data_dir=tmp))
@@ -280,6 +280,8 @@ def _start_replay_worker(url: str, tmp: Path, render_budget_s: float,
                TRAJSTORE_DATA_DIR=str(tmp), TRAJSTORE_RENDER_BUDGET_S=str(render_budget_s))
     if replay_places is not None:
         env["TRAJSTORE_REPLAY_PROJECT_RUNNING"] = str(replay_places)
+    if over_share_nice is not None:
+        env["TRAJSTORE_REPLAY_OVER_SHARE_NICE"] = str(over_share_nice)
     log = tmp / "worker.log"
     with open(log, "ab") as out:
         worker = subprocess.Popen(
@@ -408,6 +410,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--replay-places", type=int, default=None,
                         help="REPLAY_PROJECT_RUNNING of the replay worker (default: the "
                         "setting's default).")
+    parser.add_argument("--api-share-max-delay-s", type=float, default=None,
+                        help="API_SHARE_MAX_DELAY_S of the server (default: the setting's "
+                        "default; 0: a project over its share of the API's time never "
+                        "waits).")
+    parser.add_argument("--over-share-nice", type=int, default=None,
+                        help="REPLAY_OVER_SHARE_NICE of the replay worker (default: the "
+                        "setting's default; 0: a project over its share of the replay CPU "
+                        "replays at the worker's priority).")
     args = parser.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = sorted(set(workloads) - set(WORKLOADS))
@@ -436,6 +446,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gateway = "gateway" in workloads
         env = {"TRAJSTORE_API_MAX_REQUEST_BYTES": str(_MAX_BODY),
                "TRAJSTORE_OTLP_MAX_SPANS": "200", "TRAJSTORE_DATA_DIR": tmp}
+        if args.api_share_max_delay_s is not None:
+            env["TRAJSTORE_API_SHARE_MAX_DELAY_S"] = str(args.api_share_max_delay_s)
         if gateway:
             env.update(TRAJSTORE_GATEWAY_ENGINE_MODEL="tiny", TRAJSTORE_GATEWAY_MAX_TOKENS="8")
         # Replay is left to replay workers, as deployments do (``trajstore up``).
@@ -448,7 +460,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             if any(w in REPLAY_FLOODS for w in workloads):
                 worker = _start_replay_worker(url, Path(tmp), args.render_budget_s,
-                                              args.replay_places, args.replay_slots)
+                                              args.replay_places, args.replay_slots,
+                                              args.over_share_nice)
                 replay_db = Database(url, max_size=1)
             if "replay" in workloads:
                 flood_run = f"a-flood-{uuid.uuid4().hex[:8]}"
@@ -500,7 +513,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         places = args.replay_places or Settings().replay_project_running
         slots = args.replay_slots or default_replay_slots(
             Settings(replay_project_running=places))
-        print(f"replay worker: {slots} slots, {places} places per project")
+        nice = args.over_share_nice if args.over_share_nice is not None else \
+            Settings().replay_over_share_nice
+        print(f"replay worker: {slots} slots, {places} places per project, projects over "
+              f"their share of the replay CPU at nice {nice}")
     if args.attacker_nice or args.api_workers != 1:
         print(f"attackers at nice {args.attacker_nice}; {args.api_workers} API processes")
     print(f"floods: {', '.join(workloads)} ({attackers} attacking processes), "

@@ -318,6 +318,22 @@ class Settings(BaseSettings):
         default=10.0, gt=0, le=3600, allow_inf_nan=False,
         description="The window of api_refusal_budget, in seconds.",
     )
+    api_share_max_delay_s: float = Field(
+        default=0.25, ge=0, le=10, allow_inf_nan=False,
+        description="Longest wait before a request of a project over its share of the API "
+        "process's time while the machine is busy: its requests over the last 5 s took more "
+        "than 1.25 times the mean of the projects served in that time, and the machine's "
+        "CPUs were at least api_share_busy busy. Such a request waits as long as its project's "
+        "requests take on average, at most this long, before it is served, so a project "
+        "sending requests as fast as it can leaves the cores to the others. A project alone, "
+        "or on an idle machine, never waits. 0: never.",
+    )
+    api_share_busy: float = Field(
+        default=0.5, ge=0, le=1, allow_inf_nan=False,
+        description="The fraction of the machine's CPU time in use (over the last half "
+        "second) from which a project over its share of the API's time waits "
+        "(api_share_max_delay_s). 0: whatever the machine's load.",
+    )
     otlp_max_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024,
         description="Largest OTLP export (POST /v1/traces) once decompressed; bigger: 413.",

@@ -19,13 +19,14 @@ import pytest
 
 from store.eventlog import EventStore
 from store.settings import Settings
+from store.shares import Shares
 from tests.replay.replay_tokenizers import qwen3_tokenizer
 from tests.workers.conftest import wait_for
 from tests.workers.test_replay_budget import episode, record, samples_per_episode
 from tests.workers.test_replay_dispatch import project_run
 from workers.engines.niced import NicedThread
 from workers.replay.jobs import shares as shares_module
-from workers.replay.jobs.shares import ReplayShares, replay_at_priority, start_over_share_thread
+from workers.replay.jobs.shares import replay_at_priority, start_over_share_thread
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="a thread's own nice value is Linux's")
@@ -37,7 +38,7 @@ def qwen3() -> Any:
 
 
 def test_a_project_alone_is_never_over_its_share() -> None:
-    s = ReplayShares(window_s=10)
+    s = Shares(window_s=10, margin=1.25)
     for t in range(20):
         s.add("flood", 0.5, now=float(t) / 10)
     assert not s.over("flood", now=2.0)
@@ -45,14 +46,14 @@ def test_a_project_alone_is_never_over_its_share() -> None:
 
 
 def test_the_heavier_of_two_projects_is_over_its_share_and_the_lighter_not() -> None:
-    s = ReplayShares(window_s=10, margin=1.25)
+    s = Shares(window_s=10, margin=1.25)
     for t in range(20):
         s.add("flood", 0.05, now=t / 10)
     s.add("neighbour", 0.02, now=2.0)
     assert s.over("flood", now=2.0)
     assert not s.over("neighbour", now=2.0)
     # Two projects that take about as much are both within their share.
-    even = ReplayShares(window_s=10, margin=1.25)
+    even = Shares(window_s=10, margin=1.25)
     for t in range(10):
         even.add("a", 0.05, now=t / 10)
         even.add("b", 0.055, now=t / 10)
@@ -60,7 +61,7 @@ def test_the_heavier_of_two_projects_is_over_its_share_and_the_lighter_not() -> 
 
 
 def test_a_project_idle_past_the_window_is_forgotten() -> None:
-    s = ReplayShares(window_s=10)
+    s = Shares(window_s=10, margin=1.25)
     s.add("flood", 5.0, now=0.0)
     s.add("neighbour", 0.01, now=0.0)
     assert s.over("flood", now=1.0)
@@ -70,14 +71,14 @@ def test_a_project_idle_past_the_window_is_forgotten() -> None:
 
 
 def test_a_replay_is_charged_at_least_a_millisecond_and_bad_windows_are_refused() -> None:
-    s = ReplayShares(window_s=10)
+    s = Shares(window_s=10, margin=1.25)
     s.add("a", 0.0, now=0.0)
     s.add("b", -1.0, now=0.0)  # a clock that went back charges the minimum
     s.add("a", 0.0, now=0.0)
     assert s.over("a", now=0.0) and not s.over("b", now=0.0)  # 2 ms against 1
     for bad in ({"window_s": 0}, {"window_s": -1}, {"margin": 0.5}):
         with pytest.raises(ValueError, match="window_s must be > 0 and margin >= 1"):
-            ReplayShares(**bad)  # type: ignore[arg-type]
+            Shares(**{"window_s": 10, "margin": 1.25, **bad})  # type: ignore[arg-type]
 
 
 def test_a_niced_thread_runs_calls_at_its_priority_and_hands_back_errors() -> None:
@@ -118,7 +119,7 @@ def over_share_thread() -> Iterator[NicedThread]:
     thread = start_over_share_thread(Settings(replay_over_share_nice=10))
     assert thread is not None
     saved = shares_module.shares
-    shares_module.shares = ReplayShares()
+    shares_module.shares = Shares(10, 1.25)
     yield thread
     shares_module.shares = saved
 

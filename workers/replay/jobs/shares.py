@@ -7,7 +7,7 @@ those replays take. A project that finishes episodes as fast as it can keeps its
 and, on a machine of few cores, takes the cores a neighbour's replay, the API and
 PostgreSQL need. So each replay worker pool process sums the CPU time of each project's
 replays over the last ``SHARE_WINDOW_S`` seconds (decayed exponentially,
-:class:`ReplayShares`); a project whose sum is over ``SHARE_MARGIN`` times the mean of the
+:class:`store.shares.Shares`); a project whose sum is over ``SHARE_MARGIN`` times the mean of the
 projects that replayed in that window is *over its share*, and its replays run on the
 process's over-share thread, whose priority was lowered once to ``REPLAY_OVER_SHARE_NICE``
 (nice 10 by default), while the task waits for them. The kernel then gives them the CPU that
@@ -25,16 +25,16 @@ budget (no project), the replay runs on the task's own thread, as before.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from store.settings import Settings
+from store.shares import Shares
 from workers.engines.niced import NicedThread
 
-__all__ = ["SHARE_MARGIN", "SHARE_WINDOW_S", "ReplayShares", "over_share_replays",
+__all__ = ["SHARE_MARGIN", "SHARE_WINDOW_S", "over_share_replays",
            "over_share_thread", "replay_at_priority", "shares", "start_over_share_thread"]
 
 log = logging.getLogger(__name__)
@@ -83,54 +83,8 @@ def over_share_thread() -> NicedThread | None:
     return found if found is not None and found.usable() else None
 
 
-class ReplayShares:
-    """Each project's share of one process's replay CPU over the last ``window_s`` seconds
-    (an exponentially decayed sum of the CPU time of its replays, in seconds of the
-    replaying thread's CPU). A project is *over its share* when at least two projects
-    replayed in the window and its sum exceeds ``margin`` times the mean of theirs: it takes
-    more of the process's replay CPU than the others. A project alone is never over its
-    share (the rule leaves no core idle). Thread-safe."""
-
-    def __init__(self, window_s: float = SHARE_WINDOW_S, margin: float = SHARE_MARGIN) -> None:
-        if not window_s > 0 or not margin >= 1:
-            raise ValueError(f"window_s must be > 0 and margin >= 1, got {window_s!r}, "
-                             f"{margin!r}")
-        self.window_s = window_s
-        self.margin = margin
-        #: project -> (decayed CPU seconds, monotonic time they were decayed to)
-        self._used: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    def _decayed(self, now: float) -> dict[str, float]:
-        """Every project's sum decayed to ``now``, forgetting those idle past the window."""
-        out = {}
-        for project, (used, at) in list(self._used.items()):
-            if now - at > self.window_s:
-                del self._used[project]
-                continue
-            out[project] = used * math.exp(-(now - at) / self.window_s)
-        return out
-
-    def over(self, project: str, *, now: float | None = None) -> bool:
-        """Whether ``project`` is over its share now (class docstring)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            used = self._decayed(now)
-        if len(used) < 2 or project not in used:
-            return False
-        return used[project] > self.margin * sum(used.values()) / len(used)
-
-    def add(self, project: str, cpu_s: float, *, now: float | None = None) -> None:
-        """Charge ``project`` ``cpu_s`` seconds of replay CPU (at least a millisecond: a
-        replay is never free)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            used = self._decayed(now).get(project, 0.0)
-            self._used[project] = (used + max(float(cpu_s), 0.001), now)
-
-
 #: This process's replay shares.
-shares = ReplayShares()
+shares = Shares(SHARE_WINDOW_S, SHARE_MARGIN)
 
 
 def _project(budget: Mapping[str, Any] | None) -> str | None:
@@ -141,7 +95,7 @@ def _project(budget: Mapping[str, Any] | None) -> str | None:
 def replay_at_priority(settings: Settings, budget: Mapping[str, Any] | None,
                        replay: Callable[[], T]) -> T:
     """``replay()`` on this process's lower-priority thread when its project (the
-    ``budget``'s) is over its share of the process's replay CPU (:class:`ReplayShares`) and
+    ``budget``'s) is over its share of the process's replay CPU (:class:`store.shares.Shares`) and
     the thread runs; else on the caller's thread. Its value or its exception either way;
     its CPU time is charged to the project. A replay without a budget (a project unknown)
     runs on the caller's thread, uncharged."""
