@@ -525,10 +525,13 @@ class Gateway:
                      agent: str, policy_version: int | None, run: str | None,
                      group: str | None, abandoned: str | None) -> Response:
         """The one capture path of both endpoints; ``form`` holds what differs."""
-        refuse_unstorable(body)
+        # The limits first (counts and sizes), then the walk over every value, off the event
+        # loop: a body of 10,000 stop strings or 1,000 tools is refused without walking it,
+        # and one just under the limits does not hold up every other request for its walk.
+        self._check_limits(body)
+        await run_in_threadpool(refuse_unstorable, body)
         self.access.check_scope(key, body.rollout_id if body.rollout_id is not None
                                 else episode)
-        self._check_limits(body)
         if body.rollout_id is not None:
             self._no_abandon_for_remote(abandoned)
             return await self.remote(body, key=key, agent=agent, policy_version=policy_version,
