@@ -35,6 +35,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 
 from api.deps import Ctx, source_address
 from api.errors import ApiError
@@ -162,6 +163,29 @@ def _safe_next(value: str | None) -> str:
     return "/ui"
 
 
+class _PageHeaders:
+    """ASGI middleware setting ``PAGE_HEADERS`` on the answers under ``/ui``; every other
+    request passes untouched (a plain ASGI layer: no task or stream per request, as
+    Starlette's ``BaseHTTPMiddleware`` would cost every API request)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/ui"):
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in PAGE_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 def install(app: Any) -> None:
     """Add the pages, the static files and the page errors to ``app``."""
     from fastapi.staticfiles import StaticFiles
@@ -169,12 +193,7 @@ def install(app: Any) -> None:
     app.include_router(router)
     app.mount("/ui/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
 
-    @app.middleware("http")
-    async def page_headers(request: Request, call_next: Any) -> Response:
-        response = await call_next(request)
-        if request.url.path.startswith("/ui"):
-            response.headers.update(PAGE_HEADERS)
-        return response
+    app.add_middleware(_PageHeaders)
 
     @app.exception_handler(LoginRequired)
     async def login_required(request: Request, exc: LoginRequired) -> Response:
