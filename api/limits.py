@@ -19,7 +19,8 @@ other projects keep its time. The count is per API process.
 The fair share (``FairShare``): the process sums each project's request time over the last
 ``SHARE_WINDOW_S`` seconds (``store.shares.Shares``, decayed). While the machine's CPUs are
 at least ``api_share_busy`` busy (half, by default), a request of a project over its share
-(more than ``SHARE_MARGIN`` times the mean of the projects served in the window) waits,
+(more than ``SHARE_MARGIN`` times the mean of the projects served in the window, while another
+project was served within the last second) waits,
 before it is read, as long as its project's requests take on average, at most
 ``api_share_max_delay_s``: a project that sends requests as fast as it is answered then
 sends them at about half that rate while another project is served and the cores are short,

@@ -322,7 +322,8 @@ class Settings(BaseSettings):
         default=0.25, ge=0, le=10, allow_inf_nan=False,
         description="Longest wait before a request of a project over its share of the API "
         "process's time while the machine is busy: its requests over the last 5 s took more "
-        "than 1.25 times the mean of the projects served in that time, and the machine's "
+        "than 1.25 times the mean of the projects served in that time, another project was "
+        "served within the last second, and the machine's "
         "CPUs were at least api_share_busy busy. Such a request waits as long as its project's "
         "requests take on average, at most this long, before it is served, so a project "
         "sending requests as fast as it can leaves the cores to the others. A project alone, "

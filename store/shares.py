@@ -4,10 +4,11 @@ time (``api.limits.FairShare``).
 
 A project's use is an exponentially decayed sum of what its work cost (seconds), with the
 time constant ``window_s``; a project that used nothing for ``window_s`` seconds is forgotten.
-A project is *over its share* when at least two projects used the resource within the window
-and its sum exceeds ``margin`` times the mean of theirs. A project alone is never over its
-share, so a rule built on it leaves nothing idle. Each step costs O(1) (amortized) whatever
-the number of projects.
+A project is *over its share* when another project used the resource within the last
+``active_s`` seconds (a neighbour is there now) and its sum exceeds ``margin`` times the mean
+of the sums of the projects used within the window. A project alone, or one whose neighbours
+have gone quiet, is never over its share, so a rule built on it leaves nothing idle. Each
+step costs O(1) (amortized) whatever the number of projects.
 """
 
 from __future__ import annotations
@@ -24,18 +25,32 @@ __all__ = ["MIN_COST_S", "Shares"]
 MIN_COST_S = 0.001
 
 
+def _last_two(used: OrderedDict[str, tuple[float, float, float]]) -> list[str]:
+    found = []
+    for project in reversed(used):
+        found.append(project)
+        if len(found) == 2:
+            break
+    return found
+
+
 class Shares:
     """Decayed use per project (module docstring). Thread-safe. Raises ValueError when
-    ``window_s`` is not a positive finite number or ``margin`` is below 1."""
+    ``window_s`` or ``active_s`` is not a positive finite number, or ``margin`` is below
+    1."""
 
-    def __init__(self, window_s: float, margin: float) -> None:
+    def __init__(self, window_s: float, margin: float, active_s: float = 1.0) -> None:
         if not (isinstance(window_s, (int, float)) and math.isfinite(window_s)
                 and window_s > 0) or not (isinstance(margin, (int, float))
                                           and math.isfinite(margin) and margin >= 1):
             raise ValueError(f"window_s must be > 0 and margin >= 1, got {window_s!r}, "
                              f"{margin!r}")
+        if not (isinstance(active_s, (int, float)) and math.isfinite(active_s)
+                and active_s > 0):
+            raise ValueError(f"active_s must be > 0, got {active_s!r}")
         self.window_s = float(window_s)
         self.margin = float(margin)
+        self.active_s = float(active_s)
         #: project -> (decayed cost, decayed count, time both were decayed to), the project
         #: used longest ago first.
         self._used: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
@@ -78,10 +93,19 @@ class Shares:
         with self._lock:
             self._advance(now)
             found = self._used.get(project)
-            if found is None or len(self._used) < 2:
+            if found is None or len(self._used) < 2 or not self._neighbour_since(
+                    project, now - self.active_s):
                 return False
             cost = found[0] * self._decay(found[2], now)
             return cost > self.margin * self._total / len(self._used)
+
+    def _neighbour_since(self, project: str, since: float) -> bool:
+        """Whether a project other than ``project`` used the resource at ``since`` or
+        later (the two used last: the dict is in the order of last use)."""
+        for other in _last_two(self._used):
+            if other != project:
+                return self._used[other][2] >= since
+        return False
 
     def mean_cost(self, project: str) -> float:
         """The decayed mean cost of ``project``'s work lately (seconds; 0.0 when it has

@@ -69,6 +69,21 @@ def test_shares_decay_forget_idle_projects_and_charge_at_least_a_millisecond() -
         Shares(5, 0.9)
 
 
+def test_a_project_is_over_its_share_only_while_a_neighbour_is_there() -> None:
+    """Once the flood stops, the project that goes on is not held back against the flood's
+    fading sum; it is once the flood comes back."""
+    s = Shares(SHARE_WINDOW_S, SHARE_MARGIN, active_s=1.0)
+    s.add("flood", 1.0, now=0.0)
+    s.add("victim", 0.01, now=0.0)
+    for t in range(1, 40):
+        s.add("victim", 0.05, now=t / 10)
+    assert not s.over("victim", now=3.9)  # the flood has been quiet for 3.9 s
+    s.add("flood", 0.001, now=3.9)
+    assert s.over("victim", now=3.9)  # now it takes more than its share
+    with pytest.raises(ValueError, match="active_s must be > 0"):
+        Shares(5, 1.25, active_s=0)
+
+
 def test_bad_settings_of_the_middleware_are_refused() -> None:
     for bad in (-0.1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="max_delay_s must be a number of seconds"):

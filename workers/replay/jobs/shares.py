@@ -7,11 +7,12 @@ those replays take. A project that finishes episodes as fast as it can keeps its
 and, on a machine of few cores, takes the cores a neighbour's replay, the API and
 PostgreSQL need. So each replay worker pool process sums the CPU time of each project's
 replays over the last ``SHARE_WINDOW_S`` seconds (decayed exponentially,
-:class:`store.shares.Shares`); a project whose sum is over ``SHARE_MARGIN`` times the mean of the
-projects that replayed in that window is *over its share*, and its replays run on the
-process's over-share thread, whose priority was lowered once to ``REPLAY_OVER_SHARE_NICE``
-(nice 10 by default), while the task waits for them. The kernel then gives them the CPU that
-work at the usual priority leaves: a project that replays an episode now and then is
+``store.shares.Shares``); a project whose sum is over ``SHARE_MARGIN`` times the mean of the
+projects that replayed in that window, while another project replayed within the last
+second, is *over its share*, and its replays run on the process's over-share thread, whose
+priority was lowered once to ``REPLAY_OVER_SHARE_NICE`` (nice 10 by default), while the
+task waits for them. The kernel then gives them the CPU that work at the usual priority
+leaves: a project that replays an episode now and then is
 replayed first, a flooding project keeps every core the others do not want (a project alone
 is never over its share), and a replay's result does not change (the same code runs, on
 another thread).
@@ -95,7 +96,7 @@ def _project(budget: Mapping[str, Any] | None) -> str | None:
 def replay_at_priority(settings: Settings, budget: Mapping[str, Any] | None,
                        replay: Callable[[], T]) -> T:
     """``replay()`` on this process's lower-priority thread when its project (the
-    ``budget``'s) is over its share of the process's replay CPU (:class:`store.shares.Shares`) and
+    ``budget``'s) is over its share of the process's replay CPU (``store.shares.Shares``) and
     the thread runs; else on the caller's thread. Its value or its exception either way;
     its CPU time is charged to the project. A replay without a budget (a project unknown)
     runs on the caller's thread, uncharged."""
