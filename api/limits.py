@@ -19,12 +19,12 @@ other projects keep its time. The count is per API process.
 The fair share (``FairShare``): the process sums each project's request time over the last
 ``SHARE_WINDOW_S`` seconds (``store.shares.Shares``, decayed). While the machine's CPUs are
 at least ``api_share_busy`` busy (half, by default), a request of a project over its share
-(more than ``SHARE_MARGIN`` times the mean of the projects served in the window, while another
-project was served within the last second) waits,
-before it is read, as long as its project's requests take on average, at most
-``api_share_max_delay_s``: a project that sends requests as fast as it is answered then
-sends them at about half that rate while another project is served and the cores are short,
-and the work its requests cause (their rows in PostgreSQL, their replays) slows with them.
+(more than ``SHARE_MARGIN`` times the mean of the projects served in the window, while
+another project was served within the last second) waits, before it is read, as long as its
+project's requests take on average, at most ``api_share_max_delay_s``: a project that sends
+requests as fast as it is answered then sends them at about half that rate while another
+project is served and the cores are short, and the work its requests cause (their rows in
+PostgreSQL, their replays) slows with them.
 A project alone, or on a machine with idle CPU, never waits; a wait is a sleeping coroutine,
 not a thread."""
 
@@ -67,6 +67,8 @@ SHARE_MARGIN = 1.25
 _BUSY_EVERY_S = 0.5
 #: Most projects whose waits ``FairShare.waits`` keeps.
 _MAX_COUNTED = 10_000
+#: Where ``request_project`` keeps its answer in a request's state.
+_PROJECT_KEPT = "trajstore.request_project"
 
 
 def request_token(scope: Any) -> str | None:
@@ -85,14 +87,22 @@ def request_token(scope: Any) -> str | None:
 def request_project(scope: Any, token: str | None) -> str | None:
     """The project of a request whose key this process trusts already
     (``api.keys.KeyStore.trusted``: no I/O), the local project for a request without a key
-    in local mode, else None (a key not checked yet, or no key)."""
+    in local mode, else None (a key not checked yet, or no key). Looked up once per request
+    and token: the answer is kept in the request's state for the next middleware."""
+    state = scope.setdefault("state", {})
+    kept = state.get(_PROJECT_KEPT)
+    if kept is not None and kept[0] == token:
+        return kept[1]
+    project: str | None = None
     ctx = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
-    if ctx is None:
-        return None
-    if not token:
-        return ctx.local_key.project if ctx.local_key is not None else None
-    key = ctx.keys.trusted(token)
-    return None if key is None else str(key.project)
+    if ctx is not None:
+        if not token:
+            project = ctx.local_key.project if ctx.local_key is not None else None
+        else:
+            key = ctx.keys.trusted(token)
+            project = None if key is None else str(key.project)
+    state[_PROJECT_KEPT] = (token, project)
+    return project
 
 
 class BodyLimit:
