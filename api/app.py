@@ -36,6 +36,7 @@ from api.routers import (
     traces,
 )
 from api.ui import routes as ui
+from store import heap
 from store.eventlog import EventStore
 from store.settings import Settings, get_settings
 
@@ -52,10 +53,12 @@ JSON arrays or as base64 of little-endian int32 ids / float32 logprobs.
 """
 
 
-def create_app(settings: Settings | None = None, *, store: EventStore | None = None
-               ) -> FastAPI:
+def create_app(settings: Settings | None = None, *, store: EventStore | None = None,
+               freeze_heap: bool = False) -> FastAPI:
     """The API over ``store`` (default: the store the settings name, opened at startup
-    and closed at shutdown)."""
+    and closed at shutdown). ``freeze_heap``: the process serves this app alone (``trajstore
+    serve``): once started, what it holds is frozen out of the garbage collector's full
+    collections (``store.heap``, ``GC_FREEZE_AFTER_MS``)."""
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -73,6 +76,9 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
             # Load the in-process engine now: a bad model folder fails the start, and the
             # first call does not wait for the model.
             await run_in_threadpool(ctx.gateway.engine)
+        if freeze_heap:
+            heap.install(settings.gc_freeze_after_ms)
+            heap.freeze(collect=True)
         try:
             yield
         finally:
@@ -100,5 +106,6 @@ def create_app(settings: Settings | None = None, *, store: EventStore | None = N
 
 
 def app_factory() -> FastAPI:
-    """The app as the environment configures it (``uvicorn --factory api.app:app_factory``)."""
-    return create_app()
+    """The app as the environment configures it (``uvicorn --factory api.app:app_factory``),
+    in a process that serves it alone."""
+    return create_app(freeze_heap=True)

@@ -335,6 +335,14 @@ class Settings(BaseSettings):
         "second) from which a project over its share of the API's time waits "
         "(api_share_max_delay_s). 0: whatever the machine's load.",
     )
+    gc_freeze_after_ms: float = Field(
+        default=20.0, ge=0, le=60_000, allow_inf_nan=False,
+        description="In the API and worker processes: a full garbage collection that took "
+        "longer than this (milliseconds) freezes the objects that survived it out of later "
+        "collections (store.heap), so that a process holding torch, a tokenizer and a model "
+        "does not stop every thread for a fraction of a second again and again. The processes "
+        "also freeze after their start and after each tokenizer they load. 0: only those.",
+    )
     otlp_max_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024,
         description="Largest OTLP export (POST /v1/traces) once decompressed; bigger: 413.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -43,12 +44,21 @@ def _warm_replay_imports(**_: Any) -> None:
     (``workers.replay.warm.import_replay_modules``): each pool process inherits it, so no
     process's first replay spends seconds importing transformers and torch while the
     episode waits (a fresh slot's first replay took 2.6 to 12 s on a busy two-core machine,
-    against tens of milliseconds warm)."""
-    if not app.conf.get("trajstore_replay_dispatch"):
-        return
-    from workers.replay.warm import import_replay_modules
+    against tens of milliseconds warm). Every worker then freezes what it holds out of the
+    garbage collector's full collections (``store.heap``, ``GC_FREEZE_AFTER_MS``)."""
+    from store import heap
 
-    import_replay_modules()
+    heap.install(get_settings().gc_freeze_after_ms)
+    if app.conf.get("trajstore_replay_dispatch"):
+        from workers.replay.warm import import_replay_modules
+
+        import_replay_modules()
+    # What the pool processes inherit is long-lived: out of their full collections
+    # (store.heap), and their copies of its pages stay shared.
+    frozen = heap.freeze(collect=True)
+    logging.getLogger(__name__).info(
+        "%d long-lived objects kept out of the garbage collector's full collections "
+        "(store.heap)", frozen)
 
 
 @worker_process_init.connect

@@ -66,7 +66,7 @@ from api.gateway.upstream import Upstream
 from api.keys import ApiKey
 from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from store import errors as store_errors
-from store import queries
+from store import heap, queries
 from store.eventlog import EventStore
 from store.events import Event
 from store.settings import Settings
@@ -266,6 +266,7 @@ class Gateway:
                 except ValueError as exc:
                     self._engine_refused = f"the in-process engine is refused: {exc}"
                     raise ApiError(503, "no_engine", self._engine_refused) from None
+                heap.loaded()  # the model is long-lived: out of full collections
             return self._engine
 
     def upstream(self) -> Upstream:

@@ -31,6 +31,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from store import heap
+
 if TYPE_CHECKING:
     from store.settings import Settings
 
@@ -89,8 +91,11 @@ def configure(*, cache_size: int) -> None:
         raise ValueError(f"cache_size must be a positive integer, got {cache_size!r}")
     with _lock:
         _cache_size = cache_size
+        dropped = len(_cache) > _cache_size
         while len(_cache) > _cache_size:
             _cache.popitem(last=False)
+    if dropped:
+        heap.release()
 
 
 def cached_tokenizers() -> list[str]:
@@ -200,8 +205,15 @@ def load_tokenizer(name: str | None, *, roots: tuple[str, ...] | None = None) ->
         tokenizer = _build(name, canonical, key)
         with _lock:
             _cache[key] = tokenizer
+            dropped = len(_cache) > _cache_size
             while len(_cache) > _cache_size:
                 _cache.popitem(last=False)
+        # A tokenizer is long-lived: out of the collector's full collections from now on
+        # (store.heap); a dropped one's reference cycles are reclaimed first.
+        if dropped:
+            heap.release()
+        else:
+            heap.loaded()
     return tokenizer
 
 
