@@ -16,15 +16,20 @@ flooding requests that a limit refuses thus costs the server's process a few rea
 decodes a window and a sleeping coroutine per connection, not work per request, and the
 other projects keep its time. The count is per API process.
 
-The fair share (``FairShare``): the process sums each project's request time over the last
-``SHARE_WINDOW_S`` seconds (``store.shares.Shares``, decayed). While the machine's CPUs are
-at least ``api_share_busy`` busy (half, by default), a request of a project over its share
-(more than ``SHARE_MARGIN`` times the mean of the projects served in the window, while
-another project was served within the last second) waits, before it is read, as long as its
-project's requests take on average, at most ``api_share_max_delay_s``: a project that sends
-requests as fast as it is answered then sends them at about half that rate while another
-project is served and the cores are short, and the work its requests cause (their rows in
-PostgreSQL, their replays) slows with them.
+The fair share (``FairShare``): the process sums each project's share of its time over the
+last ``SHARE_WINDOW_S`` seconds (``store.shares.Shares``, decayed). A request is charged its
+part of the time it was in flight, shared with the requests in flight beside it (while ``k``
+requests are in flight, each is charged ``1/k`` of each second): a neighbour's request slowed
+by a flood beside it is charged for the time it was served, not for the time it waited, and
+what a project took while no other was there is not charged at all; so slowness the others
+cause never puts a project over its share. While the machine's CPUs are at least
+``api_share_busy`` busy (half, by default), a request of a project over its share (more than
+``SHARE_MARGIN`` times the mean of the projects served in the window, while another project
+was served within the last second) waits, before it is read, as long as its project's
+requests take on average, at most ``api_share_max_delay_s``: a project that sends requests as
+fast as it is answered then sends them at about half that rate while another project is
+served and the cores are short, and the work its requests cause (their rows in PostgreSQL,
+their replays) slows with them.
 A project alone, or on a machine with idle CPU, never waits; a wait is a sleeping coroutine,
 not a thread."""
 
@@ -311,6 +316,11 @@ class FairShare:
         # alone touches these), and the condition the waiting ones are woken by.
         self._in_flight: dict[str, int] = {}
         self._all_in_flight = 0
+        # The time each request in flight was served, shared: it grows by dt / k while k
+        # requests are in flight, so a request is charged the difference from its start to
+        # its end (processor sharing).
+        self._served_s = 0.0
+        self._served_at = time.monotonic()
         self._waiting = 0
         self._condition: tuple[Any, asyncio.Condition] | None = None
 
@@ -334,13 +344,13 @@ class FairShare:
         delay = self.delay_s(project)
         if delay > 0:
             await self._give_way(project, delay)
+        start = self._share_clock()
         self._in_flight[project] = self._in_flight.get(project, 0) + 1
         self._all_in_flight += 1
-        start = time.monotonic()
         try:
             await self.app(scope, receive, send)
         finally:
-            self.shares.add(project, time.monotonic() - start)
+            self.shares.add(project, self._share_clock() - start)
             self._all_in_flight -= 1
             left = self._in_flight[project] - 1
             if left:
@@ -351,6 +361,15 @@ class FairShare:
                 served = self._served()
                 async with served:
                     served.notify_all()
+
+    def _share_clock(self) -> float:
+        """Seconds of this process's time each request in flight was served so far, shared
+        among them (advanced to now; the event loop's thread alone calls it)."""
+        now = time.monotonic()
+        if self._all_in_flight:
+            self._served_s += max(0.0, now - self._served_at) / self._all_in_flight
+        self._served_at = now
+        return self._served_s
 
     def _served(self) -> asyncio.Condition:
         """The condition a request's end notifies, of the running event loop (an app served

@@ -7,8 +7,13 @@ time constant ``window_s``; a project that used nothing for ``window_s`` seconds
 A project is *over its share* when another project used the resource within the last
 ``active_s`` seconds (a neighbour is there now) and its sum exceeds ``margin`` times the mean
 of the sums of the projects used within the window. A project alone, or one whose neighbours
-have gone quiet, is never over its share, so a rule built on it leaves nothing idle. Each
-step costs O(1) (amortized) whatever the number of projects.
+have gone quiet, is never over its share, so a rule built on it leaves nothing idle.
+
+Use while nobody else wanted the resource is not charged: a project's work counts toward its
+sum only while another project used the resource within the last ``active_s`` seconds.
+Otherwise a neighbour that had the resource to itself a moment ago would be over its share
+the moment a flood arrived, and held back for the flood. Each step costs O(1) (amortized)
+whatever the number of projects.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ __all__ = ["MIN_COST_S", "Shares"]
 MIN_COST_S = 0.001
 
 
-def _last_two(used: OrderedDict[str, tuple[float, float, float]]) -> list[str]:
+def _last_two(used: OrderedDict[str, tuple[float, float, float, float]]) -> list[str]:
     found = []
     for project in reversed(used):
         found.append(project)
@@ -51,9 +56,10 @@ class Shares:
         self.window_s = float(window_s)
         self.margin = float(margin)
         self.active_s = float(active_s)
-        #: project -> (decayed cost, decayed count, time both were decayed to), the project
-        #: used longest ago first.
-        self._used: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        #: project -> (decayed sum, decayed count, time they were decayed to, decayed cost
+        #: of its own work: the sum less the credit it came in with), the project used
+        #: longest ago first.
+        self._used: OrderedDict[str, tuple[float, float, float, float]] = OrderedDict()
         self._total = 0.0
         self._total_at = 0.0
         self._lock = threading.Lock()
@@ -66,7 +72,7 @@ class Shares:
         self._total *= self._decay(self._total_at, now)
         self._total_at = max(self._total_at, now)
         while self._used:
-            project, (cost, _, at) = next(iter(self._used.items()))
+            project, (cost, _, at, _) = next(iter(self._used.items()))
             if now - at <= self.window_s:
                 break
             del self._used[project]
@@ -82,10 +88,13 @@ class Shares:
         cost_s = cost_s if math.isfinite(cost_s) and cost_s > MIN_COST_S else MIN_COST_S
         with self._lock:
             self._advance(now)
-            cost, count, at = self._used.pop(project, (0.0, 0.0, now))
+            cost, count, at, own = self._used.pop(project, (0.0, 0.0, now, 0.0))
             keep = self._decay(at, now)
-            self._used[project] = (cost * keep + cost_s, count * keep + 1.0, now)
-            self._total += cost_s
+            # Charged only while a neighbour is there (module docstring).
+            charged = cost_s if self._neighbour_since(project, now - self.active_s) else 0.0
+            self._used[project] = (cost * keep + charged, count * keep + 1.0, now,
+                                   own * keep + cost_s)
+            self._total += charged
 
     def over(self, project: str, *, now: float | None = None) -> bool:
         """Whether ``project`` is over its share now (module docstring)."""
@@ -112,7 +121,7 @@ class Shares:
         none)."""
         with self._lock:
             found = self._used.get(project)
-        return found[0] / found[1] if found is not None and found[1] > 0 else 0.0
+        return found[3] / found[1] if found is not None and found[1] > 0 else 0.0
 
     def projects(self, *, now: float | None = None) -> int:
         """How many projects used the resource within the window."""

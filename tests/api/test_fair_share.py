@@ -11,6 +11,7 @@ back to back waits and its neighbour does not."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -40,23 +41,26 @@ def test_only_a_project_over_its_share_on_a_busy_machine_waits() -> None:
         fair.shares.add("flood", 0.02)
     assert fair.delay_s("flood") == 0.0  # alone: nothing to give way to
     fair.shares.add("neighbour", 0.005)
+    assert fair.delay_s("flood") == 0.0  # what it took alone is not held against it
+    for _ in range(10):
+        fair.shares.add("flood", 0.02)
     assert fair.delay_s("flood") == pytest.approx(0.02)  # its requests' mean time
     assert fair.delay_s("neighbour") == 0.0
     assert fair.delay_s("never-seen") == 0.0
     idle = _fair(busy=0.2)
-    idle.shares.add("flood", 0.5)
     idle.shares.add("neighbour", 0.001)
+    idle.shares.add("flood", 0.5)
     assert idle.delay_s("flood") == 0.0  # the machine has CPU to spare
     always = _fair(busy=0.0, busy_from=0.0)
-    always.shares.add("flood", 2.0)
     always.shares.add("neighbour", 0.001)
+    always.shares.add("flood", 2.0)
     assert always.delay_s("flood") == 0.25  # at most API_SHARE_MAX_DELAY_S
 
 
 def test_shares_decay_forget_idle_projects_and_charge_at_least_a_millisecond() -> None:
     s = Shares(SHARE_WINDOW_S, SHARE_MARGIN)
+    s.add("neighbour", 0.0, now=0.0)  # costs MIN_COST_S
     s.add("flood", 1.0, now=0.0)
-    s.add("neighbour", 0.0, now=0.0)  # charged MIN_COST_S
     assert s.mean_cost("neighbour") == MIN_COST_S
     assert s.over("flood", now=0.0) and s.projects(now=0.0) == 2
     assert s.projects(now=SHARE_WINDOW_S + 0.1) == 0  # both idle past the window
@@ -73,13 +77,18 @@ def test_a_project_is_over_its_share_only_while_a_neighbour_is_there() -> None:
     """Once the flood stops, the project that goes on is not held back against the flood's
     fading sum; it is once the flood comes back."""
     s = Shares(SHARE_WINDOW_S, SHARE_MARGIN, active_s=1.0)
-    s.add("flood", 1.0, now=0.0)
     s.add("victim", 0.01, now=0.0)
+    s.add("flood", 1.0, now=0.0)
     for t in range(1, 40):
         s.add("victim", 0.05, now=t / 10)
     assert not s.over("victim", now=3.9)  # the flood has been quiet for 3.9 s
     s.add("flood", 0.001, now=3.9)
-    assert s.over("victim", now=3.9)  # now it takes more than its share
+    # The flood is back: what the victim took meanwhile, alone, is not held against it.
+    assert not s.over("victim", now=3.9)
+    for t in range(40, 50):
+        s.add("victim", 0.05, now=t / 10)
+        s.add("flood", 0.001, now=t / 10)
+    assert s.over("victim", now=4.9)  # now it takes more than its share beside the flood
     with pytest.raises(ValueError, match="active_s must be > 0"):
         Shares(5, 1.25, active_s=0)
 
@@ -128,8 +137,8 @@ def test_a_project_over_its_share_waits_for_the_others_requests_in_flight() -> N
             order.append(f"{project} ends")
 
         fair = FairShare(inner, max_delay_s=30, busy_from=0.0)
-        fair.shares.add("flood", 0.05)
         fair.shares.add("neighbour", 0.001)
+        fair.shares.add("flood", 0.05)
         neighbour = asyncio.create_task(fair(_scope("neighbour"), None, None))
         await asyncio.sleep(0)
         flood = asyncio.create_task(fair(_scope("flood"), None, None))
@@ -156,8 +165,8 @@ def test_the_wait_for_the_others_ends_at_the_longest_delay() -> None:
                 await never.wait()
 
         fair = FairShare(inner, max_delay_s=0.2, busy_from=0.0)
-        fair.shares.add("flood", 0.05)
         fair.shares.add("neighbour", 0.001)
+        fair.shares.add("flood", 0.05)
         neighbour = asyncio.create_task(fair(_scope("neighbour"), None, None))
         await asyncio.sleep(0)
         await asyncio.wait_for(fair(_scope("flood"), None, None), 30)
@@ -232,3 +241,39 @@ def test_zero_turns_the_fair_share_off(api_settings: Settings, api_store: EventS
         for _ in range(25):
             client.get("/v1/runs", headers=flood.headers("read"))
         assert _middleware(client).waits == {}
+
+
+def test_a_request_is_charged_its_share_of_the_time_it_was_in_flight() -> None:
+    """Two requests in flight together are each charged about half of that time; one alone
+    the whole of it: a neighbour slowed by a flood beside it is charged for what it was
+    served, not for the time the flood made it wait."""
+
+    async def main() -> FairShare:
+        async def inner(scope: Any, receive: Any, send: Any) -> None:
+            await asyncio.sleep(0.3)
+
+        fair = FairShare(inner, max_delay_s=0.25, busy_from=0.0)
+        await asyncio.gather(fair(_scope("a"), None, None), fair(_scope("b"), None, None))
+        await fair(_scope("c"), None, None)
+        return fair
+
+    fair = asyncio.run(main())
+    a, b, c = (fair.shares.mean_cost(p) for p in "abc")
+    assert a == pytest.approx(b, rel=0.3), (a, b)
+    assert a + b == pytest.approx(c, rel=0.3) and a < 0.7 * c, (a, b, c)
+
+
+def test_on_the_app_a_neighbour_that_had_the_api_alone_is_not_held_back_for_a_flood(
+        fair_client: TestClient, key_store: Any) -> None:
+    flood, neighbour = make_project(key_store), make_project(key_store)
+    _trusted(fair_client, flood, neighbour)
+    time.sleep(1.2)  # the flood's first requests are over a second old: the neighbour is alone
+    for _ in range(25):
+        assert fair_client.get("/v1/runs", headers=neighbour.headers("read")).status_code == 200
+    for _ in range(15):
+        for _ in range(3):
+            assert fair_client.get("/v1/runs", headers=flood.headers("read")).status_code == 200
+        assert fair_client.get("/v1/runs", headers=neighbour.headers("read")).status_code == 200
+    fair = _middleware(fair_client)
+    assert neighbour.name not in fair.waits, fair.waits
+    assert fair.waits.get(flood.name, (0, 0.0))[0] > 0, fair.waits

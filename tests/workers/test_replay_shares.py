@@ -47,11 +47,28 @@ def test_a_project_alone_is_never_over_its_share() -> None:
 
 def test_the_heavier_of_two_projects_is_over_its_share_and_the_lighter_not() -> None:
     s = Shares(window_s=10, margin=1.25)
+    s.add("neighbour", 0.02, now=0.0)
     for t in range(20):
         s.add("flood", 0.05, now=t / 10)
-    s.add("neighbour", 0.02, now=2.0)
+        if t % 5 == 0:
+            s.add("neighbour", 0.02, now=t / 10)
     assert s.over("flood", now=2.0)
     assert not s.over("neighbour", now=2.0)
+
+
+def test_what_a_project_used_alone_is_not_held_against_it() -> None:
+    """The neighbour replayed alone for two seconds; the flood's first replays find it
+    within its share, and the flood, once it has taken more, over its own."""
+    s = Shares(window_s=10, margin=1.25)
+    for t in range(20):
+        s.add("neighbour", 0.05, now=t / 10)
+    s.add("flood", 0.05, now=2.0)
+    s.add("neighbour", 0.05, now=2.05)
+    assert not s.over("neighbour", now=2.1)
+    for t in range(21, 30):
+        s.add("flood", 0.05, now=t / 10)
+    s.add("neighbour", 0.05, now=3.0)
+    assert s.over("flood", now=3.0) and not s.over("neighbour", now=3.0)
     # Two projects that take about as much are both within their share.
     even = Shares(window_s=10, margin=1.25)
     for t in range(10):
@@ -62,8 +79,8 @@ def test_the_heavier_of_two_projects_is_over_its_share_and_the_lighter_not() -> 
 
 def test_a_project_idle_past_the_window_is_forgotten() -> None:
     s = Shares(window_s=10, margin=1.25)
-    s.add("flood", 5.0, now=0.0)
     s.add("neighbour", 0.01, now=0.0)
+    s.add("flood", 5.0, now=0.0)
     assert s.over("flood", now=1.0)
     # The neighbour replayed nothing for longer than the window: the flood is alone again.
     s.add("flood", 0.01, now=20.0)
@@ -72,10 +89,11 @@ def test_a_project_idle_past_the_window_is_forgotten() -> None:
 
 def test_a_replay_is_charged_at_least_a_millisecond_and_bad_windows_are_refused() -> None:
     s = Shares(window_s=10, margin=1.25)
-    s.add("a", 0.0, now=0.0)
     s.add("b", -1.0, now=0.0)  # a clock that went back charges the minimum
     s.add("a", 0.0, now=0.0)
-    assert s.over("a", now=0.0) and not s.over("b", now=0.0)  # 2 ms against 1
+    s.add("a", 0.0, now=0.0)
+    # 2 ms against none (b was alone when it replayed: not charged)
+    assert s.over("a", now=0.0) and not s.over("b", now=0.0)
     for bad in ({"window_s": 0}, {"window_s": -1}, {"margin": 0.5}):
         with pytest.raises(ValueError, match="window_s must be > 0 and margin >= 1"):
             Shares(**{"window_s": 10, "margin": 1.25, **bad})  # type: ignore[arg-type]
@@ -132,8 +150,8 @@ def test_a_replay_over_its_share_runs_on_the_niced_thread_and_charges_its_cpu(
     mine = where()
     # The first replays: one project alone, on the caller's thread.
     assert replay_at_priority(settings, {"project": "flood"}, where) == mine
-    shares_module.shares.add("flood", 1.0)
     assert replay_at_priority(settings, {"project": "neighbour"}, where) == mine
+    shares_module.shares.add("flood", 1.0)
     # Now two projects replayed, and the flood took far more: it goes to the niced thread.
     before = shares_module.over_share_replays()
     assert replay_at_priority(settings, {"project": "flood"}, where) == (
@@ -171,6 +189,9 @@ def test_a_replay_worker_runs_a_flooding_projects_replays_on_its_niced_thread(
     log = worker.log_path
     wait_for(lambda: b"over their share of the replay CPU run at nice 10" in log.read_bytes(),
              what="the pool process's over-share thread")
+    # What the pool inherited (torch, transformers) is out of the full collections.
+    frozen = re.search(rb"(\d+) long-lived objects kept out of the garbage", log.read_bytes())
+    assert frozen is not None and int(frozen.group(1)) > 100_000
     first = [record(store, episode(qwen3, flood_run, i), f"flood{i}") for i in range(6)]
     wait_for(lambda: all(samples_per_episode(store, first).get(e) for e in first),
              timeout=120, what="the flood's first episodes")
