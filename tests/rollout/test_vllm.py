@@ -141,9 +141,10 @@ def dev_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.mark.slow
-def test_server_chat_and_completions_return_engine_tokens(
-        server: str, hf_backend: TransformersBackend) -> None:
+def _chat_and_completions_return_engine_tokens(server: str,
+                                                hf_backend: TransformersBackend) -> None:
+    """The chat and completions routes of ``server`` return the engine's tokens and their
+    logprobs (the transformers recomputation's); an unknown model name is a 404."""
     client = OpenAIServerBackend(server, model="tiny")
     chat = _request(temperature=0.8, top_p=0.9, max_tokens=20, seed=4)
     rendered = tuple(hf_backend.prompt_ids(chat))
@@ -164,13 +165,16 @@ def test_server_chat_and_completions_return_engine_tokens(
         client.close()
 
 
-
 @pytest.mark.slow
-def test_server_reloads_a_checkpoint_and_reports_the_version(
-        dev_server: str, tiny_model_dir: Path, tmp_path: Path, store: Any) -> None:
-    """A remote server wrapped as a rollout engine loads the checkpoint ``policy_updated``
-    names through its weight-update route, serves the new weights, and reports the version
-    under its own address; back to the base weights for another run."""
+def test_server_returns_engine_tokens_and_reloads_a_checkpoint(
+        dev_server: str, hf_backend: TransformersBackend, tiny_model_dir: Path,
+        tmp_path: Path, store: Any) -> None:
+    """The server's chat and completions routes return the engine's tokens (checked first,
+    on the base weights: one server start for both). A remote server wrapped as a rollout
+    engine loads the checkpoint ``policy_updated`` names through its weight-update route,
+    serves the new weights, and reports the version under its own address; back to the base
+    weights for another run."""
+    _chat_and_completions_return_engine_tokens(dev_server, hf_backend)
     import uuid
 
     from safetensors.torch import save_file
