@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,15 +41,31 @@ def _requests(count: int) -> list[GenerationRequest]:
 
 
 @pytest.fixture(scope="module")
-def async_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def async_engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Callable[[], Any]]:
+    """The module's engine: started once and shared; started again only for a test that
+    comes after one that closed it (the closing test is the module's last, so in file order
+    the module starts one engine)."""
     from workers.engines.backend_vllm import AsyncVLLMBackend
 
     os.environ.update(cpu_engine_environment(tmp_path_factory.mktemp("vllm-async-cache")))
-    engine = AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
-                              enforce_eager=True, dtype="float32", max_model_len=2048,
-                              enable_chunked_prefill=False)
+    started: list[Any] = []
+
+    def engine() -> Any:
+        if not started or started[-1].dead is not None:
+            started.append(AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
+                                            enforce_eager=True, dtype="float32",
+                                            max_model_len=2048, enable_chunked_prefill=False))
+        return started[-1]
+
     yield engine
-    engine.close()
+    for started_engine in started:
+        started_engine.close()
+
+
+@pytest.fixture
+def async_engine(async_engines: Callable[[], Any]) -> Any:
+    return async_engines()
 
 
 def test_concurrent_requests_equal_one_at_a_time(async_engine,
@@ -117,17 +134,15 @@ def test_server_client_async_path_matches_sync(server: str) -> None:  # noqa: F8
         OpenAIServerBackend(server, model="tiny", max_connections=0)
 
 
-def test_closed_engine_refuses_requests(tiny_model_dir: Path,
-                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_closed_engine_refuses_requests(tiny_model_dir: Path, async_engine) -> None:
+    """Closes the module's engine: kept the module's last test."""
     from workers.engines.backend_vllm import AsyncVLLMBackend
 
     with pytest.raises(ValueError, match="does not exist"):
         AsyncVLLMBackend(tiny_model_dir / "missing")
     with pytest.raises(ValueError, match="logprobs_mode"):
         AsyncVLLMBackend(tiny_model_dir, logprobs_mode="raw_logprobs")
-    engine = AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
-                              enforce_eager=True, dtype="float32", max_model_len=512,
-                              enable_chunked_prefill=False)
+    engine = async_engine
     engine.close()
     with pytest.raises(EngineStopped, match="closed"):
         engine.generate(_request(max_tokens=4))
