@@ -1,7 +1,8 @@
-"""vLLM's async engine (``AsyncVLLMBackend``, what rollout workers use) and the OpenAI
-server client's async path: concurrent requests are batched and give what the same requests
-give one at a time (vLLM seeds each request), logprobs match the transformers recomputation,
-weights reload in place, and a closed engine fails its requests with ``EngineStopped``.
+"""vLLM's async engine (``AsyncVLLMBackend``, what rollout workers use): concurrent requests
+are batched and give what the same requests give one at a time (vLLM seeds each request),
+logprobs match the transformers recomputation, weights reload in place, and a closed engine
+fails its requests with ``EngineStopped``. (The OpenAI server client's async path is checked
+on the server of ``tests/rollout/test_vllm.py``.)
 
 Skipped when ``vllm`` is not importable. The engine core runs in a child process on CPU."""
 
@@ -16,9 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.rollout.test_vllm import _request, server  # noqa: F401  (fixture)
+from tests.rollout.test_vllm import _request
 from workers.engines.backend import GenerationRequest, SamplingParams
-from workers.engines.backend_openai import OpenAIServerBackend
 from workers.engines.backend_transformers import TransformersBackend
 from workers.engines.backend_vllm import cpu_engine_environment, vllm_available
 from workers.engines.batching import EngineStopped
@@ -115,23 +115,6 @@ def test_weights_reload_in_place(async_engine, tiny_model_dir: Path) -> None:
     async_engine.update_weights(list(original), version=0)
     with pytest.raises(TypeError, match="version"):
         async_engine.update_weights([], version="6")  # type: ignore[arg-type]
-
-
-def test_server_client_async_path_matches_sync(server: str) -> None:  # noqa: F811
-    client = OpenAIServerBackend(server, model="tiny", max_connections=4)
-    requests = _requests(8)
-    try:
-        alone = [client.generate(r) for r in requests]
-
-        async def together() -> list:
-            return list(await asyncio.gather(*(client.agenerate(r) for r in requests)))
-
-        for single, concurrent in zip(alone, asyncio.run(together()), strict=True):
-            np.testing.assert_array_equal(single.response_ids, concurrent.response_ids)
-    finally:
-        client.close()
-    with pytest.raises(ValueError, match="max_connections"):
-        OpenAIServerBackend(server, model="tiny", max_connections=0)
 
 
 def test_closed_engine_refuses_requests(tiny_model_dir: Path, async_engine) -> None:
