@@ -6,6 +6,7 @@ Skipped when ``vllm`` is not importable. The offline engine runs in process on C
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,12 +126,6 @@ def test_offline_bad_arguments(tmp_path: Path, engine: VLLMBackend) -> None:
 
 
 @pytest.fixture
-def server(vllm_server_url: str) -> str:
-    """The rollout tests' vLLM server (``tests/rollout/conftest.py``)."""
-    return vllm_server_url
-
-
-@pytest.fixture
 def dev_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
     """A vLLM server of the test's own in development mode (the weight-update routes): a
     reload from a missing folder leaves the server unable to load weights again, so no other
@@ -141,9 +136,10 @@ def dev_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.mark.slow
-def test_server_chat_and_completions_return_engine_tokens(
-        server: str, hf_backend: TransformersBackend) -> None:
+def _chat_and_completions_return_engine_tokens(server: str,
+                                                hf_backend: TransformersBackend) -> None:
+    """The chat and completions routes of ``server`` return the engine's tokens and their
+    logprobs (the transformers recomputation's); an unknown model name is a 404."""
     client = OpenAIServerBackend(server, model="tiny")
     chat = _request(temperature=0.8, top_p=0.9, max_tokens=20, seed=4)
     rendered = tuple(hf_backend.prompt_ids(chat))
@@ -164,13 +160,40 @@ def test_server_chat_and_completions_return_engine_tokens(
         client.close()
 
 
+def _async_path_matches_sync(server: str) -> None:
+    """The client's async path (concurrent requests on one connection pool) gives what its
+    sync path gives, request by request; a pool of no connections is refused."""
+    client = OpenAIServerBackend(server, model="tiny", max_connections=4)
+    requests = [GenerationRequest(sampling=SamplingParams(temperature=1.0, max_tokens=16,
+                                                          seed=i),
+                                  messages=task.messages, tools=task.tools)
+                for i, task in enumerate(arithmetic_tasks(8, seed=3))]
+    try:
+        alone = [client.generate(r) for r in requests]
+
+        async def together() -> list:
+            return list(await asyncio.gather(*(client.agenerate(r) for r in requests)))
+
+        for single, concurrent in zip(alone, asyncio.run(together()), strict=True):
+            np.testing.assert_array_equal(single.response_ids, concurrent.response_ids)
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="max_connections"):
+        OpenAIServerBackend(server, model="tiny", max_connections=0)
+
 
 @pytest.mark.slow
-def test_server_reloads_a_checkpoint_and_reports_the_version(
-        dev_server: str, tiny_model_dir: Path, tmp_path: Path, store: Any) -> None:
-    """A remote server wrapped as a rollout engine loads the checkpoint ``policy_updated``
-    names through its weight-update route, serves the new weights, and reports the version
-    under its own address; back to the base weights for another run."""
+def test_server_returns_engine_tokens_and_reloads_a_checkpoint(
+        dev_server: str, hf_backend: TransformersBackend, tiny_model_dir: Path,
+        tmp_path: Path, store: Any) -> None:
+    """The server's chat and completions routes return the engine's tokens, and the client's
+    async path gives what its sync path gives (checked first, on the base weights: one
+    server start for all three). A remote server wrapped as a rollout
+    engine loads the checkpoint ``policy_updated`` names through its weight-update route,
+    serves the new weights, and reports the version under its own address; back to the base
+    weights for another run."""
+    _chat_and_completions_return_engine_tokens(dev_server, hf_backend)
+    _async_path_matches_sync(dev_server)
     import uuid
 
     from safetensors.torch import save_file

@@ -1,7 +1,8 @@
-"""vLLM's async engine (``AsyncVLLMBackend``, what rollout workers use) and the OpenAI
-server client's async path: concurrent requests are batched and give what the same requests
-give one at a time (vLLM seeds each request), logprobs match the transformers recomputation,
-weights reload in place, and a closed engine fails its requests with ``EngineStopped``.
+"""vLLM's async engine (``AsyncVLLMBackend``, what rollout workers use): concurrent requests
+are batched and give what the same requests give one at a time (vLLM seeds each request),
+logprobs match the transformers recomputation, weights reload in place, and a closed engine
+fails its requests with ``EngineStopped``. (The OpenAI server client's async path is checked
+on the server of ``tests/rollout/test_vllm.py``.)
 
 Skipped when ``vllm`` is not importable. The engine core runs in a child process on CPU."""
 
@@ -9,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.rollout.test_vllm import _request, server  # noqa: F401  (fixture)
+from tests.rollout.test_vllm import _request
 from workers.engines.backend import GenerationRequest, SamplingParams
-from workers.engines.backend_openai import OpenAIServerBackend
 from workers.engines.backend_transformers import TransformersBackend
 from workers.engines.backend_vllm import cpu_engine_environment, vllm_available
 from workers.engines.batching import EngineStopped
@@ -40,15 +41,31 @@ def _requests(count: int) -> list[GenerationRequest]:
 
 
 @pytest.fixture(scope="module")
-def async_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def async_engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Callable[[], Any]]:
+    """The module's engine: started once and shared; started again only for a test that
+    comes after one that closed it (the closing test is the module's last, so in file order
+    the module starts one engine)."""
     from workers.engines.backend_vllm import AsyncVLLMBackend
 
     os.environ.update(cpu_engine_environment(tmp_path_factory.mktemp("vllm-async-cache")))
-    engine = AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
-                              enforce_eager=True, dtype="float32", max_model_len=2048,
-                              enable_chunked_prefill=False)
+    started: list[Any] = []
+
+    def engine() -> Any:
+        if not started or started[-1].dead is not None:
+            started.append(AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
+                                            enforce_eager=True, dtype="float32",
+                                            max_model_len=2048, enable_chunked_prefill=False))
+        return started[-1]
+
     yield engine
-    engine.close()
+    for started_engine in started:
+        started_engine.close()
+
+
+@pytest.fixture
+def async_engine(async_engines: Callable[[], Any]) -> Any:
+    return async_engines()
 
 
 def test_concurrent_requests_equal_one_at_a_time(async_engine,
@@ -100,34 +117,15 @@ def test_weights_reload_in_place(async_engine, tiny_model_dir: Path) -> None:
         async_engine.update_weights([], version="6")  # type: ignore[arg-type]
 
 
-def test_server_client_async_path_matches_sync(server: str) -> None:  # noqa: F811
-    client = OpenAIServerBackend(server, model="tiny", max_connections=4)
-    requests = _requests(8)
-    try:
-        alone = [client.generate(r) for r in requests]
-
-        async def together() -> list:
-            return list(await asyncio.gather(*(client.agenerate(r) for r in requests)))
-
-        for single, concurrent in zip(alone, asyncio.run(together()), strict=True):
-            np.testing.assert_array_equal(single.response_ids, concurrent.response_ids)
-    finally:
-        client.close()
-    with pytest.raises(ValueError, match="max_connections"):
-        OpenAIServerBackend(server, model="tiny", max_connections=0)
-
-
-def test_closed_engine_refuses_requests(tiny_model_dir: Path,
-                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_closed_engine_refuses_requests(tiny_model_dir: Path, async_engine) -> None:
+    """Closes the module's engine: kept the module's last test."""
     from workers.engines.backend_vllm import AsyncVLLMBackend
 
     with pytest.raises(ValueError, match="does not exist"):
         AsyncVLLMBackend(tiny_model_dir / "missing")
     with pytest.raises(ValueError, match="logprobs_mode"):
         AsyncVLLMBackend(tiny_model_dir, logprobs_mode="raw_logprobs")
-    engine = AsyncVLLMBackend(tiny_model_dir, distributed_executor_backend="uni",
-                              enforce_eager=True, dtype="float32", max_model_len=512,
-                              enable_chunked_prefill=False)
+    engine = async_engine
     engine.close()
     with pytest.raises(EngineStopped, match="closed"):
         engine.generate(_request(max_tokens=4))

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,10 +31,15 @@ SMALL = WarmStartOptions(transcripts=8, steps=2, batch_size=4, drills=2)
 
 
 @pytest.fixture(scope="module")
-def small_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The SHA-256 of every file of a clean two-process build of ``SMALL``, seed 0."""
-    return verify_warm_start(warm_start_path(tmp_path_factory.mktemp("clean"), seed=0,
-                                             options=SMALL))["sha256"]
+def small_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A clean two-process build of ``SMALL``, seed 0 (tests copy it before changing it)."""
+    return warm_start_path(tmp_path_factory.mktemp("clean"), seed=0, options=SMALL)
+
+
+@pytest.fixture(scope="module")
+def small_weights(small_build: Path) -> dict[str, str]:
+    """The SHA-256 of every file of the clean build of ``SMALL``, seed 0."""
+    return verify_warm_start(small_build)["sha256"]
 
 
 @pytest.fixture
@@ -179,8 +185,12 @@ def test_prefix_cached_loss_equals_the_full_forward(tmp_path: Path) -> None:
 
 
 def test_cache_is_checked_and_a_corrupt_one_rebuilt(tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+                                                    caplog: pytest.LogCaptureFixture,
+                                                    small_build: Path) -> None:
+    # The clean build, copied: found in the cache, not built again.
+    shutil.copytree(small_build, tmp_path / small_build.name)
     path = warm_start_path(tmp_path, seed=0, options=SMALL)
+    assert path == tmp_path / small_build.name
     manifest = verify_warm_start(path)
     # A resumed demo run tells its task family by this.
     assert is_warm_start(str(path)) and not is_warm_start(tmp_path) and not is_warm_start(None)

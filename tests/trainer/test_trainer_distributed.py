@@ -188,33 +188,43 @@ def test_two_processes_train_like_one(variants, tiny_model: Path, variant: str) 
     assert [e.version for e in updated] == [1] and updated[0].checkpoint == result["checkpoint"]
 
 
-@pytest.mark.parametrize("root", ["data dir", "url"])
 def test_resumed_two_processes_train_like_one(trainer_store, trainer_settings,
-                                              tiny_model: Path, tmp_path: Path,
-                                              root: str) -> None:
+                                              tiny_model: Path, tmp_path: Path) -> None:
     """Each step in a new process group: the second resumes the weights and the sharded
     optimizer moments (torch.distributed.checkpoint) of the first; also with checkpoints
-    uploaded under a ``file://`` URL (resumed from the download cache)."""
-    config: dict[str, Any] = {**CONFIG, "groups_per_step": 1}
-    if root == "url":
-        config["checkpoint_root"] = f"file://{tmp_path}/shared"
-    single_run, dist_run = two_runs(trainer_store, tiny_model)
-    for _ in range(2):  # reopened each time: resumes from its own checkpoint
-        expected = Trainer.open(trainer_store, single_run, config=TrainerConfig(**config)).step()
-    assert expected.version == 2
+    uploaded under a ``file://`` URL (resumed from the download cache). Both roots train in
+    the same process groups (one ``torchrun`` per step, a job per root)."""
+    base: dict[str, Any] = {**CONFIG, "groups_per_step": 1}
+    configs = {"data dir": base, "url": {**base, "checkpoint_root": f"file://{tmp_path}/shared"}}
+    runs = {root: two_runs(trainer_store, tiny_model) for root in configs}
+    expected = {}
+    for root, config in configs.items():
+        for _ in range(2):  # reopened each time: resumes from its own checkpoint
+            expected[root] = Trainer.open(trainer_store, runs[root][0],
+                                          config=TrainerConfig(**config)).step()
+        assert expected[root].version == 2
+    results: dict[str, dict[str, Any]] = {}
     for version in (1, 2):
-        proc = torchrun(trainer_settings, dist_run, nproc=2, config=config)
+        proc = torchrun(trainer_settings, "", nproc=2,
+                        jobs=[{"run_id": runs[root][1], "config": config}
+                              for root, config in configs.items()])
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{err[-3000:]}\nstdout: {out[-1000:]}"
-        result = json.loads(out.strip().splitlines()[-1])
-        assert result["version"] == version
-    folder = Path(str(result["checkpoint"]).removeprefix("file://"))
-    assert str(result["checkpoint"]).startswith("file://") == (root == "url")
-    assert (folder / "optimizer-dcp").is_dir()
-    ours = load_file(str(folder / "model.safetensors"))
-    theirs = load_file(str(expected.checkpoint).removeprefix("file://") + "/model.safetensors")
-    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5
-    assert result["metrics"]["pg_loss"] == pytest.approx(expected.metrics["pg_loss"], abs=1e-5)
+        lines = {line["run_id"]: line for line in
+                 (json.loads(text) for text in out.splitlines() if text.startswith('{"run_id"'))}
+        for root in configs:
+            results[root] = lines[runs[root][1]]
+            assert results[root]["version"] == version, root
+    for root, result in results.items():
+        folder = Path(str(result["checkpoint"]).removeprefix("file://"))
+        assert str(result["checkpoint"]).startswith("file://") == (root == "url")
+        assert (folder / "optimizer-dcp").is_dir(), root
+        ours = load_file(str(folder / "model.safetensors"))
+        theirs = load_file(str(expected[root].checkpoint).removeprefix("file://")
+                           + "/model.safetensors")
+        assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5, root
+        assert result["metrics"]["pg_loss"] == pytest.approx(expected[root].metrics["pg_loss"],
+                                                             abs=1e-5), root
 
 
 def test_killed_rank_trains_nothing_twice(trainer_store, trainer_settings, tiny_model: Path,
