@@ -32,6 +32,7 @@ from workers.engines.backend import FinishReason, GenerationRequest, GenerationR
 from workers.engines.batching import BatchScheduler
 from workers.engines.logprobs import sampled_token_logprobs, sampling_log_softmax
 from workers.engines.prompt import decode_response, end_of_turn_ids, render_prompt_ids
+from workers.engines.transformers_lock import LOCK
 
 __all__ = ["TransformersBackend"]
 
@@ -122,7 +123,8 @@ def _seeded_rows(requests: Sequence[GenerationRequest], device: torch.device
 
 
 def _processors(rows: _SeededRows | None) -> Any:
-    from transformers import LogitsProcessorList
+    with LOCK:  # transformers' lazy names: one first use at a time
+        from transformers import LogitsProcessorList
 
     return LogitsProcessorList([rows] if rows is not None else [])
 
@@ -168,7 +170,8 @@ class TransformersBackend:
         policy_version: int = 0,
         max_batch: int = 64,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+        with LOCK:  # transformers' lazy names: one first use at a time
+            from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
         self.device = torch.device(device)
         self.model: Any
@@ -176,9 +179,10 @@ class TransformersBackend:
             path = os.fspath(model)
             if not os.path.isdir(path):
                 raise ValueError(f"model folder {path!r} does not exist")
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            self.tokenizer = tokenizer if tokenizer is not None else (
-                AutoTokenizer.from_pretrained(path))
+            with LOCK:  # transformers' lazy names: one first use at a time
+                self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                self.tokenizer = tokenizer if tokenizer is not None else (
+                    AutoTokenizer.from_pretrained(path))
         elif isinstance(model, PreTrainedModel):
             if tokenizer is None:
                 raise ValueError("tokenizer is required when model is a loaded PreTrainedModel")
@@ -214,7 +218,8 @@ class TransformersBackend:
         context (``max_position_embeddings``); ``max_tokens`` is capped to what fits.
         ``on_token`` is called with each generated id as it is sampled (from this thread);
         it does not change what is sampled."""
-        from transformers import GenerationConfig
+        with LOCK:  # transformers' lazy names: one first use at a time
+            from transformers import GenerationConfig
 
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
@@ -285,7 +290,8 @@ class TransformersBackend:
         otherwise the batch samples with torch's generator, seeded with the first seed given.
         Raises ValueError when the requests cannot share
         a batch or a prompt does not fit the model's context."""
-        from transformers import GenerationConfig
+        with LOCK:  # transformers' lazy names: one first use at a time
+            from transformers import GenerationConfig
 
         requests = list(requests)
         if not requests:

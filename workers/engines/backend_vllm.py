@@ -29,6 +29,7 @@ from store.arguments import whole_number
 from workers.engines.backend import FinishReason, GenerationRequest, GenerationResult
 from workers.engines.batching import EngineStopped
 from workers.engines.prompt import end_of_turn_ids, render_prompt_ids
+from workers.engines.transformers_lock import LOCK
 
 if TYPE_CHECKING:
     import torch
@@ -204,9 +205,11 @@ class AsyncVLLMBackend:
     def __init__(self, model: str | os.PathLike[str], *, policy_version: int = 0,
                  **engine_kwargs: Any) -> None:
         path = _engine_folder(model, policy_version, engine_kwargs)
-        from transformers import AutoTokenizer
+        with LOCK:  # transformers' lazy names: one first use at a time
+            from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        with LOCK:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.stop_token_ids = end_of_turn_ids(self.tokenizer)
         self.policy_version = policy_version
         self.dead: str | None = None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.engines.chat_template import CHAT_TEMPLATE, TOOL_SYSTEM_PREAMBLE
+from workers.engines.transformers_lock import LOCK
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -136,7 +137,8 @@ def build_tiny_tokenizer(*, seed: int = 0) -> PreTrainedTokenizerFast:
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    with LOCK:  # transformers' lazy names: one first use at a time
+        from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -187,7 +189,9 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0,
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"directory {str(path)!r} exists and is not a folder")
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    with LOCK:  # transformers' lazy names: one first use at a time
+        from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tiny_tokenizer(seed=seed)
     eos_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>"),

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from store import heap
+from workers.engines.transformers_lock import LOCK
 
 if TYPE_CHECKING:
     from store.settings import Settings
@@ -58,8 +59,9 @@ _cache: OrderedDict[str, Any] = OrderedDict()
 _cache_size = 8
 #: Guards ``_cache``; held for dictionary operations only.
 _lock = threading.Lock()
-#: Held while a tokenizer is built: one load at a time per process.
-_load_lock = threading.Lock()
+#: Held while a tokenizer is built: one load at a time per process, and none beside another
+#: first use of transformers' names (``workers.engines.transformers_lock``).
+_load_lock = LOCK
 
 
 class TokenizerNotFound(LookupError):

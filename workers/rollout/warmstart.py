@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.engines.tinymodel import build_tiny_model
+from workers.engines.transformers_lock import LOCK
 from workers.rollout.agent_tasks import calc_question, calc_task
 from workers.rollout.calculator import evaluate_expression, format_number
 from workers.rollout.rollback import format_error_feedback
@@ -250,7 +251,8 @@ def _suffix_loss_sum(model: Any, batch: list[tuple[list[int], list[int]]], prefi
     pass the rollout engine makes with a prefix cache; it leaves out the gradient through the
     prefix's representations, which carry no loss. ``prefix`` 0: whole rows (the drills)."""
     import torch
-    from transformers import DynamicCache
+    with LOCK:  # transformers' lazy names: one first use at a time
+        from transformers import DynamicCache
 
     cache = None
     if prefix:
@@ -455,7 +457,8 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
     raised or exited with a code raises ``torch.multiprocessing.ProcessException`` at once,
     as does the last attempt."""
     import torch
-    from transformers import AutoTokenizer
+    with LOCK:  # transformers' lazy names: one first use at a time
+        from transformers import AutoTokenizer
 
     options = options or WarmStartOptions()
     options.check()
@@ -467,7 +470,8 @@ def warm_start_model(directory: str | os.PathLike[str], *, seed: int = 0,
                                 layers=options.layers, heads=options.heads)
 
     path = starting_model()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    with LOCK:
+        tokenizer = AutoTokenizer.from_pretrained(path)
     tools = [dict(t) for t in calc_task(seed, 0).tools]
     data = [_encode(tokenizer, t, tools)
             for t in solver_transcripts(options.transcripts, seed=seed,

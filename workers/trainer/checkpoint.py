@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from workers.engines.transformers_lock import LOCK
+
 __all__ = [
     "OPTIMIZER_FILE",
     "STATE_FILE",
@@ -137,15 +139,17 @@ def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cp
     """Load a causal LM from a model or checkpoint folder onto ``device`` in ``dtype``
     ("float32", "bfloat16", "float16"), in eval mode (no dropout). Raises ValueError for a
     missing folder or an unknown dtype."""
-    from transformers import AutoModelForCausalLM
+    with LOCK:  # transformers' lazy names: one first use at a time
+        from transformers import AutoModelForCausalLM
 
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder {str(folder)!r} does not exist")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=_DTYPES[dtype],
-                                                      local_files_only=True)
+    with LOCK:  # transformers' lazy names: one first use at a time
+        model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=_DTYPES[dtype],
+                                                          local_files_only=True)
     model.to(torch.device(device))
     model.eval()
     return model

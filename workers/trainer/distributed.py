@@ -53,6 +53,7 @@ from store.events import PolicyUpdated, RunConfig
 from store.leasing import Lease
 from store.serving import append_policy_updated
 from workers import checkpoint_urls
+from workers.engines.transformers_lock import LOCK
 from workers.trainer.batch import TrainingBatch
 from workers.trainer.checkpoint import (
     checkpoint_dir,
@@ -351,13 +352,15 @@ class Ranks:
 
 def _is_causal_lm(folder: Path) -> str | None:
     """None when ``folder`` holds a transformers causal LM config, else the reason."""
-    from transformers import AutoConfig
+    with LOCK:  # transformers' lazy names: one first use at a time
+        from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not (folder / "config.json").is_file():
         return f"model folder {str(folder)!r} has no config.json"
     try:
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        with LOCK:
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:
         return f"model folder {str(folder)!r} does not hold a model config: {exc}"
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
